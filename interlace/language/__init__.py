@@ -1,0 +1,1 @@
+"""Device side: Triton helpers for communication inside kernels."""

@@ -1,0 +1,179 @@
+"""Device primitives for communication inside Triton kernels (stock Triton, no inline PTX).
+
+Everything here is a plain ``@triton.jit`` helper built from ``tl.atomic_*`` with ``sem=``
+and ``scope=`` and ordinary loads/stores, so the same source runs compiled on a GPU and in
+Triton's interpreter on a CPU (the ``cpu`` backend).
+
+Conventions
+-----------
+* A symmetric tensor reaches a kernel as its pointer table ``table`` (int64, one base
+  address per rank). ``remote_base(table, peer, like)`` is rank ``peer``'s base, typed like
+  the pointer ``like``.
+* Signals are int32 words. ``notify`` releases (every write before it is visible to whoever
+  acquires the signal); ``wait`` acquires.
+* Every wait is bounded by ``max_spins``. When the bound is reached the wait records
+  ``[2, rank, slot, last value]`` into the error word at address ``err`` (first timeout
+  wins) and returns, so the kernel ends and the host raises ``WaitTimeoutError`` instead of
+  hanging the GPU. Data guarded by a timed-out wait is masked off (see ``guard``).
+* Ordering: a load guarded by a wait must take its mask from ``guard(mask, token, expected)``
+  with the value the wait returned. The load then depends on the waited value, so Triton's
+  software pipeliner cannot issue it before the wait (the role of Triton-distributed's
+  ``consume_token``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def remote_base(table, peer, like):
+    """Rank ``peer``'s base address of a symmetric tensor, typed like pointer ``like``."""
+    return tl.load(table + peer).to(tl.pointer_type(like.dtype.element_ty))
+
+
+@triton.jit
+def signal_base(table, peer):
+    """Rank ``peer``'s base of a symmetric int32 signal pad."""
+    return tl.load(table + peer).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def to_peer(ptrs, table, rank, peer):
+    """Translate pointers into this rank's symmetric tensor into the same places on ``peer``."""
+    delta = tl.load(table + peer) - tl.load(table + rank)
+    return (ptrs.to(tl.int64) + delta).to(ptrs.dtype)
+
+
+@triton.jit
+def notify(sig, value, ADD: tl.constexpr = False):
+    """Release-store ``value`` into signal ``sig`` (or release-add it when ``ADD``)."""
+    if ADD:
+        tl.atomic_add(sig, value, sem="release", scope="sys")
+    else:
+        tl.atomic_xchg(sig, value, sem="release", scope="sys")
+
+
+@triton.jit
+def record_timeout(err, rank, slot, seen):
+    """Write ``[2, rank, slot, seen]`` to the error word at address ``err`` (first wins)."""
+    word = err.to(tl.pointer_type(tl.int32))
+    if tl.atomic_cas(word, 0, 1, sem="acq_rel", scope="sys") == 0:
+        tl.atomic_xchg(word + 1, rank, sem="relaxed", scope="sys")
+        tl.atomic_xchg(word + 2, slot, sem="relaxed", scope="sys")
+        tl.atomic_xchg(word + 3, seen, sem="relaxed", scope="sys")
+        tl.atomic_xchg(word, 2, sem="release", scope="sys")
+
+
+@triton.jit
+def wait(sig, expected, err, rank, slot, max_spins, EQUAL: tl.constexpr = False):
+    """Acquire-spin until ``*sig >= expected`` (``== expected`` when ``EQUAL``).
+
+    Returns the last value read: the token to pass to ``guard``. ``slot`` names the
+    signal in a timeout report.
+    """
+    seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
+    spins = 0
+    if EQUAL:
+        while (seen != expected) & (spins < max_spins):
+            seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
+            spins += 1
+        if seen != expected:
+            record_timeout(err, rank, slot, seen)
+    else:
+        while (seen < expected) & (spins < max_spins):
+            seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
+            spins += 1
+        if seen < expected:
+            record_timeout(err, rank, slot, seen)
+    return seen
+
+
+@triton.jit
+def consume(sig, expected, err, rank, slot, max_spins):
+    """Wait until ``*sig == expected``, then reset it to 0 in the same atomic step.
+
+    The handshake resets itself, so a signal used this way is ready for the next call and
+    for CUDA-graph replays with no extra memset. Returns ``expected`` on success.
+    """
+    seen = tl.atomic_cas(sig, expected, 0, sem="acq_rel", scope="sys")
+    spins = 0
+    while (seen != expected) & (spins < max_spins):
+        seen = tl.atomic_cas(sig, expected, 0, sem="acq_rel", scope="sys")
+        spins += 1
+    if seen != expected:
+        record_timeout(err, rank, slot, seen)
+    return seen
+
+
+@triton.jit
+def put_flag(sig, err, rank, slot, max_spins):
+    """Set a handshake flag from 0 to 1, first waiting for the previous 1 to be consumed."""
+    seen = tl.atomic_cas(sig, 0, 1, sem="acq_rel", scope="sys")
+    spins = 0
+    while (seen != 0) & (spins < max_spins):
+        seen = tl.atomic_cas(sig, 0, 1, sem="acq_rel", scope="sys")
+        spins += 1
+    if seen != 0:
+        record_timeout(err, rank, slot, seen)
+
+
+@triton.jit
+def guard(mask, token, expected):
+    """``mask`` made to depend on a wait's token: the load it guards stays after the wait
+    (and is masked off entirely if the wait timed out)."""
+    return mask & (token >= expected)
+
+
+@triton.jit
+def barrier_all(sig_table, slot_base, rank, world, err, max_spins):
+    """Device-side barrier over all ranks, using slots ``[slot_base, slot_base + world)``.
+
+    Each rank sets flag ``slot_base + rank`` on every peer, then consumes flag
+    ``slot_base + peer`` of its own for every peer. Self-resetting: the same slots serve
+    every later barrier and CUDA-graph replays. Run it from one program.
+    """
+    mine = signal_base(sig_table, rank) + slot_base
+    for i in range(1, world):
+        peer = (rank + i) % world
+        theirs = signal_base(sig_table, peer) + slot_base
+        put_flag(theirs + rank, err, rank, slot_base + rank, max_spins)
+    for i in range(1, world):
+        peer = (rank + world - i) % world
+        consume(mine + peer, 1, err, rank, slot_base + peer, max_spins)
+
+
+@triton.jit
+def tile_push(src_ptrs, dst_ptrs, mask):
+    """Copy a tile from local memory to (usually remote) ``dst_ptrs``."""
+    tl.store(dst_ptrs, tl.load(src_ptrs, mask=mask), mask=mask)
+
+
+@triton.jit
+def tile_pull(src_ptrs, dst_ptrs, mask):
+    """Copy a tile from (usually remote) ``src_ptrs`` into local ``dst_ptrs``."""
+    tl.store(dst_ptrs, tl.load(src_ptrs, mask=mask), mask=mask)
+
+
+@triton.jit
+def barrier_kernel(sig_table, slot_base, rank, world, err, max_spins):
+    """A one-program kernel that runs ``barrier_all``."""
+    barrier_all(sig_table, slot_base, rank, world, err, max_spins)
+
+
+@triton.jit
+def wait_kernel(sig_ptr, first, count, expected, err, rank, max_spins, RESET: tl.constexpr):
+    """A one-program kernel that waits on ``count`` local signals from ``first``
+    (consuming them when ``RESET``)."""
+    for i in range(count):
+        if RESET:
+            consume(sig_ptr + first + i, expected, err, rank, first + i, max_spins)
+        else:
+            wait(sig_ptr + first + i, expected, err, rank, first + i, max_spins)
+
+
+@triton.jit
+def notify_kernel(sig_table, peer, slot, value, ADD: tl.constexpr):
+    """A one-program kernel that notifies ``slot`` on rank ``peer`` (tests and tools)."""
+    notify(signal_base(sig_table, peer) + slot, value, ADD)

@@ -1,0 +1,12 @@
+"""Host side: groups, symmetric buffers, signal pads, comm streams, copy-engine transfers."""
+
+from .group import Group, interpreter_enabled
+from .signals import ErrorWord, SignalPad, default_max_spins
+from .streams import comm_stream, copy_and_signal, fork, join, stream_write_value32, use_stream
+from .symmetric import SymmetricTensor, symm_empty, symm_zeros
+
+__all__ = [
+    "ErrorWord", "Group", "SignalPad", "SymmetricTensor", "comm_stream", "copy_and_signal",
+    "default_max_spins", "fork", "interpreter_enabled", "join", "stream_write_value32",
+    "symm_empty", "symm_zeros", "use_stream",
+]

@@ -1,0 +1,81 @@
+"""Comm streams and copy-engine transfers that raise a peer's signal when they land.
+
+A transfer is a ``copy_`` between device tensors (the copy engine moves it; no SM is used)
+followed by a *stream memory operation* that writes the signal word. The signal is never
+written by a kernel: a persistent consumer kernel that holds every SM could starve such a
+kernel and deadlock, while a stream write needs no SM.
+
+On the ``cpu`` backend there are no streams: the copy and the signal write happen at once,
+in order, in the calling process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .group import Group
+
+_comm_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def comm_stream(group: Group, index: int = 0):
+    """A high-priority side stream for communication (cached per device and index);
+    ``None`` on the cpu backend."""
+    if group.backend != "cuda":
+        return None
+    key = (group.device.index, index)
+    if key not in _comm_streams:
+        _comm_streams[key] = torch.cuda.Stream(group.device, priority=-1)
+    return _comm_streams[key]
+
+
+def _resolve_stream_write():
+    op = getattr(getattr(torch.ops, "symm_mem", None), "stream_write_value32_", None)
+    if op is not None:
+        return op
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    return _SymmetricMemory.stream_write_value32
+
+
+_stream_write = None
+
+
+def stream_write_value32(signal: torch.Tensor, index: int, value: int) -> None:
+    """Write ``value`` into ``signal[index]`` (an int32/uint32 tensor, any rank's memory)
+    from the current stream, after all work enqueued before it on that stream."""
+    global _stream_write
+    if signal.device.type != "cuda":
+        signal[index] = value  # in-order host store: the copy before it has landed
+        return
+    if _stream_write is None:
+        _stream_write = _resolve_stream_write()
+    _stream_write(signal.view(torch.uint32), index, value)
+
+
+def copy_and_signal(dst: torch.Tensor, src: torch.Tensor, signal=None, index: int = 0, value: int = 1):
+    """``dst.copy_(src)`` on the current stream, then (optionally) ``signal[index] = value``."""
+    dst.copy_(src)
+    if signal is not None:
+        stream_write_value32(signal, index, value)
+
+
+def fork(group: Group, index: int = 0):
+    """The comm stream, made to wait for the current stream's work so far (``None`` on cpu)."""
+    stream = comm_stream(group, index)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(group.device))
+    return stream
+
+
+def join(group: Group, stream) -> None:
+    """Make the current stream wait for everything enqueued on ``stream`` so far."""
+    if stream is not None:
+        torch.cuda.current_stream(group.device).wait_stream(stream)
+
+
+def use_stream(stream):
+    """``torch.cuda.stream(stream)``, or a no-op context on the cpu backend."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

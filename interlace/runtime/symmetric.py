@@ -1,0 +1,147 @@
+"""Symmetric buffers: one allocation of the same size on every rank, readable and writable
+by every other rank of the group.
+
+``symm_empty(shape, dtype, group)`` returns a :class:`SymmetricTensor` with
+
+* ``local``: this rank's tensor,
+* ``peers``: one tensor per rank, ``peers[r]`` aliasing rank ``r``'s memory
+  (``peers[group.rank] is local``),
+* ``ptrs``: an int64 tensor on the group's device with every rank's base address, the
+  table that device code turns into remote pointers.
+
+The ``cuda`` backend allocates through torch symmetric memory; the ``cpu`` backend maps a
+file in ``/dev/shm`` per rank into every rank's address space. Allocation is collective: all
+ranks must allocate the same buffers in the same order.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import weakref
+
+import torch
+
+from ..errors import InterlaceError, InterlaceValueError
+from .group import Group
+
+SHM_DIR = "/dev/shm"
+_open_buffers: "weakref.WeakSet[SymmetricTensor]" = weakref.WeakSet()
+_symm_enabled_groups: set[str] = set()
+
+
+def shm_prefix() -> str:
+    """File-name prefix of this process's /dev/shm buffers (the test harness sets a
+    unique one per world so it can remove what a crashed world left behind)."""
+    return os.environ.get("INTERLACE_SHM_PREFIX", "interlace")
+
+
+class SymmetricTensor:
+    """A tensor allocated alike on every rank of ``group``; see the module docstring."""
+
+    def __init__(self, shape, dtype: torch.dtype, group: Group):
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        if any(s < 0 for s in shape):
+            raise InterlaceValueError(f"symm_empty: shape must be non-negative, got {shape}")
+        self.group, self.shape, self.dtype = group, shape, dtype
+        self.numel = math.prod(shape)
+        # Round up so every peer view is 16-byte aligned and non-empty.
+        self.nbytes = max(16, -(-self.numel * dtype.itemsize // 16) * 16)
+        self._handle = None
+        if group.backend == "cuda":
+            raw = self._alloc_cuda()
+        else:
+            raw = self._alloc_cpu()
+        self.peers = [self._typed(r) for r in raw]
+        self.local = self.peers[group.rank]
+        bases = [r.data_ptr() for r in raw]
+        self.ptrs = torch.tensor(bases, dtype=torch.int64, device=group.device)
+        self._closed = False
+        _open_buffers.add(self)
+
+    def _typed(self, raw: torch.Tensor) -> torch.Tensor:
+        return raw[: self.numel * self.dtype.itemsize].view(self.dtype).view(self.shape)
+
+    def _alloc_cuda(self) -> list[torch.Tensor]:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        pg = self.group.process_group
+        name = pg.group_name
+        if name not in _symm_enabled_groups and hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(name)
+            _symm_enabled_groups.add(name)
+        local = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.group.device)
+        self._handle = symm_mem.rendezvous(local, pg)
+        raw = []
+        for r in range(self.group.world_size):
+            if r == self.group.rank:
+                raw.append(local)
+            else:
+                raw.append(self._handle.get_buffer(r, (self.nbytes,), torch.uint8))
+        return raw
+
+    def _alloc_cpu(self) -> list[torch.Tensor]:
+        g = self.group
+        seq = g.next_id()
+        paths = [
+            os.path.join(SHM_DIR, f"{shm_prefix()}-{g.uid}-{seq}-r{r}") for r in range(g.world_size)
+        ]
+        fd = os.open(paths[g.rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, self.nbytes)  # a new file reads as zeros
+        finally:
+            os.close(fd)
+        g.host_barrier()
+        try:
+            raw = [torch.from_file(p, shared=True, size=self.nbytes, dtype=torch.uint8) for p in paths]
+        finally:
+            g.host_barrier()  # every rank has mapped every file: the names can go
+            os.unlink(paths[g.rank])
+        return raw
+
+    def close(self) -> None:
+        """Release this rank's references; memory is freed once no view of it is alive."""
+        if self._closed:
+            return
+        self._closed = True
+        self.peers = []
+        self.local = None
+        self.ptrs = None
+        self._handle = None
+        _open_buffers.discard(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check_open(self, what: str) -> None:
+        if self._closed:
+            raise InterlaceError(f"{what}: used after close()")
+
+    def __repr__(self) -> str:
+        return (
+            f"SymmetricTensor(shape={self.shape}, dtype={self.dtype}, rank={self.group.rank}, "
+            f"world_size={self.group.world_size}, backend={self.group.backend!r})"
+        )
+
+
+def symm_empty(shape, dtype: torch.dtype, group: Group) -> SymmetricTensor:
+    """Allocate an uninitialised symmetric tensor on every rank (collective)."""
+    return SymmetricTensor(shape, dtype, group)
+
+
+def symm_zeros(shape, dtype: torch.dtype, group: Group) -> SymmetricTensor:
+    """Allocate a zeroed symmetric tensor; returns after every rank has zeroed its copy."""
+    t = SymmetricTensor(shape, dtype, group)
+    t.local.zero_()
+    if group.backend == "cuda":
+        torch.cuda.current_stream(group.device).synchronize()
+    group.host_barrier()
+    return t
+
+
+@atexit.register
+def _close_all() -> None:
+    for buf in list(_open_buffers):
+        buf.close()

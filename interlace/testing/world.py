@@ -1,0 +1,199 @@
+"""Run test bodies on W ranks: spawned processes, started once, reused for many bodies.
+
+``World(4)`` starts four rank processes. On a machine without GPUs (or with
+``backend="cpu"``) they use gloo and the CPU emulation (``TRITON_INTERPRET=1``, symmetric
+buffers in /dev/shm); with ``backend="cuda"`` each rank owns one GPU and uses NCCL.
+``world.run(fn, *args)`` calls ``fn(group, *args)`` on every rank and returns the per-rank
+results; a rank's exception is re-raised here with that rank's traceback. Each run has a
+time limit; a world whose ranks did not all answer is torn down (and restarted by the next
+``run``). ``close()`` removes every /dev/shm file the world made, also after failures.
+"""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+import uuid
+from contextlib import contextmanager
+
+from ..errors import InterlaceError
+
+
+
+class WorldError(InterlaceError):
+    """A test body failed (or timed out) on one or more ranks."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, backend: str, port: int, inbox, outbox) -> None:
+    """Rank process: set up torch.distributed and a Group, then serve test bodies."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    try:
+        if backend == "cuda":
+            torch.cuda.set_device(rank)
+            dist.init_process_group(
+                "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                world_size=world_size, device_id=torch.device("cuda", rank),
+            )
+        else:
+            torch.set_num_threads(1)
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            )
+        from ..runtime.group import Group
+
+        group = Group.from_torch()
+        outbox.put((rank, "ready", None))
+    except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
+        outbox.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args, kwargs = job
+        try:
+            outbox.put((rank, "ok", fn(group, *args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - the parent re-raises it with the traceback
+            outbox.put((rank, "error", traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort at shutdown
+        pass
+
+
+@contextmanager
+def _child_env(extra: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class World:
+    """W rank processes that run test bodies; see the module docstring."""
+
+    def __init__(self, world_size: int, backend: str = "auto", timeout: float = 300.0):
+        if backend == "auto":
+            import torch
+
+            backend = "cuda" if torch.cuda.device_count() >= world_size else "cpu"
+        self.world_size, self.backend, self.timeout = world_size, backend, timeout
+        self.shm_prefix = f"interlace-test-{uuid.uuid4().hex[:10]}"
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
+        self._outbox = ctx.Queue()
+        env = {"INTERLACE_SHM_PREFIX": self.shm_prefix, "PYTHONUNBUFFERED": "1"}
+        env["TRITON_INTERPRET"] = "1" if self.backend == "cpu" else "0"
+        with _child_env(env):
+            self._procs = [
+                ctx.Process(
+                    target=_worker,
+                    args=(r, self.world_size, self.backend, port, self._inboxes[r], self._outbox),
+                    daemon=True,
+                )
+                for r in range(self.world_size)
+            ]
+            for p in self._procs:
+                p.start()
+        replies = self._collect("start-up", self.timeout)
+        self._raise_errors("start-up", replies)
+
+    def _collect(self, what: str, timeout: float) -> dict[int, tuple[str, object]]:
+        import time
+
+        deadline = time.monotonic() + timeout
+        replies: dict[int, tuple[str, object]] = {}
+        while len(replies) < self.world_size:
+            left = deadline - time.monotonic()
+            try:
+                rank, status, payload = self._outbox.get(timeout=min(max(left, 0.01), 1.0))
+            except queue.Empty:
+                if left <= 0 or not all(p.is_alive() for p in self._procs):
+                    break
+                continue
+            replies[rank] = (status, payload)
+            if status == "error" and what == "start-up":
+                break
+        if len(replies) < self.world_size:
+            missing = sorted(set(range(self.world_size)) - set(replies))
+            errors = {r: v for r, v in replies.items() if v[0] == "error"}
+            self.close()
+            detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, (_, tb) in sorted(errors.items()))
+            raise WorldError(
+                f"{what}: ranks {missing} did not answer within {timeout:.0f} s "
+                f"(crashed or hung){detail}"
+            )
+        return replies
+
+    @staticmethod
+    def _raise_errors(what: str, replies) -> None:
+        errors = {r: tb for r, (status, tb) in replies.items() if status == "error"}
+        if errors:
+            detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise WorldError(f"{what} failed on ranks {sorted(errors)}:{detail}")
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        """Call ``fn(group, *args, **kwargs)`` on every rank; return the results by rank."""
+        if not self._procs:
+            self._start()
+        for box in self._inboxes:
+            box.put((fn, args, kwargs))
+        replies = self._collect(getattr(fn, "__name__", "test body"), timeout or self.timeout)
+        self._raise_errors(getattr(fn, "__name__", "test body"), replies)
+        return [replies[r][1] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        """Stop the rank processes and remove every /dev/shm file this world made."""
+        for box in getattr(self, "_inboxes", []):
+            try:
+                box.put(None)
+            except Exception:  # noqa: BLE001 - the queue may be broken after a crash
+                pass
+        for p in self._procs:
+            if p.pid is None:
+                continue
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
+        for path in glob.glob(f"/dev/shm/{self.shm_prefix}-*"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "World":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_world(fn, world_size: int, *args, backend: str = "auto", timeout: float = 300.0, **kwargs):
+    """Start a world, run one body on it, tear it down: for one-off scripts."""
+    with World(world_size, backend, timeout) as world:
+        return world.run(fn, *args, **kwargs)
