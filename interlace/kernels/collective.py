@@ -1,0 +1,82 @@
+"""Kernels of the standalone collectives: SM-driven pulls and fp32 reductions over
+symmetric memory. Kernels only; the contexts that launch them live in ``interlace.ops``.
+
+All loops over blocks are persistent (``for b in range(pid, n_blocks, n_programs)``) so a
+launch never needs more programs than the GPU holds at once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..language.primitives import guard, remote_base, wait
+
+
+@triton.jit
+def gather_pull_kernel(out, src_table, like, n, rank, world, BLOCK: tl.constexpr):
+    """``out[p*n : (p+1)*n] = rank p's symmetric input[:n]`` for every rank p.
+
+    Each program walks (peer, block) pairs starting at its own rank's shard and rotating,
+    so at any moment ranks read from different peers.
+    """
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    n_blocks = tl.cdiv(n, BLOCK)
+    offs0 = tl.arange(0, BLOCK)
+    for item in range(pid, n_blocks * world, n_prog):
+        peer = (rank + item // n_blocks) % world
+        offs = (item % n_blocks) * BLOCK + offs0
+        mask = offs < n
+        src = remote_base(src_table, peer, like)
+        vals = tl.load(src + offs, mask=mask)
+        tl.store(out + peer.to(tl.int64) * n + offs, vals, mask=mask)
+
+
+@triton.jit
+def reduce_pull_kernel(out, src_table, like, n, src_offset, rank, world, BLOCK: tl.constexpr):
+    """``out[:n] = sum over ranks p (in rank order 0..world-1) of input_p[src_offset:][:n]``,
+    accumulated in fp32. Rank order makes every rank's result bitwise identical."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    n_blocks = tl.cdiv(n, BLOCK)
+    offs0 = tl.arange(0, BLOCK)
+    for b in range(pid, n_blocks, n_prog):
+        offs = b * BLOCK + offs0
+        mask = offs < n
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for p in range(world):
+            src = remote_base(src_table, p, like) + src_offset
+            acc += tl.load(src + offs, mask=mask).to(tl.float32)
+        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def reduce_arrivals_kernel(
+    out, own, recv, slot_stride, n, piece_len, n_pieces,
+    sig, sig_first, rank, world, err, max_spins,
+    BLOCK: tl.constexpr,
+):
+    """Reduce-scatter's reduction: ``out = own + sum of recv[src]`` over the other ranks, in
+    fp32, consuming each block as soon as its piece from ``src`` has landed.
+
+    ``recv[src]`` (stride ``slot_stride``) is written by rank ``src``'s copy engine, which
+    raises ``sig[sig_first + src * n_pieces + piece]`` when that piece has landed. Sources are
+    visited in arrival order (rank - 1, rank - 2, ...): the order the pushes are issued in.
+    """
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    n_blocks = tl.cdiv(n, BLOCK)
+    offs0 = tl.arange(0, BLOCK)
+    for b in range(pid, n_blocks, n_prog):
+        offs = b * BLOCK + offs0
+        mask = offs < n
+        piece = (b * BLOCK) // piece_len
+        acc = tl.load(own + offs, mask=mask).to(tl.float32)
+        for i in range(1, world):
+            src = (rank + world - i) % world
+            slot = sig_first + src * n_pieces + piece
+            token = wait(sig + slot, 1, err, rank, slot, max_spins)
+            vals = tl.load(recv + src.to(tl.int64) * slot_stride + offs, mask=guard(mask, token, 1))
+            acc += vals.to(tl.float32)
+        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)

@@ -1,0 +1,134 @@
+"""What every op context shares: its signal pad, error word, barrier, argument checks and
+life cycle (``close()``, context-manager use, ``check()``)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..errors import InterlaceError, InterlaceTypeError, InterlaceValueError
+from ..language.primitives import barrier_kernel
+from ..runtime import ErrorWord, Group, SignalPad, default_max_spins
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_grid(group: Group, n_items: int, per_sm: int = 4, cpu_programs: int = 4) -> tuple[int]:
+    """Programs for a persistent kernel: enough to fill the GPU, never more than the work."""
+    if group.backend == "cuda":
+        limit = sm_count(group.device.index) * per_sm
+    else:
+        limit = cpu_programs  # the interpreter runs programs one after another
+    return (max(1, min(n_items, limit)),)
+
+
+class OpContext:
+    """Base of the op contexts: owns a signal pad with a ``barrier`` region plus the
+    op's own regions, and an error word that bounded waits report timeouts into."""
+
+    op_name = "op"
+
+    def __init__(self, group: Group, dtype: torch.dtype, regions: dict[str, int], max_spins=None):
+        if not isinstance(group, Group):
+            raise InterlaceTypeError(f"{self.op_name}: group must be an interlace Group, got {type(group).__name__}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise InterlaceTypeError(
+                f"{self.op_name}: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}"
+            )
+        self.group, self.dtype = group, dtype
+        self.world_size, self.rank = group.world_size, group.rank
+        self.max_spins = int(max_spins) if max_spins is not None else default_max_spins(group)
+        self.pad = SignalPad(group, {"barrier": group.world_size, **regions})
+        self.error = ErrorWord(group)
+        self._closed = False
+        self._buffers = []
+
+    # ------------------------------------------------------------------ life cycle
+    def close(self) -> None:
+        """Free the context's symmetric buffers and signals (collective: call on every rank)."""
+        if self._closed:
+            return
+        if self.group.backend == "cuda":
+            torch.cuda.synchronize(self.group.device)
+        self._closed = True
+        for buf in self._buffers:
+            buf.close()
+        self.pad.close()
+        self._buffers = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check(self) -> None:
+        """Wait for the device, then raise if any wait of this context timed out."""
+        if self.group.backend == "cuda":
+            torch.cuda.synchronize(self.group.device)
+        self.error.raise_if_set(self.op_name, self.pad.describe)
+
+    def _begin(self) -> None:
+        if self._closed:
+            raise InterlaceError(f"{self.op_name}: the context was closed")
+        # Non-blocking: reports a timeout recorded by an earlier call's kernels.
+        self.error.raise_if_set(self.op_name, self.pad.describe)
+
+    def _end(self) -> None:
+        if self.group.backend == "cpu":  # everything already ran: report now
+            self.error.raise_if_set(self.op_name, self.pad.describe)
+
+    # ------------------------------------------------------------------ device helpers
+    def _barrier(self) -> None:
+        """Device-side barrier over the group on the current stream."""
+        barrier_kernel[(1,)](
+            self.pad.ptrs, self.pad.offset("barrier"), self.rank, self.world_size,
+            self.error.address, self.max_spins,
+        )
+
+    def _track(self, buf):
+        self._buffers.append(buf)
+        return buf
+
+    # ------------------------------------------------------------------ argument checks
+    def _check_tensor(self, name: str, t, *, max_numel: int | None = None, numel_multiple: int = 1):
+        if not isinstance(t, torch.Tensor):
+            raise InterlaceTypeError(f"{self.op_name}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != self.dtype:
+            raise InterlaceTypeError(
+                f"{self.op_name}: {name} has dtype {t.dtype}, the context was built for {self.dtype}"
+            )
+        if t.device != self.group.device:
+            raise InterlaceValueError(
+                f"{self.op_name}: {name} is on {t.device}, expected {self.group.device}"
+            )
+        if not t.is_contiguous():
+            raise InterlaceValueError(f"{self.op_name}: {name} must be contiguous")
+        if t.dim() == 0:
+            raise InterlaceValueError(f"{self.op_name}: {name} must have at least one dimension")
+        if max_numel is not None and t.numel() > max_numel:
+            raise InterlaceValueError(
+                f"{self.op_name}: {name} has {t.numel()} elements, more than the context's "
+                f"capacity of {max_numel}"
+            )
+        if t.shape[0] % numel_multiple:
+            raise InterlaceValueError(
+                f"{self.op_name}: {name}.shape[0] = {t.shape[0]} is not divisible by the "
+                f"world size {numel_multiple}"
+            )
+
+    def _check_out(self, out, shape) -> torch.Tensor | None:
+        if out is None:
+            return None
+        self._check_tensor("out", out)
+        if tuple(out.shape) != tuple(shape):
+            raise InterlaceValueError(
+                f"{self.op_name}: out has shape {tuple(out.shape)}, expected {tuple(shape)}"
+            )
+        return out

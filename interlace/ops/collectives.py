@@ -1,0 +1,267 @@
+"""Standalone collectives over symmetric memory: all-gather, reduce-scatter, all-reduce.
+
+They prove the runtime and the device primitives, and they are the communication halves
+that the overlapped ops reuse. Each is a context that owns its symmetric buffers, built
+once for a capacity and called many times::
+
+    ag = interlace.AllGather(group, max_numel=n, dtype=torch.bfloat16, method="ce_push")
+    y = ag(x)          # == torch.distributed.all_gather_into_tensor(y, x)
+    ag.close()
+
+Tensors are gathered / scattered along dim 0. Results equal torch.distributed's: all-gather
+bit for bit; reductions accumulate in fp32 (in rank order for all-reduce, so every rank gets
+the same bits). Every call is collective: all ranks call with the same shapes.
+
+Without ``out=`` a call may return a view of the context's symmetric buffer (zero copy):
+it stays valid until the next call on the same context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InterlaceValueError
+from ..kernels.collective import (
+    gather_pull_kernel,
+    reduce_arrivals_kernel,
+    reduce_pull_kernel,
+)
+from ..language.primitives import wait_kernel
+from ..runtime import Group, fork, join, stream_write_value32, symm_empty, use_stream
+from ._context import OpContext, persistent_grid
+
+COPY_BLOCK = 4096
+REDUCE_BLOCK = 2048
+
+
+def _check_method(op: str, method: str, methods: tuple[str, ...]) -> str:
+    if method not in methods:
+        raise InterlaceValueError(f"{op}: method must be one of {methods}, got {method!r}")
+    return method
+
+
+class AllGather(OpContext):
+    """All-gather along dim 0 over symmetric memory.
+
+    Methods:
+
+    * ``ce_push`` (default): each rank's copy engine pushes its shard into every peer's
+      output buffer, peer by peer in rank-rotated order, raising the peer's arrival flag
+      from the stream after each copy. The result is a view of the symmetric buffer.
+    * ``ce_pull``: the shard is staged in symmetric memory and every rank's copy engine
+      pulls the peers' shards, peer by peer in rank-rotated order.
+    * ``sm_pull``: as ``ce_pull`` but the pulls are loads by a Triton kernel.
+    """
+
+    op_name = "all_gather"
+    METHODS = ("ce_push", "ce_pull", "sm_pull")
+
+    def __init__(self, group: Group, max_numel: int, dtype: torch.dtype, method: str = "ce_push", max_spins=None):
+        self.method = _check_method(self.op_name, method, self.METHODS)
+        super().__init__(group, dtype, {"arrival": group.world_size}, max_spins)
+        self.max_numel = int(max_numel)
+        if self.max_numel <= 0:
+            raise InterlaceValueError(f"{self.op_name}: max_numel must be positive, got {max_numel}")
+        if method == "ce_push":
+            self.gathered = self._track(symm_empty((self.world_size * self.max_numel,), dtype, group))
+        else:
+            self.staging = self._track(symm_empty((self.max_numel,), dtype, group))
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        self._begin()
+        self._check_tensor("x", x, max_numel=self.max_numel)
+        shape = (self.world_size * x.shape[0], *x.shape[1:])
+        out = self._check_out(out, shape)
+        n, w, r = x.numel(), self.world_size, self.rank
+        if self.method == "ce_push":
+            result = self._push(x, n)
+        else:
+            if out is None:
+                out = torch.empty(shape, dtype=self.dtype, device=x.device)
+            stage = self.staging.local[:n]
+            stage.copy_(x.reshape(-1))
+            self._barrier()  # every rank's shard is staged
+            flat = out.view(-1)
+            if self.method == "ce_pull":
+                for i in range(w):
+                    peer = (r + i) % w
+                    flat[peer * n : (peer + 1) * n].copy_(self.staging.peers[peer][:n])
+            else:
+                gather_pull_kernel[persistent_grid(self.group, w * -(-n // COPY_BLOCK))](
+                    flat, self.staging.ptrs, self.staging.local, n, r, w,
+                    BLOCK=COPY_BLOCK, num_warps=8,
+                )
+            self._barrier()  # nobody still reads my staging buffer
+            result = out
+        if self.method == "ce_push":
+            result = result.view(shape)
+            if out is not None:
+                out.copy_(result)
+                result = out
+        self._end()
+        return result
+
+    def _push(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        w, r = self.world_size, self.rank
+        self._barrier()  # every peer is done with the previous result in its buffer
+        arrival = self.pad.offset("arrival")
+        src = x.reshape(-1)
+        for i in range(1, w):
+            peer = (r + i) % w
+            self.gathered.peers[peer][r * n : (r + 1) * n].copy_(src)
+            stream_write_value32(self.pad.buffer.peers[peer], arrival + r, 1)
+        self.gathered.local[r * n : (r + 1) * n].copy_(src)
+        # Consume the w - 1 arrival flags (self-resetting); my own slot is never raised,
+        # so wait on the peers' slots only: two ranges around my own.
+        if r > 0:
+            wait_kernel[(1,)](
+                self.pad.buffer.local, arrival, r, 1, self.error.address, r, self.max_spins, RESET=True
+            )
+        if r < w - 1:
+            wait_kernel[(1,)](
+                self.pad.buffer.local, arrival + r + 1, w - r - 1, 1, self.error.address, r,
+                self.max_spins, RESET=True,
+            )
+        return self.gathered.local[: w * n]
+
+
+class ReduceScatter(OpContext):
+    """Reduce-scatter (sum) along dim 0: rank ``r`` gets the sum of every rank's
+    ``x[r*m : (r+1)*m]``, accumulated in fp32.
+
+    Methods:
+
+    * ``ce_scatter`` (default): the copy engine pushes each chunk to its owner, in
+      ``pieces`` parts per chunk, peer by peer in rank-rotated order, raising a flag per
+      (source, piece) from the stream; a Triton kernel on the caller's stream reduces each
+      piece as soon as it has landed, overlapping the reduction with the transfers.
+    * ``sm_pull``: the input is staged in symmetric memory and a Triton kernel on each rank
+      loads its chunk from every peer and sums it.
+    """
+
+    op_name = "reduce_scatter"
+    METHODS = ("ce_scatter", "sm_pull")
+    MAX_PIECES = 16
+
+    def __init__(self, group: Group, max_numel: int, dtype: torch.dtype, method: str = "ce_scatter",
+                 pieces: int | None = None, max_spins=None):
+        """``max_numel``: capacity of the per-rank *output* (elements)."""
+        self.method = _check_method(self.op_name, method, self.METHODS)
+        if pieces is not None and not 1 <= pieces <= self.MAX_PIECES:
+            raise InterlaceValueError(f"{self.op_name}: pieces must be in 1..{self.MAX_PIECES}, got {pieces}")
+        w = group.world_size
+        super().__init__(group, dtype, {"arrival": w * self.MAX_PIECES}, max_spins)
+        self.max_numel = int(max_numel)
+        if self.max_numel <= 0:
+            raise InterlaceValueError(f"{self.op_name}: max_numel must be positive, got {max_numel}")
+        self.pieces = pieces
+        if method == "ce_scatter":
+            self.recv = self._track(symm_empty((w, self.max_numel), dtype, group))
+        else:
+            self.staging = self._track(symm_empty((w * self.max_numel,), dtype, group))
+
+    def _pieces_for(self, m: int) -> int:
+        if self.pieces is not None:
+            return self.pieces
+        chunk_bytes = m * self.dtype.itemsize
+        return max(1, min(4, chunk_bytes // (4 << 20)))  # pieces of at least 4 MB
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        self._begin()
+        w, r = self.world_size, self.rank
+        self._check_tensor("x", x, max_numel=w * self.max_numel, numel_multiple=w)
+        shape = (x.shape[0] // w, *x.shape[1:])
+        out = self._check_out(out, shape)
+        if out is None:
+            out = torch.empty(shape, dtype=self.dtype, device=x.device)
+        m = x.numel() // w
+        src = x.reshape(w, m)
+        if self.method == "ce_scatter":
+            self._scatter_reduce(src, out.view(-1), m)
+        else:
+            self.staging.local[: w * m].copy_(x.reshape(-1))
+            self._barrier()  # every rank's input is staged
+            reduce_pull_kernel[persistent_grid(self.group, -(-m // REDUCE_BLOCK))](
+                out.view(-1), self.staging.ptrs, self.staging.local, m, r * m, r, w,
+                BLOCK=REDUCE_BLOCK, num_warps=8,
+            )
+            self._barrier()  # nobody still reads my staging buffer
+        self._end()
+        return out
+
+    def _scatter_reduce(self, src: torch.Tensor, out: torch.Tensor, m: int) -> None:
+        w, r = self.world_size, self.rank
+        pieces = self._pieces_for(m)
+        piece_len = -(-(-(-m // pieces)) // REDUCE_BLOCK) * REDUCE_BLOCK  # block-aligned
+        n_pieces = -(-m // piece_len)
+        arrival = self.pad.offset("arrival")
+        self._barrier()  # every peer has finished reading its receive buffer
+        stream = fork(self.group)
+        with use_stream(stream):
+            for p in range(n_pieces):
+                lo, hi = p * piece_len, min(m, (p + 1) * piece_len)
+                for i in range(1, w):
+                    peer = (r + i) % w
+                    self.recv.peers[peer][r, lo:hi].copy_(src[peer, lo:hi])
+                    stream_write_value32(self.pad.buffer.peers[peer], arrival + r * n_pieces + p, 1)
+        reduce_arrivals_kernel[persistent_grid(self.group, -(-m // REDUCE_BLOCK))](
+            out, src[r], self.recv.local, self.max_numel, m, piece_len, n_pieces,
+            self.pad.buffer.local, arrival, r, w, self.error.address, self.max_spins,
+            BLOCK=REDUCE_BLOCK, num_warps=8,
+        )
+        self.pad.local("arrival")[: w * n_pieces].zero_()  # flags ready for the next call
+        join(self.group, stream)
+
+
+class AllReduce(OpContext):
+    """All-reduce (sum), accumulated in fp32 in rank order: every rank gets the same bits.
+
+    Methods: ``one_shot`` (each rank loads every peer's whole input and sums it: least
+    latency, for small tensors) and ``two_shot`` (reduce-scatter by loads, then all-gather
+    of the reduced chunks: each byte crosses NVLink twice instead of ``world - 1`` times).
+    """
+
+    op_name = "all_reduce"
+    METHODS = ("one_shot", "two_shot")
+
+    def __init__(self, group: Group, max_numel: int, dtype: torch.dtype, method: str = "two_shot", max_spins=None):
+        self.method = _check_method(self.op_name, method, self.METHODS)
+        super().__init__(group, dtype, {}, max_spins)
+        self.max_numel = int(max_numel)
+        if self.max_numel <= 0:
+            raise InterlaceValueError(f"{self.op_name}: max_numel must be positive, got {max_numel}")
+        self.staging = self._track(symm_empty((self.max_numel,), dtype, group))
+        if method == "two_shot":
+            self.reduced = self._track(symm_empty((self.max_numel,), dtype, group))
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        self._begin()
+        self._check_tensor("x", x, max_numel=self.max_numel)
+        out = self._check_out(out, x.shape)
+        if out is None:
+            out = torch.empty_like(x)
+        w, r, n = self.world_size, self.rank, x.numel()
+        flat = out.view(-1)
+        self.staging.local[:n].copy_(x.reshape(-1))
+        self._barrier()  # every rank's input is staged
+        if self.method == "one_shot":
+            reduce_pull_kernel[persistent_grid(self.group, -(-n // REDUCE_BLOCK))](
+                flat, self.staging.ptrs, self.staging.local, n, 0, r, w,
+                BLOCK=REDUCE_BLOCK, num_warps=8,
+            )
+        else:
+            chunk = -(-n // w)
+            lo, hi = min(n, r * chunk), min(n, (r + 1) * chunk)
+            reduce_pull_kernel[persistent_grid(self.group, -(-max(hi - lo, 1) // REDUCE_BLOCK))](
+                self.reduced.local[lo:], self.staging.ptrs, self.staging.local, hi - lo, lo, r, w,
+                BLOCK=REDUCE_BLOCK, num_warps=8,
+            )
+            self._barrier()  # every reduced chunk is ready
+            for i in range(w):
+                peer = (r + i) % w
+                plo, phi = min(n, peer * chunk), min(n, (peer + 1) * chunk)
+                if phi > plo:
+                    flat[plo:phi].copy_(self.reduced.peers[peer][plo:phi])
+        self._barrier()  # nobody still reads my staging / reduced buffers
+        self._end()
+        return out
