@@ -1,0 +1,1 @@
+"""Benchmarks: the timing protocol and the per-op benchmark bodies."""

@@ -1,0 +1,31 @@
+"""The one timing protocol (DESIGN.md, "Measuring"): CUDA events around each call, warm-up
+first, median over the runs of a rank, and the caller takes the max over ranks."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+
+def median_ms(group, fn, iters: int = 20, warmup: int = 5) -> float:
+    """Median time of ``fn()`` in ms on this rank, each run started with all ranks aligned
+    (device idle, host barrier) and timed with CUDA events, as a user's eager call."""
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends):
+        torch.cuda.synchronize()
+        dist.barrier(group=group.process_group, device_ids=[group.device.index])
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def max_over_ranks(per_rank: list[dict], key: str) -> float:
+    return max(r[key] for r in per_rank)

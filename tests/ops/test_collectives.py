@@ -1,0 +1,284 @@
+"""Standalone collectives against torch.distributed, on every method, with ragged sizes,
+repeated calls, poisoned outputs, bad inputs and (on GPUs) CUDA-graph replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import interlace
+from interlace.errors import InterlaceTypeError, InterlaceValueError, WaitTimeoutError
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _sync(group):
+    if group.backend == "cuda":
+        torch.cuda.synchronize()
+
+
+def _rel_err(out, ref):
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
+
+
+def _poison(t):
+    return t.fill_(float("nan"))
+
+
+def _gather_ref(x, group):
+    parts = [torch.empty_like(x) for _ in range(group.world_size)]
+    dist.all_gather(parts, x)
+    return torch.cat(parts)
+
+
+def _sum_ref(x, group):
+    full = x.float().clone()
+    dist.all_reduce(full)
+    return full
+
+
+# ----------------------------------------------------------------------------- all-gather
+def _all_gather_body(group, method, dtype_name, rows, cols, calls):
+    dtype = DTYPES[dtype_name]
+    ctx = interlace.AllGather(group, max_numel=max(rows) * cols, dtype=dtype, method=method)
+    gen = torch.Generator().manual_seed(1000 + group.rank)
+    try:
+        for i in range(calls):
+            n = rows[i % len(rows)]
+            x = torch.randn(n, cols, generator=gen).to(dtype).to(group.device)
+            use_out = i % 2 == 1
+            out = _poison(torch.empty(group.world_size * n, cols, dtype=dtype, device=group.device))
+            y = ctx(x, out=out) if use_out else ctx(x)
+            _sync(group)
+            ref = _gather_ref(x, group)
+            assert y.shape == ref.shape, (y.shape, ref.shape)
+            assert torch.equal(y, ref), f"call {i}: all-gather differs from torch.distributed"
+            if use_out:
+                assert y.data_ptr() == out.data_ptr()
+    finally:
+        ctx.close()
+    return True
+
+
+@pytest.mark.parametrize("method", interlace.AllGather.METHODS)
+def test_all_gather_matches_torch(world, method):
+    # ragged: rows not multiples of anything; repeated calls with varying sizes
+    world.run(_all_gather_body, method, "bf16", [37, 5, 64], 33, 4)
+
+
+def test_all_gather_fp32(world):
+    world.run(_all_gather_body, "ce_push", "fp32", [9], 7, 2)
+
+
+# ----------------------------------------------------------------------------- reduce-scatter
+def _reduce_scatter_body(group, method, dtype_name, rows, cols, calls, pieces):
+    dtype = DTYPES[dtype_name]
+    w = group.world_size
+    ctx = interlace.ReduceScatter(
+        group, max_numel=max(rows) * cols, dtype=dtype, method=method, pieces=pieces
+    )
+    gen = torch.Generator().manual_seed(2000 + group.rank)
+    try:
+        for i in range(calls):
+            m = rows[i % len(rows)]
+            x = torch.randn(w * m, cols, generator=gen).to(dtype).to(group.device)
+            out = _poison(torch.empty(m, cols, dtype=dtype, device=group.device))
+            y = ctx(x, out=out) if i % 2 else ctx(x)
+            _sync(group)
+            ref = _sum_ref(x, group)[group.rank * m : (group.rank + 1) * m]
+            assert y.shape == ref.shape
+            assert not torch.isnan(y).any(), f"call {i}: unwritten output"
+            err = _rel_err(y, ref)
+            assert err <= (1e-2 if dtype == torch.bfloat16 else 1e-5), f"call {i}: rel err {err}"
+    finally:
+        ctx.close()
+    return True
+
+
+@pytest.mark.parametrize("method,pieces", [("ce_scatter", 3), ("ce_scatter", None), ("sm_pull", None)])
+def test_reduce_scatter_matches_torch(world, method, pieces):
+    world.run(_reduce_scatter_body, method, "bf16", [1500, 77], 3, 3, pieces)
+
+
+def test_reduce_scatter_fp32(world):
+    world.run(_reduce_scatter_body, "ce_scatter", "fp32", [50], 5, 2, 2)
+
+
+# ----------------------------------------------------------------------------- all-reduce
+def _all_reduce_body(group, method, dtype_name, shapes, calls):
+    dtype = DTYPES[dtype_name]
+    cap = max(a * b for a, b in shapes)
+    ctx = interlace.AllReduce(group, max_numel=cap, dtype=dtype, method=method)
+    gen = torch.Generator().manual_seed(3000 + group.rank)
+    results = []
+    try:
+        for i in range(calls):
+            shape = shapes[i % len(shapes)]
+            x = torch.randn(*shape, generator=gen).to(dtype).to(group.device)
+            out = _poison(torch.empty(shape, dtype=dtype, device=group.device))
+            y = ctx(x, out=out) if i % 2 else ctx(x)
+            _sync(group)
+            err = _rel_err(y, _sum_ref(x, group))
+            assert err <= (1e-2 if dtype == torch.bfloat16 else 1e-5), f"call {i}: rel err {err}"
+            results.append(y.float().cpu())
+    finally:
+        ctx.close()
+    return results
+
+
+@pytest.mark.parametrize("method", interlace.AllReduce.METHODS)
+def test_all_reduce_matches_torch_and_is_identical_on_every_rank(world, method):
+    per_rank = world.run(_all_reduce_body, method, "bf16", [(13, 29), (3, 1), (40, 8)], 3)
+    for r in range(1, len(per_rank)):
+        for a, b in zip(per_rank[0], per_rank[r]):
+            assert torch.equal(a, b), "all-reduce results differ between ranks"
+
+
+# ----------------------------------------------------------------------------- bad inputs
+def _bad_inputs_body(group):
+    dev, w = group.device, group.world_size
+    ag = interlace.AllGather(group, max_numel=64, dtype=torch.bfloat16)
+    rs = interlace.ReduceScatter(group, max_numel=64, dtype=torch.bfloat16)
+    raised = []
+
+    def expect(exc, fn, *args, **kwargs):
+        with pytest.raises(exc) as info:
+            fn(*args, **kwargs)
+        raised.append(type(info.value).__name__)
+        return str(info.value)
+
+    good = torch.randn(4, 4, device=dev).to(torch.bfloat16)
+    msg = expect(InterlaceTypeError, ag, good.float())
+    assert "dtype" in msg and "x" in msg
+    msg = expect(InterlaceValueError, ag, torch.empty(4, 4, dtype=torch.bfloat16, device="meta"))
+    assert "device" in msg or "is on" in msg
+    msg = expect(InterlaceValueError, ag, torch.randn(4, 8, device=dev).to(torch.bfloat16)[:, ::2])
+    assert "contiguous" in msg
+    msg = expect(InterlaceValueError, ag, torch.randn(100, device=dev).to(torch.bfloat16))
+    assert "capacity" in msg
+    msg = expect(InterlaceValueError, ag, good, out=torch.empty(3, 4, dtype=torch.bfloat16, device=dev))
+    assert "out" in msg and "shape" in msg
+    expect(InterlaceTypeError, ag, "not a tensor")
+    msg = expect(InterlaceValueError, rs, torch.randn(w * 2 + 1, device=dev).to(torch.bfloat16))
+    assert "divisible" in msg
+    expect(InterlaceValueError, interlace.AllGather, group, 64, torch.bfloat16, method="nope")
+    expect(InterlaceTypeError, interlace.AllGather, group, 64, torch.int64)
+    expect(InterlaceValueError, interlace.ReduceScatter, group, 64, torch.bfloat16, pieces=0)
+    # The contexts still work after rejecting bad input: nothing was launched.
+    y = ag(good)
+    _sync(group)
+    assert torch.equal(y, _gather_ref(good, group))
+    ag.close()
+    rs.close()
+    with pytest.raises(interlace.InterlaceError):
+        ag(good)
+    return raised
+
+
+def test_bad_inputs_raise_on_every_rank(world):
+    per_rank = world.run(_bad_inputs_body)
+    assert all(r == per_rank[0] for r in per_rank)
+
+
+def _one_rank_misbehaves_body(group):
+    """Rank 0 passes a bad shape (and raises before launching); the others enter the op and
+    must get a WaitTimeoutError naming the rank and the signal instead of hanging."""
+    ctx = interlace.AllGather(group, max_numel=16, dtype=torch.float32, max_spins=2000)
+    x = torch.randn(4, device=group.device)
+    try:
+        if group.rank == 0:
+            with pytest.raises(InterlaceValueError):
+                ctx(torch.randn(17, device=group.device))
+            return "value-error"
+        with pytest.raises(WaitTimeoutError) as info:
+            ctx(x)
+            ctx.check()
+        msg = str(info.value)
+        assert f"rank {group.rank}" in msg and "barrier[" in msg and "all_gather" in msg, msg
+        return "timeout"
+    finally:
+        group.host_barrier()
+        ctx.close()
+
+
+def test_one_bad_rank_gives_timeout_errors_not_a_hang(world):
+    assert world.run(_one_rank_misbehaves_body) == ["value-error"] + ["timeout"] * (world.world_size - 1)
+
+
+# ----------------------------------------------------------------------------- lifecycle
+def _many_contexts_body(group, count):
+    from interlace.runtime import symmetric
+
+    def used():
+        if group.backend == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def cycle():
+        with interlace.ReduceScatter(group, max_numel=1 << 16, dtype=torch.bfloat16) as ctx:
+            ctx(torch.randn(group.world_size * 8, device=group.device).to(torch.bfloat16))
+
+    for _ in range(3):  # warm-up: compile kernels, create streams
+        cycle()
+    baseline_buffers = len(symmetric._open_buffers)
+    before = used()
+    for _ in range(count):
+        cycle()
+    growth = used() - before
+    assert len(symmetric._open_buffers) == baseline_buffers
+    assert growth < 32 << 20, f"memory grew by {growth / 2**20:.1f} MiB over {count} contexts"
+    return growth
+
+
+def test_hundred_contexts_do_not_grow_memory(world):
+    world.run(_many_contexts_body, 100 if world.backend == "cuda" else 30)
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+def _graph_body(group):
+    w, dtype = group.world_size, torch.bfloat16
+    ag = interlace.AllGather(group, max_numel=4096 * 3, dtype=dtype)
+    rs = interlace.ReduceScatter(group, max_numel=4096, dtype=dtype, pieces=2)
+    ar = interlace.AllReduce(group, max_numel=5000, dtype=dtype)
+    x_ag = torch.randn(4096, 3, device=group.device).to(dtype)
+    x_rs = torch.randn(w * 4096, device=group.device).to(dtype)
+    x_ar = torch.randn(5000, device=group.device).to(dtype)
+    out_ag = torch.empty(w * 4096, 3, device=group.device, dtype=dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture (compiles kernels)
+        ag(x_ag, out=out_ag), rs(x_rs), ar(x_ar)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    group.host_barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ag(x_ag, out=out_ag)
+        y_rs = rs(x_rs)
+        y_ar = ar(x_ar)
+    for step in range(4):
+        for t in (x_ag, x_rs, x_ar):
+            t.copy_(torch.randn(t.shape, device=group.device).to(dtype))
+        _poison(out_ag), _poison(y_rs), _poison(y_ar)
+        torch.cuda.synchronize()
+        group.host_barrier()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_ag, _gather_ref(x_ag, group)), f"replay {step}: all-gather"
+        ref_rs = _sum_ref(x_rs, group)[group.rank * 4096 : (group.rank + 1) * 4096]
+        assert _rel_err(y_rs, ref_rs) < 1e-2, f"replay {step}: reduce-scatter"
+        assert _rel_err(y_ar, _sum_ref(x_ar, group)) < 1e-2, f"replay {step}: all-reduce"
+    for ctx in (ag, rs, ar):
+        ctx.check()
+        ctx.close()
+    return True
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay(world):
+    if world.backend != "cuda":
+        pytest.skip("CUDA graphs need the cuda backend")
+    world.run(_graph_body)
