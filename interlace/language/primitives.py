@@ -163,14 +163,15 @@ def barrier_kernel(sig_table, slot_base, rank, world, err, max_spins):
 
 
 @triton.jit
-def wait_kernel(sig_ptr, first, count, expected, err, rank, max_spins, RESET: tl.constexpr):
-    """A one-program kernel that waits on ``count`` local signals from ``first``
-    (consuming them when ``RESET``)."""
+def wait_kernel(sig_ptr, first, count, expected, err, rank, max_spins, skip=-1, RESET: tl.constexpr = False):
+    """A one-program kernel that waits on the local signals ``first .. first + count - 1``
+    except ``first + skip`` (consuming them when ``RESET``)."""
     for i in range(count):
-        if RESET:
-            consume(sig_ptr + first + i, expected, err, rank, first + i, max_spins)
-        else:
-            wait(sig_ptr + first + i, expected, err, rank, first + i, max_spins)
+        if i != skip:
+            if RESET:
+                consume(sig_ptr + first + i, expected, err, rank, first + i, max_spins)
+            else:
+                wait(sig_ptr + first + i, expected, err, rank, first + i, max_spins)
 
 
 @triton.jit

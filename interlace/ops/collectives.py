@@ -111,17 +111,11 @@ class AllGather(OpContext):
             self.gathered.peers[peer][r * n : (r + 1) * n].copy_(src)
             stream_write_value32(self.pad.buffer.peers[peer], arrival + r, 1)
         self.gathered.local[r * n : (r + 1) * n].copy_(src)
-        # Consume the w - 1 arrival flags (self-resetting); my own slot is never raised,
-        # so wait on the peers' slots only: two ranges around my own.
-        if r > 0:
-            wait_kernel[(1,)](
-                self.pad.buffer.local, arrival, r, 1, self.error.address, r, self.max_spins, RESET=True
-            )
-        if r < w - 1:
-            wait_kernel[(1,)](
-                self.pad.buffer.local, arrival + r + 1, w - r - 1, 1, self.error.address, r,
-                self.max_spins, RESET=True,
-            )
+        # Consume the w - 1 arrival flags (self-resetting; my own slot is never raised).
+        wait_kernel[(1,)](
+            self.pad.buffer.local, arrival, w, 1, self.error.address, r, self.max_spins,
+            skip=r, RESET=True,
+        )
         return self.gathered.local[: w * n]
 
 
@@ -155,6 +149,7 @@ class ReduceScatter(OpContext):
         if self.max_numel <= 0:
             raise InterlaceValueError(f"{self.op_name}: max_numel must be positive, got {max_numel}")
         self.pieces = pieces
+        self._plans: dict[int, tuple] = {}
         if method == "ce_scatter":
             self.recv = self._track(symm_empty((w, self.max_numel), dtype, group))
         else:
@@ -189,28 +184,50 @@ class ReduceScatter(OpContext):
         self._end()
         return out
 
-    def _scatter_reduce(self, src: torch.Tensor, out: torch.Tensor, m: int) -> None:
-        w, r = self.world_size, self.rank
-        pieces = self._pieces_for(m)
-        piece_len = -(-(-(-m // pieces)) // REDUCE_BLOCK) * REDUCE_BLOCK  # block-aligned
-        n_pieces = -(-m // piece_len)
-        arrival = self.pad.offset("arrival")
-        self._barrier()  # every peer has finished reading its receive buffer
-        stream = fork(self.group)
-        with use_stream(stream):
+    def _scatter_plan(self, m: int) -> tuple[int, int, list]:
+        """Piece length, piece count and the (piece, peer, destination view, signal index)
+        of every transfer for a per-rank output of ``m`` elements (cached per ``m``)."""
+        if m not in self._plans:
+            w, r = self.world_size, self.rank
+            pieces = self._pieces_for(m)
+            piece_len = -(-(-(-m // pieces)) // REDUCE_BLOCK) * REDUCE_BLOCK  # block-aligned
+            n_pieces = -(-m // piece_len)
+            arrival = self.pad.offset("arrival")
+            transfers = []
             for p in range(n_pieces):
                 lo, hi = p * piece_len, min(m, (p + 1) * piece_len)
                 for i in range(1, w):
                     peer = (r + i) % w
-                    self.recv.peers[peer][r, lo:hi].copy_(src[peer, lo:hi])
-                    stream_write_value32(self.pad.buffer.peers[peer], arrival + r * n_pieces + p, 1)
+                    transfers.append((lo, hi, peer, self.recv.peers[peer][r, lo:hi],
+                                      self.pad.buffer.peers[peer], arrival + r * n_pieces + p))
+            self._plans[m] = (piece_len, n_pieces, transfers)
+        return self._plans[m]
+
+    def _scatter_reduce(self, src: torch.Tensor, out: torch.Tensor, m: int) -> None:
+        w, r = self.world_size, self.rank
+        piece_len, n_pieces, transfers = self._scatter_plan(m)
+
+        def push_pieces():
+            for lo, hi, peer, dst, signal, slot in transfers:
+                dst.copy_(src[peer, lo:hi])
+                stream_write_value32(signal, slot, 1)
+
+        self._barrier()  # every peer has finished reading its receive buffer
+        stream = fork(self.group)
+        if stream is None:  # cpu: no streams, the pushes must land before the reduction runs
+            push_pieces()
+        # On a GPU the reduction is enqueued first: it spins on the arrival flags while the
+        # host is still issuing the copies, and reduces each piece as soon as it lands.
         reduce_arrivals_kernel[persistent_grid(self.group, -(-m // REDUCE_BLOCK))](
             out, src[r], self.recv.local, self.max_numel, m, piece_len, n_pieces,
-            self.pad.buffer.local, arrival, r, w, self.error.address, self.max_spins,
-            BLOCK=REDUCE_BLOCK, num_warps=8,
+            self.pad.buffer.local, self.pad.offset("arrival"), r, w, self.error.address,
+            self.max_spins, BLOCK=REDUCE_BLOCK, num_warps=8,
         )
         self.pad.local("arrival")[: w * n_pieces].zero_()  # flags ready for the next call
-        join(self.group, stream)
+        if stream is not None:
+            with use_stream(stream):
+                push_pieces()
+            join(self.group, stream)
 
 
 class AllReduce(OpContext):

@@ -11,6 +11,7 @@ addressing, so the host can read it without synchronising the device.
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -79,9 +80,9 @@ class ErrorWord:
 
     def raise_if_set(self, op: str, describe=str) -> None:
         """Raise :class:`WaitTimeoutError` if a kernel recorded a timeout (no device sync)."""
-        state, rank, slot, seen = (int(v) for v in self.tensor.tolist())
-        if state == 0:
+        if ctypes.c_int32.from_address(self.address).value == 0:  # the common case, ~0.1 us
             return
+        state, rank, slot, seen = (int(v) for v in self.tensor.tolist())
         self.tensor.zero_()
         raise WaitTimeoutError(op, rank, describe(slot), seen)
 
