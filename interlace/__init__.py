@@ -8,7 +8,16 @@ from .runtime import Group, SymmetricTensor, symm_empty, symm_zeros
 __version__ = "0.1.0"
 
 __all__ = [
-    "AllGather", "AllReduce", "Group", "InterlaceError", "InterlaceTypeError",
-    "InterlaceValueError", "ReduceScatter", "SymmetricTensor", "WaitTimeoutError",
-    "__version__", "symm_empty", "symm_zeros",
+    "AllGather",
+    "AllReduce",
+    "Group",
+    "InterlaceError",
+    "InterlaceTypeError",
+    "InterlaceValueError",
+    "ReduceScatter",
+    "SymmetricTensor",
+    "WaitTimeoutError",
+    "__version__",
+    "symm_empty",
+    "symm_zeros",
 ]

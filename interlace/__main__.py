@@ -44,21 +44,40 @@ def _progress(total: int):
 
 
 def _table(records: list[dict], timed: bool) -> None:
-    head = ["op", "strategy", "MB/rank", "t_ms", "nccl_ms", "busbw", "nccl_busbw", "x NCCL", "rel_err"]
+    head = [
+        "op",
+        "strategy",
+        "MB/rank",
+        "t_ms",
+        "nccl_ms",
+        "busbw",
+        "nccl_busbw",
+        "x NCCL",
+        "rel_err",
+    ]
     rows = []
     for r in records:
         t, tn = r.get("t_ms"), r.get("t_nccl_ms")
-        rows.append([
-            r["op"], r["strategy"], f"{r['bytes_per_rank'] / 2**20:.3g}",
-            f"{t:.3f}" if t else "-", f"{tn:.3f}" if tn else "-",
-            f"{r['busbw_gbps']:.0f}" if timed else "-", f"{r['nccl_busbw_gbps']:.0f}" if timed else "-",
-            f"{tn / t:.2f}" if t else "-", f"{r['rel_err']:.1e}",
-        ])
+        rows.append(
+            [
+                r["op"],
+                r["strategy"],
+                f"{r['bytes_per_rank'] / 2**20:.3g}",
+                f"{t:.3f}" if t else "-",
+                f"{tn:.3f}" if tn else "-",
+                f"{r['busbw_gbps']:.0f}" if timed else "-",
+                f"{r['nccl_busbw_gbps']:.0f}" if timed else "-",
+                f"{tn / t:.2f}" if t else "-",
+                f"{r['rel_err']:.1e}",
+            ]
+        )
     try:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title="interlace collectives" + ("" if timed else " (CPU emulation: correctness only)"))
+        table = Table(
+            title="interlace collectives" + ("" if timed else " (CPU emulation: correctness only)")
+        )
         for h in head:
             table.add_column(h, justify="right")
         for row in rows:
@@ -79,8 +98,14 @@ def write_results(out_dir: str, device: str, world: int, records: list[dict]) ->
     date = datetime.date.today().isoformat()
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower().replace("nvidia", "")).strip("-")
     path = os.path.join(out_dir, f"{date}-{slug}-w{world}.json")
-    doc = {"device": device, "world_size": world, "torch": torch.__version__.split("+")[0],
-           "triton": triton.__version__, "date": date, "records": []}
+    doc = {
+        "device": device,
+        "world_size": world,
+        "torch": torch.__version__.split("+")[0],
+        "triton": triton.__version__,
+        "date": date,
+        "records": [],
+    }
     if os.path.exists(path):
         with open(path) as f:
             doc["records"] = json.load(f).get("records", [])
@@ -109,11 +134,16 @@ def bench(args) -> int:
     if timed and world > gpus:
         print(f"error: --world-size {world} but only {gpus} GPUs", file=sys.stderr)
         return 2
-    sizes = args.sizes or ([1 << 20, 16 << 20, 64 << 20, 256 << 20] if timed else [12 << 10, 96 << 10])
+    sizes = args.sizes or (
+        [1 << 20, 16 << 20, 64 << 20, 256 << 20] if timed else [12 << 10, 96 << 10]
+    )
     ops = args.ops.split(",") if args.ops else list(OPS)
     if not timed:
-        print("No GPUs in use: running the CPU emulation on tiny sizes. These are correctness "
-              "runs checked against torch.distributed, not timings.", flush=True)
+        print(
+            "No GPUs in use: running the CPU emulation on tiny sizes. These are correctness "
+            "runs checked against torch.distributed, not timings.",
+            flush=True,
+        )
     jobs = [(op, size) for op in ops for size in sizes]
     step, stop = _progress(len(jobs))
     records = []
@@ -139,9 +169,15 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="benchmark the ops against their baselines")
     b.add_argument("--world-size", type=int, default=None, help="ranks (default: every GPU)")
-    b.add_argument("--sizes", type=lambda s: [parse_size(x) for x in s.split(",")], default=None,
-                   help="bytes per rank, e.g. 64M,256M")
-    b.add_argument("--ops", default=None, help="comma-separated subset of all_gather,reduce_scatter,all_reduce")
+    b.add_argument(
+        "--sizes",
+        type=lambda s: [parse_size(x) for x in s.split(",")],
+        default=None,
+        help="bytes per rank, e.g. 64M,256M",
+    )
+    b.add_argument(
+        "--ops", default=None, help="comma-separated subset of all_gather,reduce_scatter,all_reduce"
+    )
     b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     b.add_argument("--iters", type=int, default=20, help="timed runs per rank (median taken)")
     b.add_argument("--out", default="benchmarks/results", help="folder for the JSON results")

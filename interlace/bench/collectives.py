@@ -86,8 +86,17 @@ def run_size(group, op: str, nbytes: int, dtype_name: str, iters: int, timed: bo
             err = _check(op, method, ctx(x), ref)
             t = median_ms(group, lambda: ctx(x), iters) if timed else None
             ctx.check()
-        rows.append({"op": op, "strategy": method, "bytes_per_rank": nbytes, "dtype": dtype_name,
-                     "t_ms": t, "t_nccl_ms": t_nccl, "rel_err": err})
+        rows.append(
+            {
+                "op": op,
+                "strategy": method,
+                "bytes_per_rank": nbytes,
+                "dtype": dtype_name,
+                "t_ms": t,
+                "t_nccl_ms": t_nccl,
+                "rel_err": err,
+            }
+        )
     return rows
 
 

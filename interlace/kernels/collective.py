@@ -53,8 +53,19 @@ def reduce_pull_kernel(out, src_table, like, n, src_offset, rank, world, BLOCK: 
 
 @triton.jit
 def reduce_arrivals_kernel(
-    out, own, recv, slot_stride, n, piece_len, n_pieces,
-    sig, sig_first, rank, world, err, max_spins,
+    out,
+    own,
+    recv,
+    slot_stride,
+    n,
+    piece_len,
+    n_pieces,
+    sig,
+    sig_first,
+    rank,
+    world,
+    err,
+    max_spins,
     BLOCK: tl.constexpr,
 ):
     """Reduce-scatter's reduction: ``out = own + sum of recv[src]`` over the other ranks, in

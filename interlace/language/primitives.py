@@ -163,7 +163,9 @@ def barrier_kernel(sig_table, slot_base, rank, world, err, max_spins):
 
 
 @triton.jit
-def wait_kernel(sig_ptr, first, count, expected, err, rank, max_spins, skip=-1, RESET: tl.constexpr = False):
+def wait_kernel(
+    sig_ptr, first, count, expected, err, rank, max_spins, skip=-1, RESET: tl.constexpr = False
+):
     """A one-program kernel that waits on the local signals ``first .. first + count - 1``
     except ``first + skip`` (consuming them when ``RESET``)."""
     for i in range(count):

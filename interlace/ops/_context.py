@@ -14,12 +14,18 @@ from ..runtime import ErrorWord, Group, SignalPad, default_max_spins
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def persistent_grid(group: Group, n_items: int, per_sm: int = 4, cpu_programs: int = 4) -> tuple[int]:
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def persistent_grid(
+    group: Group, n_items: int, per_sm: int = 4, cpu_programs: int = 4
+) -> tuple[int]:
     """Programs for a persistent kernel: enough to fill the GPU, never more than the work."""
     if group.backend == "cuda":
         limit = sm_count(group.device.index) * per_sm
@@ -36,7 +42,9 @@ class OpContext:
 
     def __init__(self, group: Group, dtype: torch.dtype, regions: dict[str, int], max_spins=None):
         if not isinstance(group, Group):
-            raise InterlaceTypeError(f"{self.op_name}: group must be an interlace Group, got {type(group).__name__}")
+            raise InterlaceTypeError(
+                f"{self.op_name}: group must be an interlace Group, got {type(group).__name__}"
+            )
         if dtype not in SUPPORTED_DTYPES:
             raise InterlaceTypeError(
                 f"{self.op_name}: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}"
@@ -88,8 +96,12 @@ class OpContext:
     def _barrier(self) -> None:
         """Device-side barrier over the group on the current stream."""
         barrier_kernel[(1,)](
-            self.pad.ptrs, self.pad.offset("barrier"), self.rank, self.world_size,
-            self.error.address, self.max_spins,
+            self.pad.ptrs,
+            self.pad.offset("barrier"),
+            self.rank,
+            self.world_size,
+            self.error.address,
+            self.max_spins,
         )
 
     def _track(self, buf):
@@ -99,10 +111,13 @@ class OpContext:
     # ------------------------------------------------------------------ argument checks
     def _check_tensor(self, name: str, t, *, max_numel: int | None = None, numel_multiple: int = 1):
         if not isinstance(t, torch.Tensor):
-            raise InterlaceTypeError(f"{self.op_name}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise InterlaceTypeError(
+                f"{self.op_name}: {name} must be a torch.Tensor, got {type(t).__name__}"
+            )
         if t.dtype != self.dtype:
             raise InterlaceTypeError(
-                f"{self.op_name}: {name} has dtype {t.dtype}, the context was built for {self.dtype}"
+                f"{self.op_name}: {name} has dtype {t.dtype}, "
+                f"the context was built for {self.dtype}"
             )
         if t.device != self.group.device:
             raise InterlaceValueError(

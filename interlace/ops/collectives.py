@@ -28,7 +28,7 @@ from ..kernels.collective import (
 )
 from ..language.primitives import wait_kernel
 from ..runtime import Group, fork, join, stream_write_value32, symm_empty, use_stream
-from ._context import OpContext, persistent_grid
+from ._context import OpContext, cdiv, persistent_grid
 
 COPY_BLOCK = 4096
 REDUCE_BLOCK = 2048
@@ -56,14 +56,25 @@ class AllGather(OpContext):
     op_name = "all_gather"
     METHODS = ("ce_push", "ce_pull", "sm_pull")
 
-    def __init__(self, group: Group, max_numel: int, dtype: torch.dtype, method: str = "ce_push", max_spins=None):
+    def __init__(
+        self,
+        group: Group,
+        max_numel: int,
+        dtype: torch.dtype,
+        method: str = "ce_push",
+        max_spins=None,
+    ):
         self.method = _check_method(self.op_name, method, self.METHODS)
         super().__init__(group, dtype, {"arrival": group.world_size}, max_spins)
         self.max_numel = int(max_numel)
         if self.max_numel <= 0:
-            raise InterlaceValueError(f"{self.op_name}: max_numel must be positive, got {max_numel}")
+            raise InterlaceValueError(
+                f"{self.op_name}: max_numel must be positive, got {max_numel}"
+            )
         if method == "ce_push":
-            self.gathered = self._track(symm_empty((self.world_size * self.max_numel,), dtype, group))
+            self.gathered = self._track(
+                symm_empty((self.world_size * self.max_numel,), dtype, group)
+            )
         else:
             self.staging = self._track(symm_empty((self.max_numel,), dtype, group))
 
@@ -87,9 +98,15 @@ class AllGather(OpContext):
                     peer = (r + i) % w
                     flat[peer * n : (peer + 1) * n].copy_(self.staging.peers[peer][:n])
             else:
-                gather_pull_kernel[persistent_grid(self.group, w * -(-n // COPY_BLOCK))](
-                    flat, self.staging.ptrs, self.staging.local, n, r, w,
-                    BLOCK=COPY_BLOCK, num_warps=8,
+                gather_pull_kernel[persistent_grid(self.group, w * cdiv(n, COPY_BLOCK))](
+                    flat,
+                    self.staging.ptrs,
+                    self.staging.local,
+                    n,
+                    r,
+                    w,
+                    BLOCK=COPY_BLOCK,
+                    num_warps=8,
                 )
             self._barrier()  # nobody still reads my staging buffer
             result = out
@@ -113,8 +130,15 @@ class AllGather(OpContext):
         self.gathered.local[r * n : (r + 1) * n].copy_(src)
         # Consume the w - 1 arrival flags (self-resetting; my own slot is never raised).
         wait_kernel[(1,)](
-            self.pad.buffer.local, arrival, w, 1, self.error.address, r, self.max_spins,
-            skip=r, RESET=True,
+            self.pad.buffer.local,
+            arrival,
+            w,
+            1,
+            self.error.address,
+            r,
+            self.max_spins,
+            skip=r,
+            RESET=True,
         )
         return self.gathered.local[: w * n]
 
@@ -137,17 +161,28 @@ class ReduceScatter(OpContext):
     METHODS = ("ce_scatter", "sm_pull")
     MAX_PIECES = 16
 
-    def __init__(self, group: Group, max_numel: int, dtype: torch.dtype, method: str = "ce_scatter",
-                 pieces: int | None = None, max_spins=None):
+    def __init__(
+        self,
+        group: Group,
+        max_numel: int,
+        dtype: torch.dtype,
+        method: str = "ce_scatter",
+        pieces: int | None = None,
+        max_spins=None,
+    ):
         """``max_numel``: capacity of the per-rank *output* (elements)."""
         self.method = _check_method(self.op_name, method, self.METHODS)
         if pieces is not None and not 1 <= pieces <= self.MAX_PIECES:
-            raise InterlaceValueError(f"{self.op_name}: pieces must be in 1..{self.MAX_PIECES}, got {pieces}")
+            raise InterlaceValueError(
+                f"{self.op_name}: pieces must be in 1..{self.MAX_PIECES}, got {pieces}"
+            )
         w = group.world_size
         super().__init__(group, dtype, {"arrival": w * self.MAX_PIECES}, max_spins)
         self.max_numel = int(max_numel)
         if self.max_numel <= 0:
-            raise InterlaceValueError(f"{self.op_name}: max_numel must be positive, got {max_numel}")
+            raise InterlaceValueError(
+                f"{self.op_name}: max_numel must be positive, got {max_numel}"
+            )
         self.pieces = pieces
         self._plans: dict[int, tuple] = {}
         if method == "ce_scatter":
@@ -176,9 +211,16 @@ class ReduceScatter(OpContext):
         else:
             self.staging.local[: w * m].copy_(x.reshape(-1))
             self._barrier()  # every rank's input is staged
-            reduce_pull_kernel[persistent_grid(self.group, -(-m // REDUCE_BLOCK))](
-                out.view(-1), self.staging.ptrs, self.staging.local, m, r * m, r, w,
-                BLOCK=REDUCE_BLOCK, num_warps=8,
+            reduce_pull_kernel[persistent_grid(self.group, cdiv(m, REDUCE_BLOCK))](
+                out.view(-1),
+                self.staging.ptrs,
+                self.staging.local,
+                m,
+                r * m,
+                r,
+                w,
+                BLOCK=REDUCE_BLOCK,
+                num_warps=8,
             )
             self._barrier()  # nobody still reads my staging buffer
         self._end()
@@ -190,16 +232,24 @@ class ReduceScatter(OpContext):
         if m not in self._plans:
             w, r = self.world_size, self.rank
             pieces = self._pieces_for(m)
-            piece_len = -(-(-(-m // pieces)) // REDUCE_BLOCK) * REDUCE_BLOCK  # block-aligned
-            n_pieces = -(-m // piece_len)
+            piece_len = cdiv(cdiv(m, pieces), REDUCE_BLOCK) * REDUCE_BLOCK  # block-aligned
+            n_pieces = cdiv(m, piece_len)
             arrival = self.pad.offset("arrival")
             transfers = []
             for p in range(n_pieces):
                 lo, hi = p * piece_len, min(m, (p + 1) * piece_len)
                 for i in range(1, w):
                     peer = (r + i) % w
-                    transfers.append((lo, hi, peer, self.recv.peers[peer][r, lo:hi],
-                                      self.pad.buffer.peers[peer], arrival + r * n_pieces + p))
+                    transfers.append(
+                        (
+                            lo,
+                            hi,
+                            peer,
+                            self.recv.peers[peer][r, lo:hi],
+                            self.pad.buffer.peers[peer],
+                            arrival + r * n_pieces + p,
+                        )
+                    )
             self._plans[m] = (piece_len, n_pieces, transfers)
         return self._plans[m]
 
@@ -218,10 +268,22 @@ class ReduceScatter(OpContext):
             push_pieces()
         # On a GPU the reduction is enqueued first: it spins on the arrival flags while the
         # host is still issuing the copies, and reduces each piece as soon as it lands.
-        reduce_arrivals_kernel[persistent_grid(self.group, -(-m // REDUCE_BLOCK))](
-            out, src[r], self.recv.local, self.max_numel, m, piece_len, n_pieces,
-            self.pad.buffer.local, self.pad.offset("arrival"), r, w, self.error.address,
-            self.max_spins, BLOCK=REDUCE_BLOCK, num_warps=8,
+        reduce_arrivals_kernel[persistent_grid(self.group, cdiv(m, REDUCE_BLOCK))](
+            out,
+            src[r],
+            self.recv.local,
+            self.max_numel,
+            m,
+            piece_len,
+            n_pieces,
+            self.pad.buffer.local,
+            self.pad.offset("arrival"),
+            r,
+            w,
+            self.error.address,
+            self.max_spins,
+            BLOCK=REDUCE_BLOCK,
+            num_warps=8,
         )
         self.pad.local("arrival")[: w * n_pieces].zero_()  # flags ready for the next call
         if stream is not None:
@@ -241,12 +303,21 @@ class AllReduce(OpContext):
     op_name = "all_reduce"
     METHODS = ("one_shot", "two_shot")
 
-    def __init__(self, group: Group, max_numel: int, dtype: torch.dtype, method: str = "two_shot", max_spins=None):
+    def __init__(
+        self,
+        group: Group,
+        max_numel: int,
+        dtype: torch.dtype,
+        method: str = "two_shot",
+        max_spins=None,
+    ):
         self.method = _check_method(self.op_name, method, self.METHODS)
         super().__init__(group, dtype, {}, max_spins)
         self.max_numel = int(max_numel)
         if self.max_numel <= 0:
-            raise InterlaceValueError(f"{self.op_name}: max_numel must be positive, got {max_numel}")
+            raise InterlaceValueError(
+                f"{self.op_name}: max_numel must be positive, got {max_numel}"
+            )
         self.staging = self._track(symm_empty((self.max_numel,), dtype, group))
         if method == "two_shot":
             self.reduced = self._track(symm_empty((self.max_numel,), dtype, group))
@@ -262,16 +333,30 @@ class AllReduce(OpContext):
         self.staging.local[:n].copy_(x.reshape(-1))
         self._barrier()  # every rank's input is staged
         if self.method == "one_shot":
-            reduce_pull_kernel[persistent_grid(self.group, -(-n // REDUCE_BLOCK))](
-                flat, self.staging.ptrs, self.staging.local, n, 0, r, w,
-                BLOCK=REDUCE_BLOCK, num_warps=8,
+            reduce_pull_kernel[persistent_grid(self.group, cdiv(n, REDUCE_BLOCK))](
+                flat,
+                self.staging.ptrs,
+                self.staging.local,
+                n,
+                0,
+                r,
+                w,
+                BLOCK=REDUCE_BLOCK,
+                num_warps=8,
             )
         else:
-            chunk = -(-n // w)
+            chunk = cdiv(n, w)
             lo, hi = min(n, r * chunk), min(n, (r + 1) * chunk)
-            reduce_pull_kernel[persistent_grid(self.group, -(-max(hi - lo, 1) // REDUCE_BLOCK))](
-                self.reduced.local[lo:], self.staging.ptrs, self.staging.local, hi - lo, lo, r, w,
-                BLOCK=REDUCE_BLOCK, num_warps=8,
+            reduce_pull_kernel[persistent_grid(self.group, cdiv(max(hi - lo, 1), REDUCE_BLOCK))](
+                self.reduced.local[lo:],
+                self.staging.ptrs,
+                self.staging.local,
+                hi - lo,
+                lo,
+                r,
+                w,
+                BLOCK=REDUCE_BLOCK,
+                num_warps=8,
             )
             self._barrier()  # every reduced chunk is ready
             for i in range(w):

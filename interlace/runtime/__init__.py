@@ -6,7 +6,18 @@ from .streams import comm_stream, copy_and_signal, fork, join, stream_write_valu
 from .symmetric import SymmetricTensor, symm_empty, symm_zeros
 
 __all__ = [
-    "ErrorWord", "Group", "SignalPad", "SymmetricTensor", "comm_stream", "copy_and_signal",
-    "default_max_spins", "fork", "interpreter_enabled", "join", "stream_write_value32",
-    "symm_empty", "symm_zeros", "use_stream",
+    "ErrorWord",
+    "Group",
+    "SignalPad",
+    "SymmetricTensor",
+    "comm_stream",
+    "copy_and_signal",
+    "default_max_spins",
+    "fork",
+    "interpreter_enabled",
+    "join",
+    "stream_write_value32",
+    "symm_empty",
+    "symm_zeros",
+    "use_stream",
 ]

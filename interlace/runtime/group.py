@@ -83,7 +83,7 @@ class Group:
         self._counter = itertools.count()
 
     @classmethod
-    def from_torch(cls, process_group: dist.ProcessGroup | None = None) -> "Group":
+    def from_torch(cls, process_group: dist.ProcessGroup | None = None) -> Group:
         """The Group of a torch ProcessGroup (the default group when None)."""
         return cls(process_group)
 

@@ -55,7 +55,9 @@ def stream_write_value32(signal: torch.Tensor, index: int, value: int) -> None:
     _stream_write(signal.view(torch.uint32), index, value)
 
 
-def copy_and_signal(dst: torch.Tensor, src: torch.Tensor, signal=None, index: int = 0, value: int = 1):
+def copy_and_signal(
+    dst: torch.Tensor, src: torch.Tensor, signal=None, index: int = 0, value: int = 1
+):
     """``dst.copy_(src)`` on the current stream, then (optionally) ``signal[index] = value``."""
     dst.copy_(src)
     if signal is not None:

@@ -27,7 +27,7 @@ from ..errors import InterlaceError, InterlaceValueError
 from .group import Group
 
 SHM_DIR = "/dev/shm"
-_open_buffers: "weakref.WeakSet[SymmetricTensor]" = weakref.WeakSet()
+_open_buffers: weakref.WeakSet[SymmetricTensor] = weakref.WeakSet()
 _symm_enabled_groups: set[str] = set()
 
 
@@ -94,7 +94,9 @@ class SymmetricTensor:
             os.close(fd)
         g.host_barrier()
         try:
-            raw = [torch.from_file(p, shared=True, size=self.nbytes, dtype=torch.uint8) for p in paths]
+            raw = [
+                torch.from_file(p, shared=True, size=self.nbytes, dtype=torch.uint8) for p in paths
+            ]
         finally:
             g.host_barrier()  # every rank has mapped every file: the names can go
             os.unlink(paths[g.rank])

@@ -23,7 +23,6 @@ from contextlib import contextmanager
 from ..errors import InterlaceError
 
 
-
 class WorldError(InterlaceError):
     """A test body failed (or timed out) on one or more ranks."""
 
@@ -44,8 +43,11 @@ def _worker(rank: int, world_size: int, backend: str, port: int, inbox, outbox) 
         if backend == "cuda":
             torch.cuda.set_device(rank)
             dist.init_process_group(
-                "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                world_size=world_size, device_id=torch.device("cuda", rank),
+                "nccl",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                device_id=torch.device("cuda", rank),
             )
         else:
             torch.set_num_threads(1)
@@ -186,7 +188,7 @@ class World:
             except FileNotFoundError:
                 pass
 
-    def __enter__(self) -> "World":
+    def __enter__(self) -> World:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -96,7 +96,9 @@ def _reduce_scatter_body(group, method, dtype_name, rows, cols, calls, pieces):
     return True
 
 
-@pytest.mark.parametrize("method,pieces", [("ce_scatter", 3), ("ce_scatter", None), ("sm_pull", None)])
+@pytest.mark.parametrize(
+    "method,pieces", [("ce_scatter", 3), ("ce_scatter", None), ("sm_pull", None)]
+)
 def test_reduce_scatter_matches_torch(world, method, pieces):
     world.run(_reduce_scatter_body, method, "bf16", [1500, 77], 3, 3, pieces)
 
@@ -157,7 +159,9 @@ def _bad_inputs_body(group):
     assert "contiguous" in msg
     msg = expect(InterlaceValueError, ag, torch.randn(100, device=dev).to(torch.bfloat16))
     assert "capacity" in msg
-    msg = expect(InterlaceValueError, ag, good, out=torch.empty(3, 4, dtype=torch.bfloat16, device=dev))
+    msg = expect(
+        InterlaceValueError, ag, good, out=torch.empty(3, 4, dtype=torch.bfloat16, device=dev)
+    )
     assert "out" in msg and "shape" in msg
     expect(InterlaceTypeError, ag, "not a tensor")
     msg = expect(InterlaceValueError, rs, torch.randn(w * 2 + 1, device=dev).to(torch.bfloat16))
@@ -203,7 +207,9 @@ def _one_rank_misbehaves_body(group):
 
 
 def test_one_bad_rank_gives_timeout_errors_not_a_hang(world):
-    assert world.run(_one_rank_misbehaves_body) == ["value-error"] + ["timeout"] * (world.world_size - 1)
+    assert world.run(_one_rank_misbehaves_body) == ["value-error"] + ["timeout"] * (
+        world.world_size - 1
+    )
 
 
 # ----------------------------------------------------------------------------- lifecycle
