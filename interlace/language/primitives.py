@@ -127,6 +127,14 @@ def guard(mask, token, expected):
 
 
 @triton.jit
+def guard_coord(coord, token, expected, out_of_bounds):
+    """``guard`` for tensor-descriptor (TMA) loads, which take no mask: the coordinate
+    depends on the wait's token, and moves wholly out of bounds (the copy then fills zeros)
+    if the wait timed out."""
+    return tl.where(token >= expected, coord, out_of_bounds)
+
+
+@triton.jit
 def barrier_all(sig_table, slot_base, rank, world, err, max_spins):
     """Device-side barrier over all ranks, using slots ``[slot_base, slot_base + world)``.
 

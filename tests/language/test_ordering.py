@@ -7,7 +7,7 @@ The kernels below are consumer GEMM main loops: per iteration ``t`` they wait on
 ``interlace.language.inspect``:
 
 * a *guarded* load takes its mask from ``guard(mask, token, expected)`` (for TMA, a
-  coordinate from ``_guard_coord``), so its operands are computed from the acquire's
+  coordinate from ``guard_coord``), so its operands are computed from the acquire's
   result. ``data_loads`` follows each load's operands back through the SSA definitions and
   reports the acquire they reach and how: ``"block"`` (in the load's own block: for a loop
   body, the same iteration, the acquire coming first there) or ``"carried"`` (through the
@@ -51,20 +51,13 @@ if _reason is not None:
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from interlace.language.primitives import guard, wait  # noqa: E402
+from interlace.language.primitives import guard, guard_coord, wait  # noqa: E402
 
 ASYNC_COPIES = ("ttg.async_copy_global_to_local", "ttng.async_tma_copy_global_to_local")
 
 
 # --------------------------------------------------------------------------------------
 # kernels
-
-
-@triton.jit
-def _guard_coord(coord, token, expected, OOB: tl.constexpr):
-    """TMA loads take no mask: make a coordinate depend on the token instead. On a timed-out
-    wait it points the box at ``OOB``, wholly outside the tensor, which TMA fills with 0."""
-    return tl.where(token >= expected, coord, OOB)
 
 
 @triton.jit
@@ -126,8 +119,8 @@ def _tma_consumer(
         row = 0
         col = 0
         if GUARD:
-            row = _guard_coord(row, tok, expected, -2 * BM)
-            col = _guard_coord(col, tok, expected, -2 * BN)
+            row = guard_coord(row, tok, expected, -2 * BM)
+            col = guard_coord(col, tok, expected, -2 * BN)
         tile_a = desc_a.load([row, t * BK])
         tile_b = desc_b.load([t * BK, col])
         acc = tl.dot(tile_a, tile_b, acc)
@@ -239,7 +232,7 @@ def test_unguarded_load_is_hoisted_above_its_acquire(shape):
 
 @pytest.mark.parametrize("shape", POLL_SHAPES)
 def test_guarded_load_stays_after_its_acquire(shape):
-    """With ``guard`` (TMA: ``_guard_coord``) the loop is still pipelined, and every data load,
+    """With ``guard`` (TMA: ``guard_coord``) the loop is still pipelined, and every data load,
     prologue and loop body alike, has its mask (TMA: a coordinate) computed from an acquire.
 
     For cp.async and TMA copies the acquire is in the copy's own block and precedes it there
