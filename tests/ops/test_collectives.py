@@ -288,3 +288,18 @@ def test_cuda_graph_capture_and_replay(world):
     if world.backend != "cuda":
         pytest.skip("CUDA graphs need the cuda backend")
     world.run(_graph_body)
+
+
+# ----------------------------------------------------------------------------- 8 ranks
+def _eight_rank_body(group):
+    _all_gather_body(group, "ce_push", "bf16", [13], 5, 2)
+    _reduce_scatter_body(group, "ce_scatter", "bf16", [300], 2, 2, 2)
+    _all_reduce_body(group, "two_shot", "bf16", [(9, 7)], 2)
+    return True
+
+
+def test_eight_ranks_cpu_emulation():
+    """Nothing is hard-coded for 4 ranks: the collectives with 8 (CPU emulation)."""
+    from tests.conftest import get_world
+
+    get_world("cpu", 8).run(_eight_rank_body)
