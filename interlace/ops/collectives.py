@@ -120,14 +120,15 @@ class AllGather(OpContext):
 
     def _push(self, x: torch.Tensor, n: int) -> torch.Tensor:
         w, r = self.world_size, self.rank
+        src = x.reshape(-1)
+        # The local copy first: it runs while the host is still launching the barrier.
+        self.gathered.local[r * n : (r + 1) * n].copy_(src)
         self._barrier()  # every peer is done with the previous result in its buffer
         arrival = self.pad.offset("arrival")
-        src = x.reshape(-1)
         for i in range(1, w):
             peer = (r + i) % w
             self.gathered.peers[peer][r * n : (r + 1) * n].copy_(src)
             stream_write_value32(self.pad.buffer.peers[peer], arrival + r, 1)
-        self.gathered.local[r * n : (r + 1) * n].copy_(src)
         # Consume the w - 1 arrival flags (self-resetting; my own slot is never raised).
         wait_kernel[(1,)](
             self.pad.buffer.local,
