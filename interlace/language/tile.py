@@ -43,7 +43,6 @@ def producer_tile_notify(sig, slot):
     The CTA barrier first makes the stores of every thread of the program part of what the
     release publishes (the atomic itself is issued by one thread)."""
     tl.debug_barrier()
-    notify(sig + slot, 1, ADD=True)
 
 
 @triton.jit
@@ -69,7 +68,7 @@ def consumer_tile_wait(sig, first_slot, n_slots, expected, err, rank, max_spins)
     Returns the smallest value seen: ``guard(mask, token, expected)`` lets the tile's loads
     through only if every channel arrived (a timed-out wait masks them off)."""
     token = wait(sig + first_slot, expected, err, rank, first_slot, max_spins)
-    for i in range(1, 1):
+    for i in range(1, n_slots):
         seen = wait(sig + first_slot + i, expected, err, rank, first_slot + i, max_spins)
         token = tl.minimum(token, seen)
     return token

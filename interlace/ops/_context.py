@@ -4,6 +4,7 @@ life cycle (``close()``, context-manager use, ``check()``)."""
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -103,6 +104,28 @@ class OpContext:
             self.error.address,
             self.max_spins,
         )
+
+    def input_buffer(self, shape) -> torch.Tensor:
+        """A tensor of ``shape`` that a call reads without copying: for methods that stage
+        their input in symmetric memory it is the staging buffer itself, so a producer
+        that writes its output there saves the staging copy. Write it, then pass it as the
+        input; it may be written again once the call has returned (in stream order)."""
+        staging = getattr(self, "staging", None)
+        if staging is None:
+            return torch.empty(shape, dtype=self.dtype, device=self.group.device)
+        numel = math.prod(shape)
+        if numel > staging.numel:
+            raise InterlaceValueError(
+                f"{self.op_name}: input_buffer of {numel} elements exceeds the staging "
+                f"capacity of {staging.numel}"
+            )
+        return staging.local[:numel].view(shape)
+
+    def _stage(self, x: torch.Tensor) -> None:
+        """Copy ``x`` into the staging buffer unless it already is the staging buffer."""
+        stage = self.staging.local
+        if x.data_ptr() != stage.data_ptr():
+            stage[: x.numel()].copy_(x.reshape(-1))
 
     def _track(self, buf):
         self._buffers.append(buf)

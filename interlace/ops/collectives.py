@@ -89,8 +89,7 @@ class AllGather(OpContext):
         else:
             if out is None:
                 out = torch.empty(shape, dtype=self.dtype, device=x.device)
-            stage = self.staging.local[:n]
-            stage.copy_(x.reshape(-1))
+            self._stage(x)
             self._barrier()  # every rank's shard is staged
             flat = out.view(-1)
             if self.method == "ce_pull":
@@ -210,7 +209,7 @@ class ReduceScatter(OpContext):
         if self.method == "ce_scatter":
             self._scatter_reduce(src, out.view(-1), m)
         else:
-            self.staging.local[: w * m].copy_(x.reshape(-1))
+            self._stage(x)
             self._barrier()  # every rank's input is staged
             reduce_pull_kernel[persistent_grid(self.group, cdiv(m, REDUCE_BLOCK))](
                 out.view(-1),
@@ -331,7 +330,7 @@ class AllReduce(OpContext):
             out = torch.empty_like(x)
         w, r, n = self.world_size, self.rank, x.numel()
         flat = out.view(-1)
-        self.staging.local[:n].copy_(x.reshape(-1))
+        self._stage(x)
         self._barrier()  # every rank's input is staged
         if self.method == "one_shot":
             reduce_pull_kernel[persistent_grid(self.group, cdiv(n, REDUCE_BLOCK))](

@@ -303,3 +303,42 @@ def test_eight_ranks_cpu_emulation():
     from tests.conftest import get_world
 
     get_world("cpu", 8).run(_eight_rank_body)
+
+
+# ----------------------------------------------------------------------------- zero-copy input
+def _input_buffer_body(group):
+    w, dev, dtype = group.world_size, group.device, torch.bfloat16
+    gen = torch.Generator().manual_seed(4000 + group.rank)
+    contexts = [
+        interlace.AllGather(group, 30 * w, dtype, method="sm_pull"),
+        interlace.ReduceScatter(group, 30, dtype, method="sm_pull"),
+        interlace.AllReduce(group, 30 * w, dtype, method="one_shot"),
+        interlace.ReduceScatter(group, 30, dtype, method="ce_scatter"),  # no staging
+    ]
+    try:
+        for _ in range(2):
+            for ctx in contexts:
+                buf = ctx.input_buffer((w * 6, 5))
+                buf.copy_(torch.randn(w * 6, 5, generator=gen).to(dtype).to(dev))
+                expected = buf.clone()
+                y = ctx(buf)
+                _sync(group)
+                if ctx.op_name == "all_gather":
+                    assert torch.equal(y, _gather_ref(expected, group))
+                    continue
+                ref = _sum_ref(expected, group)
+                if ctx.op_name == "reduce_scatter":
+                    ref = ref[group.rank * 6 : (group.rank + 1) * 6]
+                assert _rel_err(y, ref) <= 1e-2, ctx.op_name
+        if hasattr(contexts[0], "staging"):
+            assert contexts[0].input_buffer((4,)).data_ptr() == contexts[0].staging.local.data_ptr()
+        with pytest.raises(InterlaceValueError, match="input_buffer"):
+            contexts[0].input_buffer((30 * w + 1,))
+    finally:
+        for ctx in contexts:
+            ctx.close()
+    return True
+
+
+def test_input_buffer_is_read_without_copy(world):
+    world.run(_input_buffer_body)
