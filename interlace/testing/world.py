@@ -23,6 +23,10 @@ from contextlib import contextmanager
 from ..errors import InterlaceError
 
 
+#: After one rank fails, how long the others get to finish before the world is torn down.
+ERROR_GRACE_S = 20.0
+
+
 class WorldError(InterlaceError):
     """A test body failed (or timed out) on one or more ranks."""
 
@@ -137,8 +141,12 @@ class World:
                     break
                 continue
             replies[rank] = (status, payload)
-            if status == "error" and what == "start-up":
-                break
+            if status == "error":
+                if what == "start-up":
+                    break
+                # The other ranks may now wait forever on the failed one (in a collective
+                # or a device wait): give them a short grace, then tear the world down.
+                deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
         if len(replies) < self.world_size:
             missing = sorted(set(range(self.world_size)) - set(replies))
             errors = {r: v for r, v in replies.items() if v[0] == "error"}
