@@ -16,12 +16,12 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 import uuid
 from contextlib import contextmanager
 
 from ..errors import InterlaceError
-
 
 #: After one rank fails, how long the others get to finish before the world is torn down.
 ERROR_GRACE_S = 20.0
@@ -128,7 +128,6 @@ class World:
         self._raise_errors("start-up", replies)
 
     def _collect(self, what: str, timeout: float) -> dict[int, tuple[str, object]]:
-        import time
 
         deadline = time.monotonic() + timeout
         replies: dict[int, tuple[str, object]] = {}
