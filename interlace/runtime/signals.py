@@ -48,10 +48,12 @@ class SignalPad:
         return self.regions[region][0]
 
     def local(self, region: str) -> torch.Tensor:
+        self.buffer.check_open("signal pad")
         start, size = self.regions[region]
         return self.buffer.local[start : start + size]
 
     def peer(self, region: str, rank: int) -> torch.Tensor:
+        self.buffer.check_open("signal pad")
         start, size = self.regions[region]
         return self.buffer.peers[rank][start : start + size]
 
