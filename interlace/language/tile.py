@@ -43,6 +43,7 @@ def producer_tile_notify(sig, slot):
     The CTA barrier first makes the stores of every thread of the program part of what the
     release publishes (the atomic itself is issued by one thread)."""
     tl.debug_barrier()
+    notify(sig + slot, 1, ADD=True)
 
 
 @triton.jit
