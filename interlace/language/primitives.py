@@ -48,11 +48,27 @@ def to_peer(ptrs, table, rank, peer):
 
 @triton.jit
 def notify(sig, value, ADD: tl.constexpr = False):
-    """Release-store ``value`` into signal ``sig`` (or release-add it when ``ADD``)."""
+    """Release-store ``value`` into signal ``sig`` (or release-add it when ``ADD``).
+
+    The CTA barrier first makes every thread's earlier stores part of what the release
+    publishes: Triton issues a scalar atomic from a single thread."""
+    tl.debug_barrier()
     if ADD:
         tl.atomic_add(sig, value, sem="release", scope="sys")
     else:
         tl.atomic_xchg(sig, value, sem="release", scope="sys")
+
+
+#: ``slot`` values at or above this name a slot on another rank's pad: ``slot +
+#: (peer + 1) * REMOTE_SLOT``; the host decodes it in timeout reports.
+REMOTE_SLOT = tl.constexpr(1 << 16)
+#: A spinning wait re-reads the error word every this many spins, and gives up at once if
+#: another wait of the launch (or of an earlier one) already timed out.
+ERROR_POLL = tl.constexpr(4096)
+
+_GE = tl.constexpr(0)  # wait until value >= expected
+_EQ = tl.constexpr(1)  # wait until value == expected
+_CAS = tl.constexpr(2)  # swap expected -> new, waiting until the swap succeeds
 
 
 @triton.jit
@@ -67,27 +83,52 @@ def record_timeout(err, rank, slot, seen):
 
 
 @triton.jit
+def _poll(sig, expected, new, MODE: tl.constexpr):
+    if MODE == _CAS:
+        return tl.atomic_cas(sig, expected, new, sem="acq_rel", scope="sys")
+    else:
+        return tl.atomic_add(sig, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _met(seen, expected, MODE: tl.constexpr):
+    if MODE == _GE:
+        return seen >= expected
+    else:
+        return seen == expected
+
+
+@triton.jit
+def _spin(sig, expected, new, err, rank, slot, max_spins, MODE: tl.constexpr):
+    """The one bounded spin behind every wait. Returns the token: the value seen, or
+    ``expected - 1`` if the wait gave up, so that ``guard`` masks the data off."""
+    seen = _poll(sig, expected, new, MODE)
+    spins = 0
+    while (not _met(seen, expected, MODE)) & (spins < max_spins):
+        if spins % ERROR_POLL == ERROR_POLL - 1:
+            failed = tl.load(err.to(tl.pointer_type(tl.int32)), volatile=True)
+            if failed != 0:
+                spins = max_spins
+        seen = _poll(sig, expected, new, MODE)
+        spins += 1
+    token = seen
+    if not _met(seen, expected, MODE):
+        record_timeout(err, rank, slot, seen)
+        token = expected - 1
+    return token
+
+
+@triton.jit
 def wait(sig, expected, err, rank, slot, max_spins, EQUAL: tl.constexpr = False):
     """Acquire-spin until ``*sig >= expected`` (``== expected`` when ``EQUAL``).
 
-    Returns the last value read: the token to pass to ``guard``. ``slot`` names the
-    signal in a timeout report.
+    Returns the token to pass to ``guard``: the value read, or ``expected - 1`` after a
+    timeout. ``slot`` names the signal in a timeout report.
     """
-    seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
-    spins = 0
     if EQUAL:
-        while (seen != expected) & (spins < max_spins):
-            seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
-            spins += 1
-        if seen != expected:
-            record_timeout(err, rank, slot, seen)
+        return _spin(sig, expected, 0, err, rank, slot, max_spins, _EQ)
     else:
-        while (seen < expected) & (spins < max_spins):
-            seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
-            spins += 1
-        if seen < expected:
-            record_timeout(err, rank, slot, seen)
-    return seen
+        return _spin(sig, expected, 0, err, rank, slot, max_spins, _GE)
 
 
 @triton.jit
@@ -97,26 +138,13 @@ def consume(sig, expected, err, rank, slot, max_spins):
     The handshake resets itself, so a signal used this way is ready for the next call and
     for CUDA-graph replays with no extra memset. Returns ``expected`` on success.
     """
-    seen = tl.atomic_cas(sig, expected, 0, sem="acq_rel", scope="sys")
-    spins = 0
-    while (seen != expected) & (spins < max_spins):
-        seen = tl.atomic_cas(sig, expected, 0, sem="acq_rel", scope="sys")
-        spins += 1
-    if seen != expected:
-        record_timeout(err, rank, slot, seen)
-    return seen
+    return _spin(sig, expected, 0, err, rank, slot, max_spins, _CAS)
 
 
 @triton.jit
 def put_flag(sig, err, rank, slot, max_spins):
     """Set a handshake flag from 0 to 1, first waiting for the previous 1 to be consumed."""
-    seen = tl.atomic_cas(sig, 0, 1, sem="acq_rel", scope="sys")
-    spins = 0
-    while (seen != 0) & (spins < max_spins):
-        seen = tl.atomic_cas(sig, 0, 1, sem="acq_rel", scope="sys")
-        spins += 1
-    if seen != 0:
-        record_timeout(err, rank, slot, seen)
+    _spin(sig, 0, 1, err, rank, slot, max_spins, _CAS)
 
 
 @triton.jit
@@ -146,7 +174,7 @@ def barrier_all(sig_table, slot_base, rank, world, err, max_spins):
     for i in range(1, world):
         peer = (rank + i) % world
         theirs = signal_base(sig_table, peer) + slot_base
-        put_flag(theirs + rank, err, rank, slot_base + rank, max_spins)
+        put_flag(theirs + rank, err, rank, slot_base + rank + (peer + 1) * REMOTE_SLOT, max_spins)
     for i in range(1, world):
         peer = (rank + world - i) % world
         consume(mine + peer, 1, err, rank, slot_base + peer, max_spins)

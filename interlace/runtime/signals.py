@@ -21,8 +21,10 @@ from .group import Group
 from .symmetric import symm_zeros
 
 #: Spins before a device wait gives up. One spin is one system-scope atomic (about a
-#: microsecond on a GPU, tens of microseconds in the interpreter).
+#: microsecond on a GPU, about 100 microseconds in the interpreter).
 DEFAULT_SPINS = {"cuda": 1 << 25, "cpu": 1 << 19}
+#: Mirrors ``language.primitives.REMOTE_SLOT`` (the runtime layer cannot import it).
+REMOTE_SLOT = 1 << 16
 
 
 def default_max_spins(group: Group) -> int:
@@ -62,6 +64,11 @@ class SignalPad:
         return self.buffer.ptrs
 
     def describe(self, slot: int) -> str:
+        """Readable name of a slot recorded by a timed-out wait (``REMOTE_SLOT`` encoded
+        slots live on another rank's pad)."""
+        if slot >= REMOTE_SLOT:
+            peer, slot = divmod(slot, REMOTE_SLOT)
+            return f"{self.describe(slot)} on rank {peer - 1}"
         for name, (start, size) in self.regions.items():
             if start <= slot < start + size:
                 return f"{name}[{slot - start}]"

@@ -194,7 +194,8 @@ def _notify_set_body(group, seed):
             EQUAL=True,
         )
         _expect_timeout(group, err, pad, "equal_wait", f"set[{left}]", observed=value(left))
-        assert int(out[0]) == value(left)
+        # a timed-out wait returns expected - 1, so that guard() masks the data off
+        assert int(out[0]) == value(left) - 2
         group.host_barrier()
     finally:
         pad.close()
@@ -569,3 +570,40 @@ def test_tile_push_pull(world, dtype_name, M, N, BM, BN):
 
 def test_guard(world):
     assert all(world.run(_guard_body, _seed()))
+
+
+def _bail_out_body(group):
+    """Once a wait has recorded a timeout, every later wait gives up within ERROR_POLL
+    spins instead of spinning its whole bound (which here would take hours)."""
+    pad = SignalPad(group, {"never": 1})
+    err = ErrorWord(group)
+    out = torch.full((1,), -7, dtype=torch.int32, device=group.device)
+    try:
+        err.tensor[0], err.tensor[2] = 2, 12345  # an earlier wait failed
+        _wait_token_kernel[(1,)](
+            pad.buffer.local, 0, 1, err.address, group.rank, 1 << 30, out, EQUAL=False
+        )
+        _sync(group)
+        assert int(out[0]) == 0  # expected - 1: the guard masks data off
+        with pytest.raises(WaitTimeoutError) as info:
+            err.raise_if_set("bail", pad.describe)
+        assert "slot 12345" in str(info.value)  # the first failure is kept, not overwritten
+    finally:
+        group.host_barrier()
+        pad.close()
+    return True
+
+
+def test_waits_give_up_early_after_a_timeout(world):
+    world.run(_bail_out_body)
+
+
+def test_remote_slots_are_named_with_their_rank():
+    from interlace.language.primitives import REMOTE_SLOT
+
+    class _Pad(SignalPad):
+        def __init__(self):  # no buffer: only the naming is under test
+            self.regions = {"barrier": (0, 4), "data": (4, 2)}
+
+    assert _Pad().describe(5) == "data[1]"
+    assert _Pad().describe(2 + 3 * REMOTE_SLOT.value) == "barrier[2] on rank 2"
