@@ -257,39 +257,22 @@ class ReduceScatter(OpContext):
         w, r = self.world_size, self.rank
         piece_len, n_pieces, transfers = self._scatter_plan(m)
 
-        def push_pieces():
+        self._barrier()  # every peer has finished reading its receive buffer
+        # The copies are enqueued before the reduction that waits for them. The other order
+        # (a spinning kernel that fills every SM enqueued before its producers) deadlocked on
+        # 2 x H200: the peer copies then could not start.
+        stream = fork(self.group)
+        with use_stream(stream):
             for lo, hi, peer, dst, signal, slot in transfers:
                 dst.copy_(src[peer, lo:hi])
                 stream_write_value32(signal, slot, 1)
-
-        self._barrier()  # every peer has finished reading its receive buffer
-        stream = fork(self.group)
-        if stream is None:  # cpu: no streams, the pushes must land before the reduction runs
-            push_pieces()
-        # On a GPU the reduction is enqueued first: it spins on the arrival flags while the
-        # host is still issuing the copies, and reduces each piece as soon as it lands.
         reduce_arrivals_kernel[persistent_grid(self.group, cdiv(m, REDUCE_BLOCK))](
-            out,
-            src[r],
-            self.recv.local,
-            self.max_numel,
-            m,
-            piece_len,
-            n_pieces,
-            self.pad.buffer.local,
-            self.pad.offset("arrival"),
-            r,
-            w,
-            self.error.address,
-            self.max_spins,
-            BLOCK=REDUCE_BLOCK,
-            num_warps=8,
-        )
+            out, src[r], self.recv.local, self.max_numel, m, piece_len, n_pieces,
+            self.pad.buffer.local, self.pad.offset("arrival"), r, w, self.error.address,
+            self.max_spins, BLOCK=REDUCE_BLOCK, num_warps=8,
+        )  # fmt: skip
         self.pad.local("arrival")[: w * n_pieces].zero_()  # flags ready for the next call
-        if stream is not None:
-            with use_stream(stream):
-                push_pieces()
-            join(self.group, stream)
+        join(self.group, stream)
 
 
 class AllReduce(OpContext):
