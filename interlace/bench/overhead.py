@@ -25,6 +25,19 @@ def host_us(group, fn, iters: int = 20) -> float:
     return statistics.median(samples)
 
 
+def _measure(group, what: str, nbytes: int, ctx, x, barrier: bool = False) -> dict:
+    ctx(x)  # warm-up: compile kernels
+    row = {
+        "what": what,
+        "bytes": nbytes,
+        "host_us": host_us(group, lambda: ctx(x)),
+        "t_ms": median_ms(group, lambda: ctx(x)),
+    }
+    if barrier:
+        row["barrier_ms"] = median_ms(group, ctx._barrier)
+    return row
+
+
 def overhead_body(group, nbytes_list) -> list[dict]:
     rows = []
     w = group.world_size
@@ -33,22 +46,13 @@ def overhead_body(group, nbytes_list) -> list[dict]:
         x_ag = torch.randn(n, device=group.device).to(torch.bfloat16)
         x_rs = torch.randn(w * n, device=group.device).to(torch.bfloat16)
         with AllGather(group, n, torch.bfloat16) as ag:
-            ag(x_ag)
-            rows.append({"what": "all_gather ce_push", "bytes": nbytes,
-                         "host_us": host_us(group, lambda: ag(x_ag)),
-                         "t_ms": median_ms(group, lambda: ag(x_ag)),
-                         "barrier_ms": median_ms(group, ag._barrier)})
+            rows.append(_measure(group, "all_gather ce_push", nbytes, ag, x_ag, barrier=True))
         for pieces in (1, 2, 4, 8):
             with ReduceScatter(group, n, torch.bfloat16, pieces=pieces) as rs:
-                rs(x_rs)
-                rows.append({"what": f"reduce_scatter ce_scatter pieces={pieces}", "bytes": nbytes,
-                             "host_us": host_us(group, lambda: rs(x_rs)),
-                             "t_ms": median_ms(group, lambda: rs(x_rs))})
+                what = f"reduce_scatter ce_scatter pieces={pieces}"
+                rows.append(_measure(group, what, nbytes, rs, x_rs))
         with ReduceScatter(group, n, torch.bfloat16, method="sm_pull") as rs:
-            rs(x_rs)
-            rows.append({"what": "reduce_scatter sm_pull", "bytes": nbytes,
-                         "host_us": host_us(group, lambda: rs(x_rs)),
-                         "t_ms": median_ms(group, lambda: rs(x_rs))})
+            rows.append(_measure(group, "reduce_scatter sm_pull", nbytes, rs, x_rs))
     return rows
 
 
