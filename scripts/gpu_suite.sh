@@ -21,6 +21,11 @@ test_rc=$?
 timeout -k 10 "$BENCH_TIMEOUT" python3 -m interlace bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
 bench_rc=$?
 
+if [ -n "${PROBE:-}" ]; then
+    timeout -k 10 150 python3 -m interlace.bench.overhead > "$OUT/overhead.log" 2>&1
+fi
+
 echo "== machine"; head -4 "$OUT/machine.txt"
 echo "== GPU tests (rc=$test_rc)"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT/gpu_tests.log" | tail -25
+[ -n "${PROBE:-}" ] && { echo "== overhead probe"; tail -22 "$OUT/overhead.log"; }
 echo "== bench (rc=$bench_rc)"; tail -32 "$OUT/bench.log"

@@ -35,6 +35,7 @@ def _measure(group, what: str, nbytes: int, ctx, x, barrier: bool = False) -> di
     }
     if barrier:
         row["barrier_ms"] = median_ms(group, ctx._barrier)
+        row["barrier_host_us"] = host_us(group, ctx._barrier)
     return row
 
 
@@ -70,6 +71,8 @@ def main() -> int:
         host = max(x["host_us"] for x in rows)
         bar = max(x.get("barrier_ms", float("nan")) for x in rows)
         print(f"{r['what']:42s} {r['bytes'] >> 20:5d} {host:8.1f} {t:7.3f} {bar:10.4f}")
+        if "barrier_host_us" in r:
+            print(f"{'  barrier kernel alone: host us':42s} {max(x['barrier_host_us'] for x in rows):8.1f}")
     return 0
 
 
