@@ -72,7 +72,8 @@ def main() -> int:
         bar = max(x.get("barrier_ms", float("nan")) for x in rows)
         print(f"{r['what']:42s} {r['bytes'] >> 20:5d} {host:8.1f} {t:7.3f} {bar:10.4f}")
         if "barrier_host_us" in r:
-            print(f"{'  barrier kernel alone: host us':42s} {max(x['barrier_host_us'] for x in rows):8.1f}")
+            launch = max(x["barrier_host_us"] for x in rows)
+            print(f"{'  barrier kernel alone: host us':42s} {launch:8.1f}")
     return 0
 
 
