@@ -193,8 +193,22 @@ def tile_pull(src_ptrs, dst_ptrs, mask):
 
 
 @triton.jit
-def barrier_kernel(sig_table, slot_base, rank, world, err, max_spins):
-    """A one-program kernel that runs ``barrier_all``."""
+def barrier_kernel(
+    sig_table, slot_base, rank, world, err, max_spins, clear_first=0, clear_count=0,
+    CLEAR_BLOCK: tl.constexpr = 64,
+):  # fmt: skip
+    """A one-program kernel that runs ``barrier_all``, first zeroing ``clear_count`` local
+    signal slots from ``clear_first``.
+
+    Clearing here, before this rank tells its peers it has arrived, resets flags that the
+    previous call read without consuming: no peer can raise them again before the barrier,
+    and it saves a separate memset launch per call."""
+    if clear_count > 0:
+        mine = signal_base(sig_table, rank) + clear_first
+        for start in range(0, clear_count, CLEAR_BLOCK):
+            offs = start + tl.arange(0, CLEAR_BLOCK)
+            tl.store(mine + offs, 0, mask=offs < clear_count)
+        tl.debug_barrier()
     barrier_all(sig_table, slot_base, rank, world, err, max_spins)
 
 

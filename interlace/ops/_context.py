@@ -94,16 +94,13 @@ class OpContext:
             self.error.raise_if_set(self.op_name, self.pad.describe)
 
     # ------------------------------------------------------------------ device helpers
-    def _barrier(self) -> None:
-        """Device-side barrier over the group on the current stream."""
+    def _barrier(self, clear_first: int = 0, clear_count: int = 0) -> None:
+        """Device-side barrier over the group on the current stream; optionally zeroes
+        ``clear_count`` local signal slots from ``clear_first`` before arriving."""
         barrier_kernel[(1,)](
-            self.pad.ptrs,
-            self.pad.offset("barrier"),
-            self.rank,
-            self.world_size,
-            self.error.address,
-            self.max_spins,
-        )
+            self.pad.ptrs, self.pad.offset("barrier"), self.rank, self.world_size,
+            self.error.address, self.max_spins, clear_first, clear_count,
+        )  # fmt: skip
 
     def input_buffer(self, shape) -> torch.Tensor:
         """A tensor of ``shape`` that a call reads without copying: for methods that stage

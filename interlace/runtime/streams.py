@@ -52,7 +52,9 @@ def stream_write_value32(signal: torch.Tensor, index: int, value: int) -> None:
         return
     if _stream_write is None:
         _stream_write = _resolve_stream_write()
-    _stream_write(signal.view(torch.uint32), index, value)
+    if signal.dtype != torch.uint32:
+        signal = signal.view(torch.uint32)
+    _stream_write(signal, index, value)
 
 
 def copy_and_signal(

@@ -607,3 +607,29 @@ def test_remote_slots_are_named_with_their_rank():
 
     assert _Pad().describe(5) == "data[1]"
     assert _Pad().describe(2 + 3 * REMOTE_SLOT.value) == "barrier[2] on rank 2"
+
+
+def _barrier_clears_body(group):
+    """barrier_kernel zeroes the requested run of local slots (more than one block of
+    them) before arriving, and nothing outside it."""
+    pad = SignalPad(group, {"barrier": group.world_size, "flags": 200})
+    err = ErrorWord(group)
+    try:
+        pad.local("flags").fill_(1)
+        _sync(group)
+        barrier_kernel[(1,)](
+            pad.ptrs, pad.offset("barrier"), group.rank, group.world_size, err.address,
+            default_max_spins(group), pad.offset("flags") + 3, 150,
+        )  # fmt: skip
+        _sync(group)
+        err.raise_if_set("barrier_clear", pad.describe)
+        flags = _pad_values(pad, "flags")
+        assert flags == [1] * 3 + [0] * 150 + [1] * 47, flags
+    finally:
+        group.host_barrier()
+        pad.close()
+    return True
+
+
+def test_barrier_clears_flags(world):
+    world.run(_barrier_clears_body)

@@ -293,7 +293,7 @@ def test_cuda_graph_capture_and_replay(world):
 # ----------------------------------------------------------------------------- 8 ranks
 def _eight_rank_body(group):
     _all_gather_body(group, "ce_push", "bf16", [13], 5, 2)
-    _reduce_scatter_body(group, "ce_scatter", "bf16", [300], 2, 2, 2)
+    _reduce_scatter_body(group, "ce_scatter", "bf16", [16 * 2048 + 5], 1, 3, 16)  # 8 x 16 flags
     _all_reduce_body(group, "two_shot", "bf16", [(9, 7)], 2)
     return True
 
