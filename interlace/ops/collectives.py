@@ -259,7 +259,9 @@ class ReduceScatter(OpContext):
         # The copies are enqueued before the reduction that waits for them. The other order
         # (a spinning kernel that fills every SM enqueued before its producers) deadlocked on
         # 2 x H200: the peer copies then could not start.
-        stream = fork(self.group)
+        # With one piece there is nothing to overlap: the copies go on the caller's stream
+        # and the fork/join (two event round trips on the host) is saved.
+        stream = fork(self.group) if n_pieces > 1 else None
         with use_stream(stream):
             for lo, hi, peer, dst, signal, slot in transfers:
                 dst.copy_(src[peer, lo:hi])
