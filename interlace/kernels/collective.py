@@ -72,22 +72,31 @@ def reduce_arrivals_kernel(
     fp32, consuming each block as soon as its piece from ``src`` has landed.
 
     ``recv[src]`` (stride ``slot_stride``) is written by rank ``src``'s copy engine, which
-    raises ``sig[sig_first + src * n_pieces + piece]`` when that piece has landed. Sources are
-    visited in arrival order (rank - 1, rank - 2, ...): the order the pushes are issued in.
+    raises ``sig[sig_first + src * n_pieces + piece]`` when that piece has landed.
     """
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     n_blocks = tl.cdiv(n, BLOCK)
     offs0 = tl.arange(0, BLOCK)
+    # Blocks are visited in increasing order, so pieces arrive in the order a program needs
+    # them: it waits once per (piece, source), not once per block.
+    confirmed = -1
+    token = 0
     for b in range(pid, n_blocks, n_prog):
         offs = b * BLOCK + offs0
         mask = offs < n
         piece = (b * BLOCK) // piece_len
+        if piece > confirmed:
+            token = 1
+            for i in range(1, world):
+                src = (rank + world - i) % world
+                slot = sig_first + src * n_pieces + piece
+                token = tl.minimum(token, wait(sig + slot, 1, err, rank, slot, max_spins))
+            confirmed = piece
+        ok = guard(mask, token, 1)
         acc = tl.load(own + offs, mask=mask).to(tl.float32)
         for i in range(1, world):
             src = (rank + world - i) % world
-            slot = sig_first + src * n_pieces + piece
-            token = wait(sig + slot, 1, err, rank, slot, max_spins)
-            vals = tl.load(recv + src.to(tl.int64) * slot_stride + offs, mask=guard(mask, token, 1))
+            vals = tl.load(recv + src.to(tl.int64) * slot_stride + offs, mask=ok)
             acc += vals.to(tl.float32)
         tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)

@@ -84,10 +84,13 @@ def record_timeout(err, rank, slot, seen):
 
 @triton.jit
 def _poll(sig, expected, new, MODE: tl.constexpr):
+    """One look at the signal. Plain waits read it with a volatile load: many programs
+    polling one word with atomics would serialise on it and slow the very transfers they
+    wait for. The acquire comes after the spin (``_spin``)."""
     if MODE == _CAS:
         return tl.atomic_cas(sig, expected, new, sem="acq_rel", scope="sys")
     else:
-        return tl.atomic_add(sig, 0, sem="acquire", scope="sys")
+        return tl.load(sig, volatile=True)
 
 
 @triton.jit
@@ -101,7 +104,11 @@ def _met(seen, expected, MODE: tl.constexpr):
 @triton.jit
 def _spin(sig, expected, new, err, rank, slot, max_spins, MODE: tl.constexpr):
     """The one bounded spin behind every wait. Returns the token: the value seen, or
-    ``expected - 1`` if the wait gave up, so that ``guard`` masks the data off."""
+    ``expected - 1`` if the wait gave up, so that ``guard`` masks the data off.
+
+    A plain wait ends with one acquiring atomic read of the signal: it orders every later
+    load after the producer's release, and it is the token ``guard`` makes loads depend on.
+    """
     seen = _poll(sig, expected, new, MODE)
     spins = 0
     while (not _met(seen, expected, MODE)) & (spins < max_spins):
@@ -111,6 +118,8 @@ def _spin(sig, expected, new, err, rank, slot, max_spins, MODE: tl.constexpr):
                 spins = max_spins
         seen = _poll(sig, expected, new, MODE)
         spins += 1
+    if MODE != _CAS:
+        seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
     token = seen
     if not _met(seen, expected, MODE):
         record_timeout(err, rank, slot, seen)
