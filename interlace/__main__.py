@@ -57,13 +57,14 @@ def _table(records: list[dict], timed: bool) -> None:
     ]
     rows = []
     for r in records:
-        t, tn = r.get("t_ms"), r.get("t_nccl_ms")
+        t, tn, tg = r.get("t_ms"), r.get("t_nccl_ms"), r.get("t_graph_ms")
         rows.append(
             [
                 r["op"],
                 r["strategy"],
                 f"{r['bytes_per_rank'] / 2**20:.3g}",
                 f"{t:.3f}" if t else "-",
+                f"{tg:.3f}" if tg else "-",
                 f"{tn:.3f}" if tn else "-",
                 f"{r['busbw_gbps']:.0f}" if timed else "-",
                 f"{r['nccl_busbw_gbps']:.0f}" if timed else "-",

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops import AllGather, AllReduce, ReduceScatter
-from .timing import median_ms
+from .timing import graph_of, median_ms
 
 OPS = {
     "all_gather": (AllGather, AllGather.METHODS),
@@ -84,7 +84,10 @@ def run_size(group, op: str, nbytes: int, dtype_name: str, iters: int, timed: bo
     for method in methods:
         with cls(group, max_numel=capacity, dtype=dtype, method=method) as ctx:
             err = _check(op, method, ctx(x), ref)
-            t = median_ms(group, lambda: ctx(x), iters) if timed else None
+            t = t_graph = None
+            if timed:
+                t = median_ms(group, lambda: ctx(x), iters)
+                t_graph = median_ms(group, graph_of(group, lambda: ctx(x)).replay, iters)
             ctx.check()
         rows.append(
             {
@@ -93,6 +96,7 @@ def run_size(group, op: str, nbytes: int, dtype_name: str, iters: int, timed: bo
                 "bytes_per_rank": nbytes,
                 "dtype": dtype_name,
                 "t_ms": t,
+                "t_graph_ms": t_graph,
                 "t_nccl_ms": t_nccl,
                 "rel_err": err,
             }
@@ -105,13 +109,14 @@ def merge_ranks(per_rank: list[list[dict]], world: int) -> list[dict]:
     merged = []
     for rows in zip(*per_rank):
         rec = dict(rows[0])
-        for key in ("t_ms", "t_nccl_ms", "rel_err"):
+        for key in ("t_ms", "t_graph_ms", "t_nccl_ms", "rel_err"):
             vals = [r[key] for r in rows if r[key] is not None]
             rec[key] = max(vals) if vals else None
         if rec["t_ms"]:
             f = bus_factor(rec["op"], world) * rec["bytes_per_rank"] / 1e6
             rec["busbw_gbps"] = round(f / rec["t_ms"], 1)
             rec["nccl_busbw_gbps"] = round(f / rec["t_nccl_ms"], 1)
-            rec["t_ms"], rec["t_nccl_ms"] = round(rec["t_ms"], 4), round(rec["t_nccl_ms"], 4)
+            for key in ("t_ms", "t_graph_ms", "t_nccl_ms"):
+                rec[key] = round(rec[key], 4)
         merged.append(rec)
     return merged

@@ -29,3 +29,20 @@ def median_ms(group, fn, iters: int = 20, warmup: int = 5) -> float:
 
 def max_over_ranks(per_rank: list[dict], key: str) -> float:
     return max(r[key] for r in per_rank)
+
+
+def graph_of(group, fn):
+    """Capture one call of ``fn`` in a CUDA graph (after a warm-up call on a side stream),
+    on every rank at once; returns the graph to ``replay()``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier(group=group.process_group, device_ids=[group.device.index])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
