@@ -49,6 +49,7 @@ def _table(records: list[dict], timed: bool) -> None:
         "strategy",
         "MB/rank",
         "t_ms",
+        "graph_ms",
         "nccl_ms",
         "busbw",
         "nccl_busbw",
