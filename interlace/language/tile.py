@@ -94,6 +94,23 @@ def consumer_tile_wait_table(sig, slot_base, order, first, n_slots, expected, er
 
 
 @triton.jit
+def _copy_rows(
+    src, dst, row_start, row_end, n_cols, stride, token, expected,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Copy rows ``[row_start, row_end)`` x columns ``[0, n_cols)`` (row stride ``stride``)
+    from ``src`` to ``dst`` in masked blocks, the loads guarded by ``token >= expected``."""
+    for r0 in range(row_start, row_end, BLOCK_M):
+        rows = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        for c0 in range(0, n_cols, BLOCK_N):
+            cols = c0 + tl.arange(0, BLOCK_N)
+            offs = rows[:, None] * stride + cols[None, :]
+            mask = (rows[:, None] < row_end) & (cols[None, :] < n_cols)
+            mask = guard(mask, token, expected)
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
 def tile_push_data(
     base,
     table,
@@ -113,13 +130,7 @@ def tile_push_data(
     this program. Follow with ``peer_tile_notify`` to publish them."""
     tl.debug_barrier()
     dst = remote_base(table, peer, base)
-    for r0 in range(row_start, row_end, BLOCK_M):
-        rows = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-        for c0 in range(0, n_cols, BLOCK_N):
-            cols = c0 + tl.arange(0, BLOCK_N)
-            offs = rows[:, None] * stride + cols[None, :]
-            mask = (rows[:, None] < row_end) & (cols[None, :] < n_cols)
-            tl.store(dst + offs, tl.load(base + offs, mask=mask), mask=mask)
+    _copy_rows(base, dst, row_start, row_end, n_cols, stride, 0, 0, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -142,14 +153,7 @@ def tile_pull_data(
     ``token``/``expected`` come from the wait that saw the rows ready: the loads are
     guarded by them, so they stay after the wait (and do nothing if it timed out)."""
     src = remote_base(table, peer, base)
-    for r0 in range(row_start, row_end, BLOCK_M):
-        rows = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-        for c0 in range(0, n_cols, BLOCK_N):
-            cols = c0 + tl.arange(0, BLOCK_N)
-            offs = rows[:, None] * stride + cols[None, :]
-            mask = (rows[:, None] < row_end) & (cols[None, :] < n_cols)
-            mask = guard(mask, token, expected)
-            tl.store(base + offs, tl.load(src + offs, mask=mask), mask=mask)
+    _copy_rows(src, base, row_start, row_end, n_cols, stride, token, expected, BLOCK_M, BLOCK_N)
 
 
 # --------------------------------------------------------------------------------------

@@ -41,7 +41,10 @@ class OpContext:
 
     op_name = "op"
 
-    def __init__(self, group: Group, dtype: torch.dtype, regions: dict[str, int], max_spins=None):
+    def __init__(
+        self, group: Group, dtype: torch.dtype, max_numel: int, regions: dict[str, int],
+        max_spins=None,
+    ):  # fmt: skip
         if not isinstance(group, Group):
             raise InterlaceTypeError(
                 f"{self.op_name}: group must be an interlace Group, got {type(group).__name__}"
@@ -50,7 +53,11 @@ class OpContext:
             raise InterlaceTypeError(
                 f"{self.op_name}: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}"
             )
-        self.group, self.dtype = group, dtype
+        if int(max_numel) <= 0:
+            raise InterlaceValueError(
+                f"{self.op_name}: max_numel must be positive, got {max_numel}"
+            )
+        self.group, self.dtype, self.max_numel = group, dtype, int(max_numel)
         self.world_size, self.rank = group.world_size, group.rank
         self.max_spins = int(max_spins) if max_spins is not None else default_max_spins(group)
         self.pad = SignalPad(group, {"barrier": group.world_size, **regions})

@@ -65,12 +65,7 @@ class AllGather(OpContext):
         max_spins=None,
     ):
         self.method = _check_method(self.op_name, method, self.METHODS)
-        super().__init__(group, dtype, {"arrival": group.world_size}, max_spins)
-        self.max_numel = int(max_numel)
-        if self.max_numel <= 0:
-            raise InterlaceValueError(
-                f"{self.op_name}: max_numel must be positive, got {max_numel}"
-            )
+        super().__init__(group, dtype, max_numel, {"arrival": group.world_size}, max_spins)
         if method == "ce_push":
             self.gathered = self._track(
                 symm_empty((self.world_size * self.max_numel,), dtype, group)
@@ -177,12 +172,7 @@ class ReduceScatter(OpContext):
                 f"{self.op_name}: pieces must be in 1..{self.MAX_PIECES}, got {pieces}"
             )
         w = group.world_size
-        super().__init__(group, dtype, {"arrival": w * self.MAX_PIECES}, max_spins)
-        self.max_numel = int(max_numel)
-        if self.max_numel <= 0:
-            raise InterlaceValueError(
-                f"{self.op_name}: max_numel must be positive, got {max_numel}"
-            )
+        super().__init__(group, dtype, max_numel, {"arrival": w * self.MAX_PIECES}, max_spins)
         self.pieces = pieces
         self._plans: dict[int, tuple] = {}
         if method == "ce_scatter":
@@ -294,12 +284,7 @@ class AllReduce(OpContext):
         max_spins=None,
     ):
         self.method = _check_method(self.op_name, method, self.METHODS)
-        super().__init__(group, dtype, {}, max_spins)
-        self.max_numel = int(max_numel)
-        if self.max_numel <= 0:
-            raise InterlaceValueError(
-                f"{self.op_name}: max_numel must be positive, got {max_numel}"
-            )
+        super().__init__(group, dtype, max_numel, {}, max_spins)
         self.staging = self._track(symm_empty((self.max_numel,), dtype, group))
         if method == "two_shot":
             self.reduced = self._track(symm_empty((self.max_numel,), dtype, group))

@@ -168,6 +168,8 @@ def _bad_inputs_body(group):
     assert "divisible" in msg
     expect(InterlaceValueError, interlace.AllGather, group, 64, torch.bfloat16, method="nope")
     expect(InterlaceTypeError, interlace.AllGather, group, 64, torch.int64)
+    msg = expect(InterlaceValueError, interlace.AllReduce, group, 0, torch.bfloat16)
+    assert "max_numel" in msg
     expect(InterlaceValueError, interlace.ReduceScatter, group, 64, torch.bfloat16, pieces=0)
     # The contexts still work after rejecting bad input: nothing was launched.
     y = ag(good)
