@@ -78,39 +78,31 @@ class AllGather(OpContext):
         self._check_tensor("x", x, max_numel=self.max_numel)
         shape = (self.world_size * x.shape[0], *x.shape[1:])
         out = self._check_out(out, shape)
-        n, w, r = x.numel(), self.world_size, self.rank
         if self.method == "ce_push":
-            result = self._push(x, n)
-        else:
-            if out is None:
-                out = torch.empty(shape, dtype=self.dtype, device=x.device)
-            self._stage(x)
-            self._barrier()  # every rank's shard is staged
-            flat = out.view(-1)
-            if self.method == "ce_pull":
-                for i in range(w):
-                    peer = (r + i) % w
-                    flat[peer * n : (peer + 1) * n].copy_(self.staging.peers[peer][:n])
-            else:
-                gather_pull_kernel[persistent_grid(self.group, w * cdiv(n, COPY_BLOCK))](
-                    flat,
-                    self.staging.ptrs,
-                    self.staging.local,
-                    n,
-                    r,
-                    w,
-                    BLOCK=COPY_BLOCK,
-                    num_warps=8,
-                )
-            self._barrier()  # nobody still reads my staging buffer
-            result = out
-        if self.method == "ce_push":
-            result = result.view(shape)
+            result = self._push(x, x.numel()).view(shape)
             if out is not None:
-                out.copy_(result)
-                result = out
+                result = out.copy_(result)
+        else:
+            result = self._pull(x, out if out is not None else x.new_empty(shape))
         self._end()
         return result
+
+    def _pull(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        n, w, r = x.numel(), self.world_size, self.rank
+        self._stage(x)
+        self._barrier()  # every rank's shard is staged
+        flat = out.view(-1)
+        if self.method == "ce_pull":
+            for i in range(w):
+                peer = (r + i) % w
+                flat[peer * n : (peer + 1) * n].copy_(self.staging.peers[peer][:n])
+        else:
+            gather_pull_kernel[persistent_grid(self.group, w * cdiv(n, COPY_BLOCK))](
+                flat, self.staging.ptrs, self.staging.local, n, r, w,
+                BLOCK=COPY_BLOCK, num_warps=8,
+            )  # fmt: skip
+        self._barrier()  # nobody still reads my staging buffer
+        return out
 
     def _push(self, x: torch.Tensor, n: int) -> torch.Tensor:
         w, r = self.world_size, self.rank
