@@ -50,7 +50,9 @@ def _table(records: list[dict], timed: bool) -> None:
         "MB/rank",
         "t_ms",
         "graph_ms",
+        "pipe_ms",
         "nccl_ms",
+        "nccl_pipe",
         "busbw",
         "nccl_busbw",
         "x NCCL",
@@ -59,6 +61,7 @@ def _table(records: list[dict], timed: bool) -> None:
     rows = []
     for r in records:
         t, tn, tg = r.get("t_ms"), r.get("t_nccl_ms"), r.get("t_graph_ms")
+        tp, tnp = r.get("t_pipelined_ms"), r.get("t_nccl_pipelined_ms")
         rows.append(
             [
                 r["op"],
@@ -66,7 +69,9 @@ def _table(records: list[dict], timed: bool) -> None:
                 f"{r['bytes_per_rank'] / 2**20:.3g}",
                 f"{t:.3f}" if t else "-",
                 f"{tg:.3f}" if tg else "-",
+                f"{tp:.3f}" if tp else "-",
                 f"{tn:.3f}" if tn else "-",
+                f"{tnp:.3f}" if tnp else "-",
                 f"{r['busbw_gbps']:.0f}" if timed else "-",
                 f"{r['nccl_busbw_gbps']:.0f}" if timed else "-",
                 f"{tn / t:.2f}" if t else "-",

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops import AllGather, AllReduce, ReduceScatter
-from .timing import graph_of, median_ms
+from .timing import graph_of, median_ms, pipelined_median_ms
 
 OPS = {
     "all_gather": (AllGather, AllGather.METHODS),
@@ -80,13 +80,17 @@ def run_size(group, op: str, nbytes: int, dtype_name: str, iters: int, timed: bo
     x, nccl_out, capacity = _inputs(group, op, nbytes, dtype, seed=17)
     ref = _reference(group, op, x, nccl_out)
     rows = []
-    t_nccl = median_ms(group, _nccl_call(group, op, x, nccl_out), iters) if timed else None
+    t_nccl = t_nccl_pipe = None
+    if timed:
+        t_nccl = median_ms(group, _nccl_call(group, op, x, nccl_out), iters)
+        t_nccl_pipe = pipelined_median_ms(group, _nccl_call(group, op, x, nccl_out), iters)
     for method in methods:
         with cls(group, max_numel=capacity, dtype=dtype, method=method) as ctx:
             err = _check(op, method, ctx(x), ref)
-            t = t_graph = None
+            t = t_graph = t_pipe = None
             if timed:
                 t = median_ms(group, lambda: ctx(x), iters)
+                t_pipe = pipelined_median_ms(group, lambda: ctx(x), iters)
                 t_graph = median_ms(group, graph_of(group, lambda: ctx(x)).replay, iters)
             ctx.check()
         rows.append(
@@ -97,6 +101,8 @@ def run_size(group, op: str, nbytes: int, dtype_name: str, iters: int, timed: bo
                 "dtype": dtype_name,
                 "t_ms": t,
                 "t_graph_ms": t_graph,
+                "t_pipelined_ms": t_pipe,
+                "t_nccl_pipelined_ms": t_nccl_pipe,
                 "t_nccl_ms": t_nccl,
                 "rel_err": err,
             }
@@ -109,14 +115,21 @@ def merge_ranks(per_rank: list[list[dict]], world: int) -> list[dict]:
     merged = []
     for rows in zip(*per_rank):
         rec = dict(rows[0])
-        for key in ("t_ms", "t_graph_ms", "t_nccl_ms", "rel_err"):
+        for key in (
+            "t_ms",
+            "t_graph_ms",
+            "t_pipelined_ms",
+            "t_nccl_ms",
+            "t_nccl_pipelined_ms",
+            "rel_err",
+        ):
             vals = [r[key] for r in rows if r[key] is not None]
             rec[key] = max(vals) if vals else None
         if rec["t_ms"]:
             f = bus_factor(rec["op"], world) * rec["bytes_per_rank"] / 1e6
             rec["busbw_gbps"] = round(f / rec["t_ms"], 1)
             rec["nccl_busbw_gbps"] = round(f / rec["t_nccl_ms"], 1)
-            for key in ("t_ms", "t_graph_ms", "t_nccl_ms"):
+            for key in ("t_ms", "t_graph_ms", "t_pipelined_ms", "t_nccl_ms", "t_nccl_pipelined_ms"):
                 rec[key] = round(rec[key], 4)
         merged.append(rec)
     return merged
