@@ -173,14 +173,12 @@ class ReduceScatter(OpContext):
             self.staging = self._track(symm_empty((w * self.max_numel,), dtype, group))
 
     def _pieces_for(self, m: int) -> int:
-        """Pieces per chunk: each at least 32 MB, at most 4. Measured on 2 x H200
-        (overhead probe, ``benchmarks/results/history``): at 64 MB per rank one piece
-        (0.200-0.223 ms) beat two (0.223-0.230), each extra piece costing ~40 us of host
-        work; at 256 MB four pieces (0.506-0.518) beat one (0.569-0.583)."""
+        """Pieces per chunk: each at least 16 MB, at most 4 (measured on 2 x H200: at 64 MB
+        per rank 2 pieces beat 1 and 4; at 256 MB 4 beat 1 and 2; below, 1 wins)."""
         if self.pieces is not None:
             return self.pieces
         chunk_bytes = m * self.dtype.itemsize
-        return max(1, min(4, chunk_bytes // (32 << 20)))
+        return max(1, min(4, chunk_bytes // (16 << 20)))
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         self._begin()
