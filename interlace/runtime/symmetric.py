@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import warnings
 import weakref
 
 import torch
@@ -69,7 +70,10 @@ class SymmetricTensor:
         pg = self.group.process_group
         name = pg.group_name
         if name not in _symm_enabled_groups and hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(name)
+            # Needed before torch 2.9; later releases deprecate it with a FutureWarning.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(name)
             _symm_enabled_groups.add(name)
         local = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.group.device)
         self._handle = symm_mem.rendezvous(local, pg)
