@@ -27,7 +27,7 @@ from ..kernels.collective import (
     reduce_pull_kernel,
 )
 from ..language.primitives import wait_kernel
-from ..runtime import Group, fork, join, stream_write_value32, symm_empty, use_stream
+from ..runtime import Group, copy_and_signal, fork, join, symm_empty, use_stream
 from ._context import OpContext, cdiv, persistent_grid
 
 COPY_BLOCK = 4096
@@ -113,8 +113,8 @@ class AllGather(OpContext):
         arrival = self.pad.offset("arrival")
         for i in range(1, w):
             peer = (r + i) % w
-            self.gathered.peers[peer][r * n : (r + 1) * n].copy_(src)
-            stream_write_value32(self.pad.buffer.peers[peer], arrival + r, 1)
+            dst = self.gathered.peers[peer][r * n : (r + 1) * n]
+            copy_and_signal(dst, src, self.pad.buffer.peers[peer], arrival + r)
         # Consume the w - 1 arrival flags (self-resetting; my own slot is never raised).
         wait_kernel[(1,)](
             self.pad.buffer.local,
@@ -246,8 +246,7 @@ class ReduceScatter(OpContext):
         stream = fork(self.group) if n_pieces > 1 else None
         with use_stream(stream):
             for lo, hi, peer, dst, signal, slot in transfers:
-                dst.copy_(src[peer, lo:hi])
-                stream_write_value32(signal, slot, 1)
+                copy_and_signal(dst, src[peer, lo:hi], signal, slot)
         reduce_arrivals_kernel[persistent_grid(self.group, cdiv(m, REDUCE_BLOCK))](
             out, src[r], self.recv.local, self.max_numel, m, piece_len, n_pieces,
             self.pad.buffer.local, arrival, r, w, self.error.address,

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from ..errors import InterlaceError, WaitTimeoutError
+from ..errors import WaitTimeoutError
 from .group import Group
 from .symmetric import symm_zeros
 
@@ -94,8 +94,3 @@ class ErrorWord:
         state, rank, slot, seen = (int(v) for v in self.tensor.tolist())
         self.tensor.zero_()
         raise WaitTimeoutError(op, rank, describe(slot), seen)
-
-
-def check_closed(closed: bool, op: str) -> None:
-    if closed:
-        raise InterlaceError(f"{op}: the context was closed")

@@ -144,6 +144,13 @@ def _wait_guarded_load_kernel(
     tl.store(out + offs, x, mask=inside)
 
 
+def _wait_slots(pad, err, rank, first, count, expected, spins, reset):
+    """One wait_kernel launch over ``count`` slots of the whole pad from ``first``."""
+    wait_kernel[(1,)](
+        pad.buffer.local, first, count, expected, err.address, rank, spins, RESET=reset
+    )
+
+
 # --------------------------------------------------------------------------------------
 # bodies
 # --------------------------------------------------------------------------------------
@@ -219,16 +226,7 @@ def _notify_add_body(group, rounds):
                 _sync(group)
                 vals, want = _pad_values(pad), [0] * 5  # nobody adds to this rank
             else:
-                wait_kernel[(1,)](
-                    pad.buffer.local,
-                    pad.offset("count") + k,
-                    1,
-                    total,
-                    err.address,
-                    rank,
-                    spins,
-                    RESET=False,
-                )
+                _wait_slots(pad, err, rank, pad.offset("count") + k, 1, total, spins, False)
                 _sync(group)
                 err.raise_if_set("notify_add", pad.describe)
                 # read before the barrier: after it the next round's adds may land
@@ -243,16 +241,7 @@ def _notify_add_body(group, rounds):
         if rank != 0:
             notify_kernel[(1,)](pad.ptrs, 0, pad.offset("count"), 1, ADD=True)
         else:
-            wait_kernel[(1,)](
-                pad.buffer.local,
-                pad.offset("count"),
-                1,
-                world - 1,
-                err.address,
-                rank,
-                spins,
-                RESET=False,
-            )
+            _wait_slots(pad, err, rank, pad.offset("count"), 1, world - 1, spins, False)
             _sync(group)
             err.raise_if_set("notify_add", pad.describe)
             assert _pad_values(pad, "count") == [world - 1, 0, 0, 0]
@@ -292,9 +281,7 @@ def _consume_body(group):
         group.host_barrier()
         for j in range(3):
             notify_kernel[(1,)](pad.ptrs, right, pad.offset("run") + j, 3, ADD=False)
-        wait_kernel[(1,)](
-            pad.buffer.local, pad.offset("run"), 3, 3, err.address, rank, spins, RESET=True
-        )
+        _wait_slots(pad, err, rank, pad.offset("run"), 3, 3, spins, True)
         _sync(group)
         err.raise_if_set("consume_run", pad.describe)
         assert _pad_values(pad) == [0] * pad.size
@@ -362,30 +349,12 @@ def _timeout_body(group):
         err.raise_if_set("nothing")  # clear word: no error
         pad.local("data")[3] = 5
         _sync(group)
-        wait_kernel[(1,)](
-            pad.buffer.local,
-            pad.offset("data") + 3,
-            1,
-            6,
-            err.address,
-            rank,
-            SHORT_SPINS,
-            RESET=False,
-        )
+        _wait_slots(pad, err, rank, pad.offset("data") + 3, 1, 6, SHORT_SPINS, False)
         _expect_timeout(group, err, pad, "probe_op", "data[3]", observed=5)
         assert pad.describe(pad.offset("data") + 3) == "data[3]"
         assert pad.describe(pad.size + 4) == f"slot {pad.size + 4}"
         # first timeout wins: data[1] and data[2] both time out, data[1] is reported
-        wait_kernel[(1,)](
-            pad.buffer.local,
-            pad.offset("data") + 1,
-            2,
-            1,
-            err.address,
-            rank,
-            SHORT_SPINS,
-            RESET=True,
-        )
+        _wait_slots(pad, err, rank, pad.offset("data") + 1, 2, 1, SHORT_SPINS, True)
         _expect_timeout(group, err, pad, "second_probe", "data[1]", observed=0)
         assert _pad_values(pad, "data") == [0, 0, 0, 5, 0, 0]
         group.host_barrier()
