@@ -1,0 +1,318 @@
+"""Persistent GEMM for Hopper whose tile order, waits and epilogues come from a segment
+table: the one compute kernel behind AG+GEMM, GEMM+RS and GEMM+AR (and the plain GEMM).
+
+``C = A @ B`` with ``A [M, K]``, ``B [K, N]`` row-major. The rows of ``C`` are visited as a
+list of *segments* (a segment is one communication chunk: a run of rows, tiled by
+``BLOCK_M`` from its own first row). Each program walks the segments in table order and, in
+each, the tiles ``g`` with ``g % n_programs == pid`` of one global tile numbering, so that no
+wave is lost at segment ends. Before its first tile of a segment a program waits (bounded)
+for the segment's signals; the wait stays outside the pipelined tile loop (a spin inside it
+would stop Triton from software-pipelining the loop) and every A load takes its row
+coordinate from the wait's token (``guard_coord``), so no load can move above the wait.
+
+Segment kinds (the epilogue):
+
+* ``KIND_STORE``: store the tile into ``c`` (with bias). AG+GEMM and the plain GEMM.
+* ``KIND_STORE_OWN``: the same, reading A from ``a_own`` (this rank's shard, rows from
+  ``SEG_OUT_ROW0``): AG+GEMM's own rows need no staging copy.
+* ``KIND_PUSH``: store the fp32-accumulated tile, rounded to the output type, into the
+  owner's receive buffer (slot of this rank), then release-add the owner's counter of this
+  chunk. GEMM+RS / GEMM+AR for rows another rank owns.
+* ``KIND_REDUCE``: rows this rank owns: wait until every peer has pushed all its tiles of
+  the chunk, add their partials in fp32, add bias, store into ``c`` (reduce-scatter) or into
+  every rank's output and release-add each peer's broadcast counter (all-reduce).
+
+Segment table: int32 ``[n_segments, SEG_COLS]``; the columns are named below.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from ..language.primitives import guard, guard_coord, notify, signal_base
+from ..language.tile import consumer_tile_wait
+
+KIND_STORE = tl.constexpr(0)
+KIND_PUSH = tl.constexpr(1)
+KIND_REDUCE = tl.constexpr(2)
+KIND_STORE_OWN = tl.constexpr(3)  # as KIND_STORE, but A's rows come from ``a_own`` (no copy)
+
+# Segment table columns.
+SEG_TILE0 = tl.constexpr(0)  # global index of the segment's first tile
+SEG_ROW0 = tl.constexpr(1)  # first row of the segment in A's rows
+SEG_ROWS = tl.constexpr(2)  # rows in the segment
+SEG_KIND = tl.constexpr(3)
+SEG_OWNER = tl.constexpr(4)  # rank that owns the rows (push destination)
+SEG_OUT_ROW0 = tl.constexpr(5)  # first row of the segment in the owner's output / receive rows
+SEG_WAIT_FIRST = tl.constexpr(6)  # first local signal slot to wait for before reading
+SEG_WAIT_COUNT = tl.constexpr(7)  # consecutive slots to wait for (0: none)
+SEG_WAIT_EXPECTED = tl.constexpr(8)
+SEG_NOTIFY = tl.constexpr(9)  # slot to release-add on the owner (push) / on peers (broadcast)
+SEG_FINAL_SLOT = tl.constexpr(10)  # all-reduce: local slot the owner's broadcast raises
+SEG_FINAL_EXPECTED = tl.constexpr(11)  # all-reduce: broadcast count this rank must receive
+SEG_COLS = tl.constexpr(12)
+
+
+@triton.jit
+def _tile_coords(t, seg_mt, tiles_n, GROUP_M: tl.constexpr):
+    """Grouped (L2-friendly) order of the tiles of one segment."""
+    per_group = GROUP_M * tiles_n
+    first_m = (t // per_group) * GROUP_M
+    group_m = tl.minimum(seg_mt - first_m, GROUP_M)
+    pid_m = first_m + (t % per_group) % group_m
+    pid_n = (t % per_group) // group_m
+    return pid_m, pid_n
+
+
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _dot(a_t, b_t, acc):
+    if INTERPRETED:
+        return tl.dot(a_t.to(tl.float32), b_t.to(tl.float32), acc)
+    else:
+        return tl.dot(a_t, b_t, acc)
+
+
+@triton.jit
+def _mma(
+    a, b, a_desc, b_desc, row, col, token, wait_expected, M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """fp32 accumulator of the tile at (row, col); A's rows are guarded by the wait token.
+
+    Under ``TRITON_INTERPRET`` operands are widened to fp32 first: the interpreter's
+    ``tl.dot`` mishandles bfloat16."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if USE_TMA:
+        a_row = guard_coord(row, token, wait_expected, M)
+        for kk in range(k_tiles):
+            a_t = a_desc.load([a_row, kk * BLOCK_K])
+            b_t = b_desc.load([kk * BLOCK_K, col])
+            acc = _dot(a_t, b_t, acc)
+    else:
+        rows = row + tl.arange(0, BLOCK_M)
+        cols = col + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        row_ok = guard(rows < M, token, wait_expected)
+        for kk in range(k_tiles):
+            k_ok = kk * BLOCK_K + ks < K
+            a_t = tl.load(
+                a + rows[:, None].to(tl.int64) * K + (kk * BLOCK_K + ks)[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            b_t = tl.load(
+                b + (kk * BLOCK_K + ks)[:, None].to(tl.int64) * N + cols[None, :],
+                mask=k_ok[:, None] & (cols < N)[None, :],
+                other=0.0,
+            )
+            acc = _dot(a_t, b_t, acc)
+    return acc
+
+
+@triton.jit
+def _add_bias(acc, bias, col, N, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        cols = col + tl.arange(0, BLOCK_N)
+        acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def gemm_segments_kernel(
+    a, b, c, bias, M, N, K,
+    a_own, own_rows,
+    seg, n_seg,
+    recv, recv_table, recv_rows, out_table,
+    sig, sig_table, err, rank, max_spins,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, WORLD: tl.constexpr,
+    USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_PUSH: tl.constexpr, BROADCAST: tl.constexpr, HAS_OWN_A: tl.constexpr,
+):  # fmt: skip
+    """See the module docstring. ``a_own`` ([own_rows, K]) is read by ``KIND_STORE_OWN``;
+    ``recv`` ([WORLD, recv_rows, N], symmetric, table ``recv_table``) receives partials;
+    ``out_table`` is the all-reduce output's pointer table (``BROADCAST``)."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    out_ty = c.dtype.element_ty
+    a_desc = None
+    b_desc = None
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(
+            a, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
+        )
+        b_desc = tl.make_tensor_descriptor(
+            b, shape=[K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N]
+        )
+    own_desc = None
+    if HAS_OWN_A and USE_TMA:
+        own_desc = tl.make_tensor_descriptor(
+            a_own, shape=[own_rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
+        )
+    for s in range(n_seg):
+        row_of = seg + s * SEG_COLS
+        tile0 = tl.load(row_of + SEG_TILE0)
+        row0 = tl.load(row_of + SEG_ROW0)
+        rows = tl.load(row_of + SEG_ROWS)
+        kind = tl.load(row_of + SEG_KIND)
+        seg_mt = tl.cdiv(rows, BLOCK_M)
+        end = tile0 + seg_mt * tiles_n
+        first = tile0 + (pid - tile0 % n_prog + n_prog) % n_prog
+        if first < end:
+            owner = tl.load(row_of + SEG_OWNER)
+            out_row0 = tl.load(row_of + SEG_OUT_ROW0)
+            wait_count = tl.load(row_of + SEG_WAIT_COUNT)
+            expected = tl.load(row_of + SEG_WAIT_EXPECTED)
+            token = expected
+            if wait_count > 0:
+                token = consumer_tile_wait(
+                    sig, tl.load(row_of + SEG_WAIT_FIRST), wait_count, expected,
+                    err, rank, max_spins,
+                )  # fmt: skip
+            notify_slot = tl.load(row_of + SEG_NOTIFY)
+            if kind == KIND_STORE:
+                _segment_store(
+                    a, b, c, bias, a_desc, b_desc, M, row0, N, K, first, end, n_prog, tile0,
+                    row0, rows, seg_mt, tiles_n, token, expected, out_ty,
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, HAS_BIAS,
+                )  # fmt: skip
+            if HAS_OWN_A:
+                if kind == KIND_STORE_OWN:
+                    _segment_store(
+                        a_own, b, c, bias, own_desc, b_desc, own_rows, out_row0, N, K, first,
+                        end, n_prog, tile0, row0, rows, seg_mt, tiles_n, token, expected,
+                        out_ty, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, HAS_BIAS,
+                    )  # fmt: skip
+            if HAS_PUSH:
+                if kind == KIND_PUSH:
+                    _segment_push(
+                        a, b, a_desc, b_desc, M, N, K, first, end, n_prog, tile0, row0, rows,
+                        seg_mt, tiles_n, token, expected, out_ty, recv_table, recv_rows,
+                        owner, out_row0, sig_table, notify_slot, rank,
+                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA,
+                    )  # fmt: skip
+                if kind == KIND_REDUCE:
+                    _segment_reduce(
+                        a, b, c, bias, a_desc, b_desc, M, N, K, first, end, n_prog, tile0,
+                        row0, rows, seg_mt, tiles_n, token, expected, out_ty, recv, recv_rows,
+                        out_row0, out_table, sig_table, notify_slot, rank,
+                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WORLD, USE_TMA, HAS_BIAS, BROADCAST,
+                    )  # fmt: skip
+    if BROADCAST:
+        # Program 0 also waits for every peer's broadcast of the rows it owns, so the kernel
+        # ends only when the whole all-reduced output is in place on this rank.
+        if pid == 0:
+            for s in range(n_seg):
+                row_of = seg + s * SEG_COLS
+                fin = tl.load(row_of + SEG_FINAL_EXPECTED)
+                if fin > 0:
+                    slot = tl.load(row_of + SEG_FINAL_SLOT)
+                    consumer_tile_wait(sig, slot, 1, fin, err, rank, max_spins)
+
+
+@triton.jit
+def _segment_store(
+    a, b, c, bias, a_desc, b_desc, M, a_row0, N, K, first, end, n_prog, tile0, row0, rows,
+    seg_mt, tiles_n, token, expected, out_ty,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    c_desc = None
+    if USE_TMA:
+        # Bounded by the segment's rows: a tile overhanging the segment end never writes
+        # rows that belong to the next segment.
+        c_desc = tl.make_tensor_descriptor(
+            c + row0.to(tl.int64) * N, shape=[rows, N], strides=[N, 1],
+            block_shape=[BLOCK_M, BLOCK_N],
+        )  # fmt: skip
+    for g in tl.range(first, end, n_prog, flatten=True):
+        pid_m, pid_n = _tile_coords(g - tile0, seg_mt, tiles_n, GROUP_M)
+        col = pid_n * BLOCK_N
+        acc = _mma(
+            a, b, a_desc, b_desc, a_row0 + pid_m * BLOCK_M, col, token, expected, M, N, K,
+            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA,
+        )  # fmt: skip
+        acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS)
+        if USE_TMA:
+            c_desc.store([pid_m * BLOCK_M, col], acc.to(out_ty))
+        else:
+            lrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = col + tl.arange(0, BLOCK_N)
+            ptrs = c + (row0 + lrows)[:, None].to(tl.int64) * N + cols[None, :]
+            tl.store(ptrs, acc.to(out_ty), mask=(lrows < rows)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _segment_push(
+    a, b, a_desc, b_desc, M, N, K, first, end, n_prog, tile0, row0, rows, seg_mt, tiles_n,
+    token, expected, out_ty, recv_table, recv_rows, owner, out_row0, sig_table, notify_slot,
+    rank,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    # This rank's slot of the owner's receive buffer: recv[rank, out_row0 + r, :].
+    dst = tl.load(recv_table + owner).to(tl.pointer_type(out_ty))
+    dst += (rank.to(tl.int64) * recv_rows + out_row0) * N
+    owner_sig = signal_base(sig_table, owner) + notify_slot
+    for g in tl.range(first, end, n_prog, flatten=True):
+        pid_m, pid_n = _tile_coords(g - tile0, seg_mt, tiles_n, GROUP_M)
+        col = pid_n * BLOCK_N
+        acc = _mma(
+            a, b, a_desc, b_desc, row0 + pid_m * BLOCK_M, col, token, expected, M, N, K,
+            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA,
+        )  # fmt: skip
+        lrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = col + tl.arange(0, BLOCK_N)
+        mask = (lrows < rows)[:, None] & (cols < N)[None, :]
+        tl.store(dst + lrows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ty), mask=mask)
+        notify(owner_sig, 1, ADD=True)
+
+
+@triton.jit
+def _segment_reduce(
+    a, b, c, bias, a_desc, b_desc, M, N, K, first, end, n_prog, tile0, row0, rows, seg_mt,
+    tiles_n, token, expected, out_ty, recv, recv_rows, out_row0, out_table, sig_table,
+    notify_slot, rank,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, WORLD: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BROADCAST: tl.constexpr,
+):  # fmt: skip
+    for g in tl.range(first, end, n_prog, flatten=True):
+        pid_m, pid_n = _tile_coords(g - tile0, seg_mt, tiles_n, GROUP_M)
+        col = pid_n * BLOCK_N
+        # A's rows are local here: only the peers' partials are guarded by the wait.
+        acc = _mma(
+            a, b, a_desc, b_desc, row0 + pid_m * BLOCK_M, col, expected, expected, M, N, K,
+            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA,
+        )  # fmt: skip
+        lrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = col + tl.arange(0, BLOCK_N)
+        mask = (lrows < rows)[:, None] & (cols < N)[None, :]
+        ok = guard(mask, token, expected)
+        offs = (out_row0 + lrows)[:, None].to(tl.int64) * N + cols[None, :]
+        for p in tl.static_range(WORLD):
+            if p != rank:
+                part = tl.load(recv + p * recv_rows * N + offs, mask=ok, other=0.0)
+                acc += part.to(tl.float32)
+        acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS)
+        val = acc.to(out_ty)
+        if BROADCAST:
+            # c is this rank's all-reduce output [M, N]; every rank's copy gets the tile.
+            goffs = (row0 + lrows)[:, None].to(tl.int64) * N + cols[None, :]
+            for i in tl.static_range(WORLD):
+                q = (rank + i) % WORLD
+                dst = tl.load(out_table + q).to(tl.pointer_type(out_ty))
+                tl.store(dst + goffs, val, mask=mask)
+            for i in tl.static_range(1, WORLD):
+                q = (rank + i) % WORLD
+                notify(signal_base(sig_table, q) + notify_slot, 1, ADD=True)
+        else:
+            tl.store(c + offs, val, mask=mask)

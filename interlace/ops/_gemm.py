@@ -1,0 +1,215 @@
+"""Host side of the segment GEMM: tile configs, segment tables, the launch, and the plain
+``matmul`` built on it.
+
+A *segment* is one communication chunk of rows (see ``kernels.gemm``). The overlapped ops
+describe their chunks in arrival order (AG+GEMM) or in the order the scatter needs them
+(GEMM+RS / GEMM+AR); :func:`segment_table` turns that into the kernel's int32 table.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..errors import InterlaceTypeError, InterlaceValueError
+from ..kernels.gemm import (
+    KIND_PUSH,
+    KIND_REDUCE,
+    KIND_STORE,
+    KIND_STORE_OWN,
+    SEG_COLS,
+    gemm_segments_kernel,
+)
+from ._context import cdiv, sm_count
+
+KINDS = {
+    "store": KIND_STORE.value,
+    "push": KIND_PUSH.value,
+    "reduce": KIND_REDUCE.value,
+    "store_own": KIND_STORE_OWN.value,
+}
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and launch parameters of the segment GEMM (the same on every rank: the
+    tile grid defines the signal counts)."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+#: Chosen on one H200 (benchmarks/results, gemm tuning); keyed by nothing but the shape
+#: so every rank picks the same one without talking.
+def gemm_config(m: int, n: int, k: int, backend: str = "cuda") -> GemmConfig:
+    if backend != "cuda":  # the interpreter: small tiles keep CPU tests fast
+        return GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    if k <= 4096 and n <= 8192 and n % 256 != 0:
+        # tuning run 1: 128x128 tiles, 4 warps, 5 stages won the K = 4096 column-parallel
+        # shapes whose N is no multiple of 256
+        return GemmConfig(block_n=128, num_warps=4, num_stages=5)
+    return GemmConfig()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One chunk of rows as the GEMM sees it (see ``kernels.gemm`` for the fields)."""
+
+    row0: int
+    rows: int
+    kind: str = "store"
+    owner: int = 0
+    out_row0: int = 0
+    wait_first: int = 0
+    wait_count: int = 0
+    wait_expected: int = 1
+    notify: int = 0
+    final_slot: int = 0
+    final_expected: int = 0
+
+
+def tiles_of(rows: int, n: int, cfg: GemmConfig) -> int:
+    return cdiv(rows, cfg.block_m) * cdiv(n, cfg.block_n)
+
+
+def segment_table(segments: list[Segment], n: int, cfg: GemmConfig, device) -> torch.Tensor:
+    """The kernel's ``[len(segments), SEG_COLS]`` int32 table (with each segment's first
+    tile in one global numbering)."""
+    rows, tile0 = [], 0
+    for s in segments:
+        if s.rows <= 0:
+            raise InterlaceValueError(f"segment with {s.rows} rows")
+        rows.append(
+            [
+                tile0, s.row0, s.rows, KINDS[s.kind], s.owner, s.out_row0, s.wait_first,
+                s.wait_count, s.wait_expected, s.notify, s.final_slot, s.final_expected,
+            ]
+        )  # fmt: skip
+        tile0 += tiles_of(s.rows, n, cfg)
+    assert len(rows[0]) == SEG_COLS.value
+    return torch.tensor(rows, dtype=torch.int32).to(device)
+
+
+def total_tiles(segments: list[Segment], n: int, cfg: GemmConfig) -> int:
+    return sum(tiles_of(s.rows, n, cfg) for s in segments)
+
+
+def chunk_bounds(rows: int, split: int, block_m: int) -> list[tuple[int, int]]:
+    """``split`` runs of ``rows`` rows, each a multiple of ``block_m`` but the last (so a
+    tile never straddles two chunks); fewer if ``rows`` is small."""
+    step = cdiv(cdiv(rows, split), block_m) * block_m
+    return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
+
+
+def tma_ok(k: int, n: int, dtype: torch.dtype) -> bool:
+    """TMA descriptors need 16-byte aligned row strides."""
+    return (k * dtype.itemsize) % 16 == 0 and (n * dtype.itemsize) % 16 == 0
+
+
+@functools.cache
+def _install_allocator() -> None:
+    """Device-side tensor descriptors need a scratch allocator (Triton asks once per
+    launch for a few hundred bytes per program)."""
+
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, device="cuda", dtype=torch.int8)
+
+    triton.set_allocator(alloc)
+
+
+def programs_for(tiles: int, device, backend: str, comm_sms: int = 0, single: bool = False):
+    """Persistent grid: at most one program per SM left after ``comm_sms`` (all programs
+    must be resident at once: they wait on each other across ranks)."""
+    if backend != "cuda":
+        # The interpreter runs programs one after another: a program that waits on a
+        # peer must not depend on a later program of its own launch.
+        return 1 if single else min(tiles, 3)
+    return max(1, min(tiles, sm_count(device.index) - comm_sms))
+
+
+def launch(
+    a, b, c, segments_t, n_seg, m, n, k, cfg: GemmConfig, grid: int, *, bias=None,
+    a_own=None, own_rows=0, recv=None, recv_table=None, recv_rows=0, out_table=None,
+    sig=None, sig_table=None, err=0, rank=0, max_spins=0, world=1, push=False,
+    broadcast=False,
+):  # fmt: skip
+    """One launch of the segment GEMM on the current stream."""
+    use_tma = tma_ok(k, n, a.dtype)
+    if use_tma and a.is_cuda:
+        _install_allocator()
+    dummy = c
+    if not err:  # no waits can run; the kernel still needs a 64-bit address
+        err = _unused_error_word(c.device).data_ptr()
+    gemm_segments_kernel[(grid,)](
+        a, b, c, bias if bias is not None else dummy, m, n, k,
+        a_own if a_own is not None else a, max(own_rows, 1),
+        segments_t, n_seg,
+        recv if recv is not None else dummy, recv_table if recv_table is not None else segments_t,
+        max(recv_rows, 1), out_table if out_table is not None else segments_t,
+        sig if sig is not None else segments_t, sig_table if sig_table is not None else segments_t,
+        err, rank, max_spins,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        WORLD=world, USE_TMA=use_tma, HAS_BIAS=bias is not None, HAS_PUSH=push,
+        BROADCAST=broadcast, HAS_OWN_A=a_own is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+@functools.cache
+def _unused_error_word(device) -> torch.Tensor:
+    return torch.zeros(4, dtype=torch.int32, device=device)
+
+
+SUPPORTED = (torch.bfloat16, torch.float16)
+
+
+def check_gemm_operands(op: str, a, b, bias=None) -> None:
+    """Types and shapes every GEMM op needs, with a message that names the op."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise InterlaceTypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise InterlaceValueError(f"{op}: {name} must be 2-D, got shape {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise InterlaceValueError(f"{op}: {name} must be contiguous (row-major)")
+    if a.dtype != b.dtype or a.dtype not in SUPPORTED:
+        raise InterlaceTypeError(
+            f"{op}: a and b must both be one of {SUPPORTED}, got {a.dtype} and {b.dtype}"
+        )
+    if a.shape[1] != b.shape[0]:
+        raise InterlaceValueError(
+            f"{op}: a is {tuple(a.shape)} and b is {tuple(b.shape)}: inner dimensions differ"
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != b.shape[1]):
+        raise InterlaceValueError(f"{op}: bias must have shape ({b.shape[1]},)")
+    if bias is not None and bias.dtype != a.dtype:
+        raise InterlaceTypeError(f"{op}: bias has dtype {bias.dtype}, expected {a.dtype}")
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, out=None, cfg: GemmConfig | None = None):
+    """``a @ b (+ bias)`` with the persistent segment GEMM (one segment, no signals): the
+    plain kernel that the overlapped ops are built on, benchmarked against cuBLAS."""
+    check_gemm_operands("matmul", a, b, bias)
+    m, k = a.shape
+    n = b.shape[1]
+    backend = "cuda" if a.is_cuda else "cpu"
+    cfg = cfg or gemm_config(m, n, k, backend)
+    if out is None:
+        out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    segs = [Segment(row0=0, rows=m)]
+    table = _table_cache(m, n, cfg, a.device)
+    grid = programs_for(total_tiles(segs, n, cfg), a.device, backend)
+    launch(a, b, out, table, 1, m, n, k, cfg, grid, bias=bias)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _table_cache(m, n, cfg, device):
+    return segment_table([Segment(row0=0, rows=m)], n, cfg, device)
