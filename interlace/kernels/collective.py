@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..language.primitives import guard, remote_base, wait
+from ..language.primitives import guard, notify, remote_base, wait
 
 
 @triton.jit
@@ -100,3 +100,32 @@ def reduce_arrivals_kernel(
             vals = tl.load(recv + src.to(tl.int64) * slot_stride + offs, mask=ok)
             acc += vals.to(tl.float32)
         tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def pull_chunks_kernel(
+    local, table, chunks, n_chunks, K, sig, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """SM-driven all-gather into a symmetric ``[rows, K]`` buffer: for each chunk
+    ``(row0, rows, slot, owner)`` of the int32 table ``chunks``, in table order, copy those
+    rows from rank ``owner``'s buffer into the same rows of ``local``, then release-add 1 to
+    local signal ``slot``. Every program adds once per chunk (after its share of the rows),
+    so a chunk has landed when its slot reaches the number of programs."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    for c in range(n_chunks):
+        row0 = tl.load(chunks + c * 4)
+        rows = tl.load(chunks + c * 4 + 1)
+        slot = tl.load(chunks + c * 4 + 2)
+        src = remote_base(table, tl.load(chunks + c * 4 + 3), local)
+        for blk in range(pid, tl.cdiv(rows, BLOCK_M), n_prog):
+            r = blk * BLOCK_M + offs_m
+            base = (row0 + r)[:, None].to(tl.int64) * K
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + offs_k
+                mask = (r < rows)[:, None] & (ks < K)[None, :]
+                vals = tl.load(src + base + ks[None, :], mask=mask)
+                tl.store(local + base + ks[None, :], vals, mask=mask)
+        notify(sig + slot, 1, ADD=True)

@@ -1,0 +1,445 @@
+"""Overlapped tensor-parallel GEMMs: AG+GEMM, GEMM+RS and GEMM+AR.
+
+Each is a context built once for a capacity and called many times, on every rank::
+
+    ag = interlace.AGGemm(group, max_m=8192, n=7168, k=8192)
+    c = ag(a_shard, b)          # == all_gather(a_shard) @ b
+    rs = interlace.GemmRS(group, max_m=8192, n=8192, k=7168)
+    y = rs(a, b)                # == reduce_scatter(a @ b) along rows
+    ar = interlace.GemmAR(group, max_m=8192, n=8192, k=7168)
+    z = ar(a, b)                # == all_reduce(a @ b)
+
+Strategies (``strategy=``):
+
+* ``fused`` (the overlapped design; default through ``auto``):
+  - AG+GEMM: every rank's copy engine pushes its shard to the peers, peer by peer in
+    rank-rotated order, raising the peer's arrival flag per chunk from the stream; the
+    persistent GEMM starts on its own shard (read in place, no copy) and then takes the
+    chunks in arrival order, waiting per chunk.
+  - GEMM+RS: every rank computes the row chunks in rank-rotated order (its own rows last);
+    the GEMM's epilogue stores each finished partial tile straight into the owner's receive
+    buffer and raises the owner's counter; the owner's own tiles, computed last, add the
+    peers' partials in fp32 in their epilogue. No separate reduction pass, no tail.
+  - GEMM+AR: the same, and the owner's epilogue writes each reduced tile into every rank's
+    output (the all-gather half, spread over the whole GEMM).
+* ``sm_pull`` (AG+GEMM): ``comm_sms`` SMs pull the peers' shards with loads while the GEMM
+  runs on the other SMs.
+* ``none``: cuBLAS + NCCL back to back: the baseline, and the fallback.
+* ``auto``: ``fused``, unless the cost model says overlap cannot pay for its extra
+  synchronisation (small problems): then ``none``. ``last_strategy`` says which ran.
+
+Results: AG+GEMM and GEMM+RS return a new tensor (or ``out``); GEMM+AR returns a view of
+the context's symmetric output buffer, valid until the next call (pass ``out=`` to keep it).
+Inputs: ``bfloat16`` or ``float16``, contiguous, any M, N, K (TMA is used when rows are
+16-byte aligned, plain loads otherwise); ``bias`` (shape ``[n]``) is added once, after the
+reduction. Every call is collective: all ranks call with the same shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InterlaceValueError
+from ..kernels.collective import pull_chunks_kernel
+from ..runtime import copy_and_signal, fork, join, symm_empty, use_stream
+from . import _gemm
+from ._context import OpContext
+from ._gemm import GemmConfig, Segment, chunk_bounds, tiles_of
+
+MAX_SPLIT = 8
+
+#: ``auto`` runs ``none`` when the smaller of the GEMM and communication times, estimated
+#: from these rates, is under ``MIN_OVERLAP_US``: the most overlap can save must pay for
+#: its synchronisation (a device barrier and a few launches, ~20-40 us).
+EST_TFLOPS = 650.0
+EST_LINK_GBPS = 300.0
+MIN_OVERLAP_US = 30.0
+
+
+class _OverlappedGemm(OpContext):
+    STRATEGIES: tuple[str, ...] = ("auto", "fused", "none")
+    default_split = 1
+
+    def __init__(
+        self, group, max_m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+        strategy: str = "auto", split: int | None = None, comm_sms: int = 16,
+        config: GemmConfig | None = None, max_spins=None,
+    ):  # fmt: skip
+        if strategy not in self.STRATEGIES:
+            raise InterlaceValueError(
+                f"{self.op_name}: strategy must be one of {self.STRATEGIES}, got {strategy!r}"
+            )
+        if dtype not in _gemm.SUPPORTED:
+            raise InterlaceValueError(
+                f"{self.op_name}: dtype must be one of {_gemm.SUPPORTED}, got {dtype}"
+            )
+        for name, v in (("max_m", max_m), ("n", n), ("k", k)):
+            if int(v) <= 0:
+                raise InterlaceValueError(f"{self.op_name}: {name} must be positive, got {v}")
+        split = self.default_split if split is None else int(split)
+        if not 1 <= split <= MAX_SPLIT:
+            raise InterlaceValueError(
+                f"{self.op_name}: split must be in 1..{MAX_SPLIT}, got {split}"
+            )
+        w = group.world_size
+        super().__init__(group, dtype, int(max_m) * int(n), self._regions(w), max_spins)
+        self.max_m, self.n, self.k = int(max_m), int(n), int(k)
+        self.strategy, self.split, self.comm_sms, self.config = strategy, split, comm_sms, config
+        self.last_strategy: str | None = None
+        self._plans: dict = {}
+
+    @staticmethod
+    def _regions(world: int) -> dict[str, int]:
+        return {}
+
+    # ------------------------------------------------------------------ strategy choice
+    def _comm_bytes(self, m_total: int, n: int) -> int:
+        raise NotImplementedError
+
+    def _resolve(self, m_total: int, n: int, k: int) -> str:
+        if self.strategy != "auto":
+            return self.strategy
+        t_gemm = 2.0 * m_total * n * k / (EST_TFLOPS * 1e12) * 1e6
+        t_comm = self._comm_bytes(m_total, n) / (EST_LINK_GBPS * 1e9) * 1e6
+        return "fused" if min(t_gemm, t_comm) >= MIN_OVERLAP_US else "none"
+
+    def _cfg(self, m: int, n: int, k: int) -> GemmConfig:
+        return self.config or _gemm.gemm_config(m, n, k, self.group.backend)
+
+    def _check_call(self, a, b, bias, a_rows_max: int):
+        self._begin()
+        _gemm.check_gemm_operands(self.op_name, a, b, bias)
+        for name, t in (("a", a), ("b", b)):
+            self._check_tensor(name, t)
+        if bias is not None:
+            self._check_tensor("bias", bias)
+        if a.shape[1] != self.k:
+            raise InterlaceValueError(
+                f"{self.op_name}: a has {a.shape[1]} columns, the context was built for "
+                f"k = {self.k}"
+            )
+        if b.shape[1] > self.n:
+            raise InterlaceValueError(
+                f"{self.op_name}: b has {b.shape[1]} columns, more than the context's n = {self.n}"
+            )
+        if a.shape[0] > a_rows_max or a.shape[0] == 0:
+            raise InterlaceValueError(
+                f"{self.op_name}: a has {a.shape[0]} rows; this context takes 1 to "
+                f"{a_rows_max} (max_m = {self.max_m})"
+            )
+
+    @property
+    def _pg(self):
+        return self.group.process_group
+
+
+class AGGemm(_OverlappedGemm):
+    """``all_gather(a_shard) @ b (+ bias)``: ``a_shard [m, k]`` on each rank, ``b [k, n]``
+    (the rank's column shard of the weight); result ``[world * m, n]``."""
+
+    op_name = "ag_gemm"
+    STRATEGIES = ("auto", "fused", "sm_pull", "none")
+
+    def __init__(self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", **kw):
+        super().__init__(group, max_m, n, k, dtype, strategy, **kw)
+        if self.max_m % self.world_size:
+            raise InterlaceValueError(
+                f"{self.op_name}: max_m = {self.max_m} (gathered rows) must be a multiple of "
+                f"the world size {self.world_size}"
+            )
+        if strategy != "none":
+            self.gathered = self._track(symm_empty((self.max_m, self.k), dtype, group))
+
+    @staticmethod
+    def _regions(world):
+        return {"arrival": world * MAX_SPLIT}
+
+    def _comm_bytes(self, m_total, n):
+        return m_total * self.k * self.dtype.itemsize * (self.world_size - 1) // self.world_size
+
+    def __call__(self, a_shard, b, bias=None, out=None):
+        w = self.world_size
+        self._check_call(a_shard, b, bias, self.max_m // w)
+        m_loc, n = a_shard.shape[0], b.shape[1]
+        out = self._check_out(out, (w * m_loc, n))
+        if out is None:
+            out = torch.empty(w * m_loc, n, dtype=self.dtype, device=self.group.device)
+        strategy = self._resolve(w * m_loc, n, self.k)
+        if strategy == "none":
+            self._baseline(a_shard, b, bias, out)
+        elif strategy == "fused":
+            self._fused(a_shard, b, bias, out)
+        else:
+            self._sm_pull(a_shard, b, bias, out)
+        self.last_strategy = strategy
+        self._end()
+        return out
+
+    def _baseline(self, a_shard, b, bias, out):
+        gathered = torch.empty(
+            self.world_size * a_shard.shape[0], self.k, dtype=self.dtype, device=a_shard.device
+        )
+        dist.all_gather_into_tensor(gathered, a_shard, group=self._pg)
+        if bias is None:
+            torch.matmul(gathered, b, out=out)
+        else:
+            torch.addmm(bias, gathered, b, out=out)
+
+    def _plan(self, m_loc: int, n: int, pull: bool):
+        """Segments in arrival order, and the transfers this rank issues (push) or the
+        chunk table of the pull kernel; built once per shape."""
+        key = (m_loc, n, pull)
+        if key in self._plans:
+            return self._plans[key]
+        w, r = self.world_size, self.rank
+        cfg = self._cfg(w * m_loc, n, self.k)
+        bounds = chunk_bounds(m_loc, self.split, cfg.block_m)
+        arrival = self.pad.offset("arrival")
+        slot = lambda owner, j: arrival + owner * MAX_SPLIT + j  # noqa: E731
+        # Own shard first (read in place), then the peers' shards in the order they land:
+        # pushes come from r-1, r-2, ... (each rank pushes to r+1 first); pulls go r+1, r+2.
+        owners = [(r + w - i) % w if not pull else (r + i) % w for i in range(1, w)]
+        segments = [
+            Segment(row0=r * m_loc + lo, rows=hi - lo, kind="store_own", owner=r, out_row0=lo)
+            for lo, hi in bounds
+        ]
+        expected = self._pull_programs() if pull else 1
+        for o in owners:
+            for j, (lo, hi) in enumerate(bounds):
+                segments.append(
+                    Segment(
+                        row0=o * m_loc + lo, rows=hi - lo, kind="store", owner=o,
+                        wait_first=slot(o, j), wait_count=1, wait_expected=expected,
+                    )
+                )  # fmt: skip
+        table = _gemm.segment_table(segments, n, cfg, self.group.device)
+        grid = _gemm.programs_for(
+            _gemm.total_tiles(segments, n, cfg), self.group.device, self.group.backend,
+            comm_sms=self.comm_sms if pull else 0,
+        )  # fmt: skip
+        if pull:
+            chunks = [
+                [o * m_loc + lo, hi - lo, slot(o, j), o]
+                for o in owners
+                for j, (lo, hi) in enumerate(bounds)
+            ]
+            comm = torch.tensor(chunks, dtype=torch.int32).to(self.group.device)
+        else:
+            comm = []
+            for i in range(1, w):  # peer by peer, rank-rotated: r+1 first
+                peer = (r + i) % w
+                signal = self.pad.buffer.peers[peer].view(torch.uint32)
+                for j, (lo, hi) in enumerate(bounds):
+                    dst = self.gathered.peers[peer][r * m_loc + lo : r * m_loc + hi]
+                    comm.append((dst, lo, hi, signal, slot(r, j)))
+        plan = (cfg, table, len(segments), grid, comm)
+        self._plans[key] = plan
+        return plan
+
+    def _pull_programs(self) -> int:
+        return self.comm_sms if self.group.backend == "cuda" else 2
+
+    def _gemm(self, plan, a_shard, b, bias, out, m_loc):
+        cfg, table, n_seg, grid, _ = plan
+        _gemm.launch(
+            self.gathered.local, b, out, table, n_seg, self.world_size * m_loc, b.shape[1],
+            self.k, cfg, grid, bias=bias, a_own=a_shard, own_rows=m_loc,
+            sig=self.pad.buffer.local, err=self.error.address, rank=self.rank,
+            max_spins=self.max_spins,
+        )  # fmt: skip
+
+    def _fused(self, a_shard, b, bias, out):
+        m_loc = a_shard.shape[0]
+        plan = self._plan(m_loc, b.shape[1], pull=False)
+        arrival, size = self.pad.regions["arrival"]
+        # Every peer is done reading my gathered buffer (previous call), and my arrival
+        # flags, which that call only read, are zero again.
+        self._barrier(arrival, size)
+        stream = fork(self.group)
+        # The consumer is enqueued first on a GPU: it starts on its own shard while the host
+        # still enqueues the copies. The interpreter runs a launch to completion, so there
+        # the copies must come first.
+        consumer_first = self.group.backend == "cuda"
+        if consumer_first:
+            self._gemm(plan, a_shard, b, bias, out, m_loc)
+        with use_stream(stream):
+            for dst, lo, hi, signal, slot in plan[4]:
+                copy_and_signal(dst, a_shard[lo:hi], signal, slot)
+        if not consumer_first:
+            self._gemm(plan, a_shard, b, bias, out, m_loc)
+        join(self.group, stream)
+
+    def _sm_pull(self, a_shard, b, bias, out):
+        r, m_loc = self.rank, a_shard.shape[0]
+        plan = self._plan(m_loc, b.shape[1], pull=True)
+        arrival, size = self.pad.regions["arrival"]
+        self.gathered.local[r * m_loc : (r + 1) * m_loc].copy_(a_shard)
+        self._barrier(arrival, size)  # every shard is staged; my flags are zero
+        stream = fork(self.group)
+        with use_stream(stream):
+            pull_chunks_kernel[(self._pull_programs(),)](
+                self.gathered.local, self.gathered.ptrs, plan[4], plan[4].shape[0], self.k,
+                self.pad.buffer.local, BLOCK_M=32, BLOCK_K=256,
+            )  # fmt: skip
+        self._gemm(plan, a_shard, b, bias, out, m_loc)
+        join(self.group, stream)
+        self._barrier()  # nobody still pulls from my staged shard
+
+
+class _ScatterGemm(_OverlappedGemm):
+    """Shared by GEMM+RS and GEMM+AR: the row chunks in rank-rotated order, partial tiles
+    pushed to their owner from the epilogue, the owner's tiles reduced in theirs."""
+
+    BROADCAST = False
+
+    def __init__(self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", **kw):
+        super().__init__(group, max_m, n, k, dtype, strategy, **kw)
+        w = self.world_size
+        if self.max_m % w:
+            raise InterlaceValueError(
+                f"{self.op_name}: max_m = {self.max_m} must be a multiple of the world size {w}"
+            )
+        if strategy != "none":
+            self.recv = self._track(symm_empty((w, self.max_m // w, self.n), dtype, group))
+
+    @staticmethod
+    def _regions(world):
+        return {"partial": world * MAX_SPLIT * (world - 1), "broadcast": world * MAX_SPLIT}
+
+    def _plan(self, m: int, n: int):
+        if (m, n) in self._plans:
+            return self._plans[(m, n)]
+        w, r = self.world_size, self.rank
+        m_loc = m // w
+        cfg = self._cfg(m, n, self.k)
+        bounds = chunk_bounds(m_loc, self.split, cfg.block_m)
+        partial, broadcast = self.pad.offset("partial"), self.pad.offset("broadcast")
+        segments = []
+        for j, (lo, hi) in enumerate(bounds):
+            for i in range(1, w + 1):  # rank-rotated, own rows last in each round
+                o = (r + i) % w
+                chunk = o * MAX_SPLIT + j
+                tiles = tiles_of(hi - lo, n, cfg)
+                common = dict(row0=o * m_loc + lo, rows=hi - lo, owner=o, out_row0=lo)
+                if o != r:
+                    # counter slots of a chunk: one per source, numbered from the owner
+                    src = (r - o - 1) % w
+                    segments.append(
+                        Segment(
+                            kind="push", notify=partial + chunk * (w - 1) + src,
+                            final_slot=broadcast + chunk,
+                            final_expected=tiles if self.BROADCAST else 0, **common,
+                        )
+                    )  # fmt: skip
+                else:
+                    segments.append(
+                        Segment(
+                            kind="reduce", wait_first=partial + chunk * (w - 1),
+                            wait_count=w - 1, wait_expected=tiles,
+                            notify=broadcast + chunk, **common,
+                        )
+                    )  # fmt: skip
+        table = _gemm.segment_table(segments, n, cfg, self.group.device)
+        grid = _gemm.programs_for(
+            _gemm.total_tiles(segments, n, cfg), self.group.device, self.group.backend,
+            single=True,
+        )  # fmt: skip
+        plan = (cfg, table, len(segments), grid)
+        self._plans[(m, n)] = plan
+        return plan
+
+    def _fused(self, a, b, bias, c):
+        """One device barrier (it also zeroes this rank's counters, which the previous call
+        only read) and one GEMM launch."""
+        m, n = a.shape[0], b.shape[1]
+        cfg, table, n_seg, grid = self._plan(m, n)
+        first = self.pad.offset("partial")
+        self._barrier(first, self.pad.size - first)
+        _gemm.launch(
+            a, b, c, table, n_seg, m, n, self.k, cfg, grid, bias=bias,
+            recv=self.recv.local, recv_table=self.recv.ptrs,
+            recv_rows=self.max_m // self.world_size,
+            out_table=getattr(self, "result", self.recv).ptrs, sig=self.pad.buffer.local,
+            sig_table=self.pad.ptrs, err=self.error.address, rank=self.rank,
+            max_spins=self.max_spins, world=self.world_size, push=True,
+            broadcast=self.BROADCAST,
+        )  # fmt: skip
+
+    def _rows_check(self, a):
+        if a.shape[0] % self.world_size:
+            raise InterlaceValueError(
+                f"{self.op_name}: a has {a.shape[0]} rows, not a multiple of the world size "
+                f"{self.world_size} (each rank gets an equal share of the rows)"
+            )
+
+
+class GemmRS(_ScatterGemm):
+    """``reduce_scatter(a @ b) (+ bias)`` along rows: ``a [M, k]`` (the rank's column
+    shard of the activations), ``b [k, n]``; rank ``r`` gets rows ``[r*M/W, (r+1)*M/W)``
+    of the sum over ranks, ``[M / world, n]``."""
+
+    op_name = "gemm_rs"
+
+    def _comm_bytes(self, m_total, n):
+        return m_total * n * self.dtype.itemsize * (self.world_size - 1) // self.world_size
+
+    def __call__(self, a, b, bias=None, out=None):
+        w = self.world_size
+        self._check_call(a, b, bias, self.max_m)
+        self._rows_check(a)
+        m, n = a.shape[0], b.shape[1]
+        out = self._check_out(out, (m // w, n))
+        if out is None:
+            out = torch.empty(m // w, n, dtype=self.dtype, device=self.group.device)
+        strategy = self._resolve(m, n, self.k)
+        if strategy == "none":
+            c = torch.matmul(a, b)
+            dist.reduce_scatter_tensor(out, c, group=self._pg)
+            if bias is not None:
+                out += bias
+        else:
+            self._fused(a, b, bias, out)
+        self.last_strategy = strategy
+        self._end()
+        return out
+
+
+class GemmAR(_ScatterGemm):
+    """``all_reduce(a @ b) (+ bias)``: ``a [M, k]``, ``b [k, n]``; result ``[M, n]`` on
+    every rank (a view of the context's buffer unless ``out=`` is given)."""
+
+    op_name = "gemm_ar"
+    BROADCAST = True
+    default_split = 2
+
+    def __init__(self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", **kw):
+        super().__init__(group, max_m, n, k, dtype, strategy, **kw)
+        if strategy != "none":
+            self.result = self._track(symm_empty((self.max_m, self.n), dtype, group))
+
+    def _comm_bytes(self, m_total, n):
+        return 2 * m_total * n * self.dtype.itemsize * (self.world_size - 1) // self.world_size
+
+    def __call__(self, a, b, bias=None, out=None):
+        self._check_call(a, b, bias, self.max_m)
+        self._rows_check(a)
+        m, n = a.shape[0], b.shape[1]
+        out = self._check_out(out, (m, n))
+        strategy = self._resolve(m, n, self.k)
+        if strategy == "none":
+            result = torch.matmul(a, b, out=out) if out is not None else torch.matmul(a, b)
+            dist.all_reduce(result, group=self._pg)
+            if bias is not None:
+                result += bias
+        else:
+            result = self.result.local.view(-1)[: m * n].view(m, n)
+            self._fused(a, b, bias, result)
+            if out is not None:
+                result = out.copy_(result)
+        self.last_strategy = strategy
+        self._end()
+        return result
+
+
+__all__ = ["AGGemm", "GemmAR", "GemmRS"]

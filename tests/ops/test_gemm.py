@@ -1,0 +1,234 @@
+"""The overlapped GEMMs (AG+GEMM, GEMM+RS, GEMM+AR) against a float32 reference built with
+torch.distributed, for every strategy: ragged shapes (rows not multiples of the tile, rows
+per rank not multiples of 128, unaligned N/K for the non-TMA path), bias, ``out=``,
+poisoned outputs, repeated calls on one context, bad inputs, and (on GPUs) CUDA-graph
+capture and replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import interlace
+from interlace.errors import InterlaceTypeError, InterlaceValueError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TOL = 1e-2
+
+
+def _sync(group):
+    if group.backend == "cuda":
+        torch.cuda.synchronize()
+
+
+def _rel_err(out, ref):
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def _rand(gen, *shape, dtype, device, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
+
+
+def _gathered(x, group):
+    parts = [torch.empty_like(x) for _ in range(group.world_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def _reduced(x, group):
+    full = x.float().clone()
+    dist.all_reduce(full)
+    return full
+
+
+def _shapes(group):
+    """(rows per rank, n, k): ragged rows, TMA-aligned and unaligned N/K."""
+    if group.backend == "cuda":
+        return [(300, 520, 264), (1000, 1024, 512), (77, 200, 72), (129, 33, 20)]
+    return [(37, 40, 24), (5, 33, 20)]
+
+
+# ----------------------------------------------------------------------------- AG + GEMM
+def _ag_body(group, strategy, dtype_name, calls):
+    dtype, w = DTYPES[dtype_name], group.world_size
+    gen = torch.Generator().manual_seed(7 + group.rank)
+    wgen = torch.Generator().manual_seed(99)  # b: the rank's own column shard
+    for m_loc, n, k in _shapes(group):
+        ctx = interlace.AGGemm(group, max_m=w * m_loc, n=n, k=k, dtype=dtype, strategy=strategy)
+        try:
+            for i in range(calls):
+                rows = m_loc if i % 2 == 0 else max(1, m_loc // 2 + 1)  # varying M per call
+                a = _rand(gen, rows, k, dtype=dtype, device=group.device)
+                b = _rand(wgen, k, n, dtype=dtype, device=group.device, scale=0.2)
+                bias = _rand(gen, n, dtype=dtype, device=group.device) if i == 1 else None
+                out = torch.full((w * rows, n), float("nan"), dtype=dtype, device=group.device)
+                c = ctx(a, b, bias=bias, out=out) if i != 2 else ctx(a, b, bias=bias)
+                _sync(group)
+                ref = _gathered(a, group).float() @ b.float()
+                if bias is not None:
+                    ref += bias.float()
+                assert c.shape == (w * rows, n)
+                err = _rel_err(c, ref)
+                assert err < TOL, f"{strategy} shape {(rows, n, k)} call {i}: rel err {err:.2e}"
+                if i != 2:
+                    assert c.data_ptr() == out.data_ptr()
+            if strategy != "auto":
+                assert ctx.last_strategy == strategy
+        finally:
+            ctx.close()
+    return True
+
+
+@pytest.mark.parametrize("strategy", interlace.AGGemm.STRATEGIES)
+def test_ag_gemm_matches_reference(world, strategy):
+    world.run(_ag_body, strategy, "bf16", 3)
+
+
+def test_ag_gemm_fp16(world):
+    world.run(_ag_body, "fused", "fp16", 1)
+
+
+# ----------------------------------------------------------------------------- GEMM + RS / AR
+def _scatter_body(group, op, strategy, dtype_name, calls, split):
+    dtype, w, r = DTYPES[dtype_name], group.world_size, group.rank
+    cls = {"rs": interlace.GemmRS, "ar": interlace.GemmAR}[op]
+    gen = torch.Generator().manual_seed(11 + r)
+    for m_loc, n, k in _shapes(group):
+        kw = {} if split is None else {"split": split}
+        ctx = cls(group, max_m=w * m_loc, n=n, k=k, dtype=dtype, strategy=strategy, **kw)
+        try:
+            for i in range(calls):
+                m = w * (m_loc if i % 2 == 0 else max(1, m_loc // 3))
+                a = _rand(gen, m, k, dtype=dtype, device=group.device)
+                b = _rand(gen, k, n, dtype=dtype, device=group.device, scale=0.2)
+                bias = _rand(torch.Generator().manual_seed(5), n, dtype=dtype, device="cpu")
+                bias = bias.to(group.device) if i == 1 else None
+                full = _reduced(a.float() @ b.float(), group)
+                if bias is not None:
+                    full += bias.float()
+                rows = m // w if op == "rs" else m
+                ref = full[r * rows : (r + 1) * rows] if op == "rs" else full
+                out = torch.full((rows, n), float("nan"), dtype=dtype, device=group.device)
+                c = ctx(a, b, bias=bias, out=out) if i != 2 else ctx(a, b, bias=bias)
+                _sync(group)
+                assert c.shape == (rows, n)
+                err = _rel_err(c, ref)
+                assert err < TOL, f"{op} {strategy} {(m, n, k)} call {i}: rel err {err:.2e}"
+                if op == "ar" and strategy == "fused":
+                    # every rank holds the same bits
+                    first = c.clone()
+                    dist.broadcast(first, 0)
+                    assert torch.equal(first, c), "all-reduce results differ across ranks"
+        finally:
+            ctx.close()
+    return True
+
+
+@pytest.mark.parametrize("strategy", interlace.GemmRS.STRATEGIES)
+def test_gemm_rs_matches_reference(world, strategy):
+    world.run(_scatter_body, "rs", strategy, "bf16", 3, None)
+
+
+@pytest.mark.parametrize("strategy", interlace.GemmAR.STRATEGIES)
+def test_gemm_ar_matches_reference(world, strategy):
+    world.run(_scatter_body, "ar", strategy, "bf16", 3, None)
+
+
+@pytest.mark.parametrize("op", ["rs", "ar"])
+def test_scatter_split_and_fp16(world, op):
+    world.run(_scatter_body, op, "fused", "fp16", 1, 3)
+
+
+# ----------------------------------------------------------------------------- bad inputs
+def _bad_inputs_body(group):
+    w, dev = group.world_size, group.device
+    bf = torch.bfloat16
+    ag = interlace.AGGemm(group, max_m=4 * w, n=16, k=8, strategy="fused")
+    rs = interlace.GemmRS(group, max_m=4 * w, n=16, k=8, strategy="fused")
+    try:
+        a = torch.randn(4, 8, device=dev).to(bf)
+        b = torch.randn(8, 16, device=dev).to(bf)
+        cases = [
+            (ag, (a.float(), b), InterlaceTypeError, "bfloat16"),
+            (ag, (torch.randn(4, 9, device=dev).to(bf), torch.randn(9, 16, device=dev).to(bf)),
+             InterlaceValueError, "k = 8"),  # fmt: skip
+            (ag, (a, b[:7]), InterlaceValueError, "inner dimensions"),
+            (ag, (torch.randn(5, 8, device=dev).to(bf), b), InterlaceValueError, "rows"),
+            (ag, (a, torch.randn(8, 17, device=dev).to(bf)), InterlaceValueError, "n = 16"),
+            (ag, (a.t(), b), InterlaceValueError, "contiguous"),
+            (rs, (torch.randn(w + 1, 8, device=dev).to(bf), b), InterlaceValueError, "multiple"),
+            (rs, (a, b, torch.randn(15, device=dev).to(bf)), InterlaceValueError, "bias"),
+        ]
+        for ctx, args, exc, text in cases:
+            try:
+                ctx(*args)
+            except exc as e:
+                assert text in str(e), f"{text!r} not in {e}"
+            else:
+                raise AssertionError(f"no {exc.__name__} for {text}")
+        for bad in (
+            lambda: interlace.AGGemm(group, max_m=4 * w + 1, n=16, k=8),
+            lambda: interlace.GemmRS(group, max_m=4 * w, n=16, k=8, strategy="fast"),
+            lambda: interlace.GemmAR(group, max_m=4 * w, n=16, k=8, split=99),
+            lambda: interlace.GemmAR(group, max_m=4 * w, n=16, k=8, dtype=torch.float32),
+        ):
+            with pytest.raises(InterlaceValueError):
+                bad()
+    finally:
+        ag.close()
+        rs.close()
+    with pytest.raises(interlace.InterlaceError, match="closed"):
+        ag(a, b)
+    return True
+
+
+def test_bad_inputs_raise_on_every_rank(world):
+    world.run(_bad_inputs_body)
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+def _graph_body(group, op):
+    w, dev, dtype = group.world_size, group.device, torch.bfloat16
+    m_loc, n, k = 384, 512, 256
+    gen = torch.Generator().manual_seed(3 + group.rank)
+    if op == "ag":
+        ctx = interlace.AGGemm(group, max_m=w * m_loc, n=n, k=k, strategy="fused")
+        a = _rand(gen, m_loc, k, dtype=dtype, device=dev)
+    else:
+        cls = interlace.GemmRS if op == "rs" else interlace.GemmAR
+        ctx = cls(group, max_m=w * m_loc, n=n, k=k, strategy="fused")
+        a = _rand(gen, w * m_loc, k, dtype=dtype, device=dev)
+    b = _rand(gen, k, n, dtype=dtype, device=dev, scale=0.2)
+    try:
+        ctx(a, b)
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            c = ctx(a, b)
+        for _ in range(3):
+            a.copy_(_rand(gen, *a.shape, dtype=dtype, device=dev))
+            c.fill_(float("nan"))
+            dist.barrier()
+            graph.replay()
+            torch.cuda.synchronize()
+            if op == "ag":
+                ref = _gathered(a, group).float() @ b.float()
+            else:
+                full = _reduced(a.float() @ b.float(), group)
+                ref = full[group.rank * m_loc : (group.rank + 1) * m_loc] if op == "rs" else full
+            assert _rel_err(c, ref) < TOL
+        ctx.check()
+    finally:
+        ctx.close()
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_cuda_graph_replay(op, size):
+    from tests.conftest import get_world
+
+    get_world("cuda", size).run(_graph_body, op)
