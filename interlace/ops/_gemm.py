@@ -101,13 +101,6 @@ def total_tiles(segments: list[Segment], n: int, cfg: GemmConfig) -> int:
     return sum(tiles_of(s.rows, n, cfg) for s in segments)
 
 
-def chunk_bounds(rows: int, split: int, block_m: int) -> list[tuple[int, int]]:
-    """``split`` runs of ``rows`` rows, each a multiple of ``block_m`` but the last (so a
-    tile never straddles two chunks); fewer if ``rows`` is small."""
-    step = cdiv(cdiv(rows, split), block_m) * block_m
-    return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
-
-
 def tma_ok(k: int, n: int, dtype: torch.dtype) -> bool:
     """TMA descriptors need 16-byte aligned row strides."""
     return (k * dtype.itemsize) % 16 == 0 and (n * dtype.itemsize) % 16 == 0

@@ -40,14 +40,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import schedule
 from ..errors import InterlaceValueError
 from ..kernels.collective import pull_chunks_kernel
 from ..runtime import copy_and_signal, fork, join, symm_empty, use_stream
 from . import _gemm
 from ._context import OpContext
-from ._gemm import GemmConfig, Segment, chunk_bounds, tiles_of
+from ._gemm import GemmConfig, Segment, tiles_of
 
 MAX_SPLIT = 8
+AG_TEMPLATES = {
+    "full_mesh": schedule.full_mesh_all_gather,
+    "swizzled": schedule.swizzled_all_gather,
+}
 
 #: ``auto`` runs ``none`` when the smaller of the GEMM and communication times, estimated
 #: from these rates, is under ``MIN_OVERLAP_US``: the most overlap can save must pay for
@@ -141,7 +146,15 @@ class AGGemm(_OverlappedGemm):
     op_name = "ag_gemm"
     STRATEGIES = ("auto", "fused", "sm_pull", "none")
 
-    def __init__(self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", **kw):
+    def __init__(
+        self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", schedule="full_mesh",
+        **kw,
+    ):  # fmt: skip
+        if schedule not in AG_TEMPLATES:
+            raise InterlaceValueError(
+                f"{self.op_name}: schedule must be one of {tuple(AG_TEMPLATES)}, got {schedule!r}"
+            )
+        self.schedule = schedule
         super().__init__(group, max_m, n, k, dtype, strategy, **kw)
         if self.max_m % self.world_size:
             raise InterlaceValueError(
@@ -188,29 +201,33 @@ class AGGemm(_OverlappedGemm):
 
     def _plan(self, m_loc: int, n: int, pull: bool):
         """Segments in arrival order, and the transfers this rank issues (push) or the
-        chunk table of the pull kernel; built once per shape."""
+        chunk table of the pull kernel; lowered from a checked schedule, once per shape."""
         key = (m_loc, n, pull)
         if key in self._plans:
             return self._plans[key]
         w, r = self.world_size, self.rank
         cfg = self._cfg(w * m_loc, n, self.k)
-        bounds = chunk_bounds(m_loc, self.split, cfg.block_m)
+        sched = AG_TEMPLATES[self.schedule](
+            w, m_loc, self.split, mode="pull" if pull else "push",
+            backend="sm" if pull else "ce", align=cfg.block_m,
+        )  # fmt: skip
+        schedule.check(sched)
         arrival = self.pad.offset("arrival")
-        slot = lambda owner, j: arrival + owner * MAX_SPLIT + j  # noqa: E731
-        # Own shard first (read in place), then the peers' shards in the order they land:
-        # pushes come from r-1, r-2, ... (each rank pushes to r+1 first); pulls go r+1, r+2.
-        owners = [(r + w - i) % w if not pull else (r + i) % w for i in range(1, w)]
-        segments = [
-            Segment(row0=r * m_loc + lo, rows=hi - lo, kind="store_own", owner=r, out_row0=lo)
-            for lo, hi in bounds
-        ]
         expected = self._pull_programs() if pull else 1
-        for o in owners:
-            for j, (lo, hi) in enumerate(bounds):
+        segments = []
+        for chunk, slot in schedule.chunk_order(sched, r):
+            if slot is None:  # own rows: read in place from the caller's shard
                 segments.append(
                     Segment(
-                        row0=o * m_loc + lo, rows=hi - lo, kind="store", owner=o,
-                        wait_first=slot(o, j), wait_count=1, wait_expected=expected,
+                        row0=chunk.lo, rows=chunk.rows, kind="store_own", owner=r,
+                        out_row0=chunk.lo - r * m_loc,
+                    )
+                )  # fmt: skip
+            else:
+                segments.append(
+                    Segment(
+                        row0=chunk.lo, rows=chunk.rows, kind="store", owner=chunk.owner,
+                        wait_first=arrival + slot, wait_count=1, wait_expected=expected,
                     )
                 )  # fmt: skip
         table = _gemm.segment_table(segments, n, cfg, self.group.device)
@@ -218,21 +235,18 @@ class AGGemm(_OverlappedGemm):
             _gemm.total_tiles(segments, n, cfg), self.group.device, self.group.backend,
             comm_sms=self.comm_sms if pull else 0,
         )  # fmt: skip
+        moves = schedule.transfers(sched, r)
         if pull:
-            chunks = [
-                [o * m_loc + lo, hi - lo, slot(o, j), o]
-                for o in owners
-                for j, (lo, hi) in enumerate(bounds)
-            ]
-            comm = torch.tensor(chunks, dtype=torch.int32).to(self.group.device)
+            rows = [[t.lo, t.hi - t.lo, arrival + t.signal, t.src] for t in moves]
+            comm = torch.tensor(rows, dtype=torch.int32).to(self.group.device)
         else:
             comm = []
-            for i in range(1, w):  # peer by peer, rank-rotated: r+1 first
-                peer = (r + i) % w
-                signal = self.pad.buffer.peers[peer].view(torch.uint32)
-                for j, (lo, hi) in enumerate(bounds):
-                    dst = self.gathered.peers[peer][r * m_loc + lo : r * m_loc + hi]
-                    comm.append((dst, lo, hi, signal, slot(r, j)))
+            for t in moves:  # issue order: peer by peer, rank-rotated
+                lo, hi = t.lo - r * m_loc, t.hi - r * m_loc
+                signal = self.pad.buffer.peers[t.dst].view(torch.uint32)
+                comm.append(
+                    (self.gathered.peers[t.dst][t.lo : t.hi], lo, hi, signal, arrival + t.signal)
+                )
         plan = (cfg, table, len(segments), grid, comm)
         self._plans[key] = plan
         return plan
@@ -308,38 +322,42 @@ class _ScatterGemm(_OverlappedGemm):
         return {"partial": world * MAX_SPLIT * (world - 1), "broadcast": world * MAX_SPLIT}
 
     def _plan(self, m: int, n: int):
+        """Segments from a checked schedule: its chunks in the order this rank sends them
+        (own rows last); counters: one per (chunk, source) on the owner, one broadcast
+        counter per chunk on every rank (all-reduce)."""
         if (m, n) in self._plans:
             return self._plans[(m, n)]
         w, r = self.world_size, self.rank
         m_loc = m // w
         cfg = self._cfg(m, n, self.k)
-        bounds = chunk_bounds(m_loc, self.split, cfg.block_m)
+        template = (
+            schedule.partition_all_reduce if self.BROADCAST else (schedule.full_mesh_reduce_scatter)
+        )
+        sched = template(w, m_loc, self.split, backend="sm", align=cfg.block_m)
+        schedule.check(sched)
+        slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
         partial, broadcast = self.pad.offset("partial"), self.pad.offset("broadcast")
         segments = []
-        for j, (lo, hi) in enumerate(bounds):
-            for i in range(1, w + 1):  # rank-rotated, own rows last in each round
-                o = (r + i) % w
-                chunk = o * MAX_SPLIT + j
-                tiles = tiles_of(hi - lo, n, cfg)
-                common = dict(row0=o * m_loc + lo, rows=hi - lo, owner=o, out_row0=lo)
-                if o != r:
-                    # counter slots of a chunk: one per source, numbered from the owner
-                    src = (r - o - 1) % w
-                    segments.append(
-                        Segment(
-                            kind="push", notify=partial + chunk * (w - 1) + src,
-                            final_slot=broadcast + chunk,
-                            final_expected=tiles if self.BROADCAST else 0, **common,
-                        )
-                    )  # fmt: skip
-                else:
-                    segments.append(
-                        Segment(
-                            kind="reduce", wait_first=partial + chunk * (w - 1),
-                            wait_count=w - 1, wait_expected=tiles,
-                            notify=broadcast + chunk, **common,
-                        )
-                    )  # fmt: skip
+        for chunk, _ in schedule.chunk_order(sched, r):
+            o, cid = chunk.owner, slot_of[chunk.id]
+            tiles = tiles_of(chunk.rows, n, cfg)
+            common = dict(row0=chunk.lo, rows=chunk.rows, owner=o, out_row0=chunk.lo - o * m_loc)
+            if o != r:
+                src = (r - o - 1) % w  # the owner numbers its sources from o + 1
+                segments.append(
+                    Segment(
+                        kind="push", notify=partial + cid * (w - 1) + src,
+                        final_slot=broadcast + cid,
+                        final_expected=tiles if self.BROADCAST else 0, **common,
+                    )
+                )  # fmt: skip
+            else:
+                segments.append(
+                    Segment(
+                        kind="reduce", wait_first=partial + cid * (w - 1), wait_count=w - 1,
+                        wait_expected=tiles, notify=broadcast + cid, **common,
+                    )
+                )  # fmt: skip
         table = _gemm.segment_table(segments, n, cfg, self.group.device)
         grid = _gemm.programs_for(
             _gemm.total_tiles(segments, n, cfg), self.group.device, self.group.backend,
@@ -411,7 +429,6 @@ class GemmAR(_ScatterGemm):
 
     op_name = "gemm_ar"
     BROADCAST = True
-    default_split = 2
 
     def __init__(self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", **kw):
         super().__init__(group, max_m, n, k, dtype, strategy, **kw)

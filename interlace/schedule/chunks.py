@@ -167,10 +167,18 @@ class Schedule:
         return sum(len(v) for v in self.ops.values())
 
 
-def split_rows(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
+def split_rows(lo: int, hi: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
     """Rows ``[lo, hi)`` cut into ``parts`` ranges as even as possible, empty ones dropped
-    (sub-range ``k`` starts at ``lo + k * n // parts``, as in ``language.tile``)."""
+    (sub-range ``k`` starts at ``lo + k * n // parts``, as in ``language.tile``).
+
+    With ``align > 1`` every range but the last is a multiple of ``align`` rows (a GEMM's
+    tile height: then no tile straddles two chunks of one shard)."""
     n = hi - lo
+    if align > 1:
+        per_part = -(-n // parts)
+        step = -(-per_part // align) * align
+        bounds = [min(hi, lo + k * step) for k in range(parts + 1)]
+        return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
     bounds = [lo + k * n // parts for k in range(parts + 1)]
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 

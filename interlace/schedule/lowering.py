@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 from ..errors import InterlaceValueError
 from .checker import Analysis, check
-from .chunks import Collective, Schedule, ScheduleError
+from .chunks import Chunk, Collective, Schedule, ScheduleError
 
 __all__ = [
     "ConsumerPlan",
+    "chunk_order",
     "ProducerPlan",
     "Transfer",
     "as_tensors",
@@ -263,3 +264,31 @@ def producer_plan(
     return ProducerPlan(
         rank, schedule.rows, block_m, max_notifies, tuple(order), notifies, tuple(expected)
     )
+
+
+def chunk_order(schedule: Schedule, rank: int) -> list[tuple[Chunk, int | None]]:
+    """The chunks in the order a chunk-granular kernel on ``rank`` visits them, each with
+    the signal slot to wait on before reading it (``None``: nothing to wait for).
+
+    * all-gather (a consumer): the rank's own chunks first, then the others by arrival
+      (ties by row); slot = the chunk's row-order slot.
+    * reduce-scatter / all-reduce (a producer of partial sums): the chunks this rank sends
+      first come first, its own chunks (never sent) last, ties by row; no waits here (the
+      producer's epilogue, not a transfer, moves the data).
+
+    The op layer turns this into its kernel's segment table; chunk boundaries and order
+    come from the (checked) schedule, chunk size from its ``split`` (and ``align``)."""
+    a = _lowerable(schedule, rank)
+    chunks = schedule.row_order
+    if schedule.kind == "all_gather":
+        arrival = [
+            0 if c.owner == rank else a.level[a.writers[(rank, c.id)][0]] + 1 for c in chunks
+        ]
+        order = sorted(range(len(chunks)), key=lambda i: (arrival[i], i))
+        return [(chunks[i], None if chunks[i].owner == rank else i) for i in order]
+    never = max(a.level, default=0) + 1
+    first_send = [
+        min((a.level[n] for n in a.readers.get((rank, c.id), [])), default=never) for c in chunks
+    ]
+    order = sorted(range(len(chunks)), key=lambda i: (chunks[i].owner == rank, first_send[i], i))
+    return [(chunks[i], None) for i in order]

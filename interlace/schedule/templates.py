@@ -56,7 +56,7 @@ def _check_choice(name: str, value, allowed: Sequence) -> None:
 class _Builder:
     """Appends transfers to per-rank lists and infers their dependencies from data flow."""
 
-    def __init__(self, world_size, kind, rows_per_rank, split, mode, backend, tensor):
+    def __init__(self, world_size, kind, rows_per_rank, split, mode, backend, tensor, align=1):
         shard_rows = _shard_rows(world_size, rows_per_rank)
         if isinstance(split, bool) or not isinstance(split, int) or split < 1:
             raise InterlaceValueError(f"split must be an int >= 1, got {split!r}")
@@ -70,7 +70,7 @@ class _Builder:
         lo = 0
         for rank, n in enumerate(shard_rows):
             ids = []
-            for a, b in split_rows(lo, lo + n, split):
+            for a, b in split_rows(lo, lo + n, split, align):
                 ids.append(len(self.chunks))
                 self.chunks.append(Chunk(len(self.chunks), tensor, a, b, rank))
             self.sub.append(ids)
@@ -180,10 +180,11 @@ def ring_all_gather(
     mode: str = "push",
     backend: str = "ce",
     tensor: str = "A",
+    align: int = 1,
 ) -> Schedule:
     """Ring all-gather: ``W - 1`` steps, each rank forwards to its right neighbour the
     shard it received in the previous step (its own first)."""
-    b = _Builder(world_size, "all_gather", rows_per_rank, split, mode, backend, tensor)
+    b = _Builder(world_size, "all_gather", rows_per_rank, split, mode, backend, tensor, align)
     _ring_gather(b)
     return b.build()
 
@@ -195,10 +196,11 @@ def full_mesh_all_gather(
     mode: str = "push",
     backend: str = "ce",
     tensor: str = "A",
+    align: int = 1,
 ) -> Schedule:
     """Full-mesh all-gather, rank-rotated and peer by peer: data moves from rank ``q`` to
     ``q + 1``, then ``q + 2``, ... (push: ``q`` sends; pull: ``q + d`` fetches)."""
-    b = _Builder(world_size, "all_gather", rows_per_rank, split, mode, backend, tensor)
+    b = _Builder(world_size, "all_gather", rows_per_rank, split, mode, backend, tensor, align)
     _mesh_gather(b, swizzle=False)
     return b.build()
 
@@ -210,11 +212,12 @@ def swizzled_all_gather(
     mode: str = "push",
     backend: str = "ce",
     tensor: str = "A",
+    align: int = 1,
 ) -> Schedule:
     """2-D swizzled all-gather: shards cut into ``split`` sub-chunks, sent sub-chunk-major
     and peer-rotated, so each rank receives the first rows of every peer early and, at any
     step (with equal shards), every rank uses a different link."""
-    b = _Builder(world_size, "all_gather", rows_per_rank, split, mode, backend, tensor)
+    b = _Builder(world_size, "all_gather", rows_per_rank, split, mode, backend, tensor, align)
     _mesh_gather(b, swizzle=True)
     return b.build()
 
@@ -226,10 +229,11 @@ def ring_reduce_scatter(
     mode: str = "push",
     backend: str = "ce",
     tensor: str = "C",
+    align: int = 1,
 ) -> Schedule:
     """Ring reduce-scatter: ``W - 1`` steps of adding a running partial sum into the right
     neighbour; a rank's own shard arrives complete in the last step."""
-    b = _Builder(world_size, "reduce_scatter", rows_per_rank, split, mode, backend, tensor)
+    b = _Builder(world_size, "reduce_scatter", rows_per_rank, split, mode, backend, tensor, align)
     _ring_scatter(b)
     return b.build()
 
@@ -241,10 +245,11 @@ def full_mesh_reduce_scatter(
     mode: str = "push",
     backend: str = "ce",
     tensor: str = "C",
+    align: int = 1,
 ) -> Schedule:
     """Full-mesh reduce-scatter, rank-rotated: each rank adds its partial of rank
     ``q + d``'s shard into ``q + d`` for ``d = 1, 2, ...``; its own shard is never sent."""
-    b = _Builder(world_size, "reduce_scatter", rows_per_rank, split, mode, backend, tensor)
+    b = _Builder(world_size, "reduce_scatter", rows_per_rank, split, mode, backend, tensor, align)
     _mesh_scatter(b)
     return b.build()
 
@@ -257,12 +262,13 @@ def partition_all_reduce(
     backend: str = "ce",
     algorithm: str = "full_mesh",
     tensor: str = "C",
+    align: int = 1,
 ) -> Schedule:
     """Partition all-reduce: the rows are cut into one partition per rank
     (``rows_per_rank`` each), reduce-scattered to their owners, then the reduced partitions
     all-gathered. ``algorithm``: ``"full_mesh"`` or ``"ring"`` for both phases."""
     _check_choice("algorithm", algorithm, ("full_mesh", "ring"))
-    b = _Builder(world_size, "all_reduce", rows_per_rank, split, mode, backend, tensor)
+    b = _Builder(world_size, "all_reduce", rows_per_rank, split, mode, backend, tensor, align)
     if algorithm == "ring":
         _ring_scatter(b)
         _ring_gather(b)

@@ -50,12 +50,14 @@ def _shapes(group):
 
 
 # ----------------------------------------------------------------------------- AG + GEMM
-def _ag_body(group, strategy, dtype_name, calls):
+def _ag_body(group, strategy, dtype_name, calls, **options):
     dtype, w = DTYPES[dtype_name], group.world_size
     gen = torch.Generator().manual_seed(7 + group.rank)
     wgen = torch.Generator().manual_seed(99)  # b: the rank's own column shard
     for m_loc, n, k in _shapes(group):
-        ctx = interlace.AGGemm(group, max_m=w * m_loc, n=n, k=k, dtype=dtype, strategy=strategy)
+        ctx = interlace.AGGemm(
+            group, max_m=w * m_loc, n=n, k=k, dtype=dtype, strategy=strategy, **options
+        )
         try:
             for i in range(calls):
                 rows = m_loc if i % 2 == 0 else max(1, m_loc // 2 + 1)  # varying M per call
@@ -87,6 +89,11 @@ def test_ag_gemm_matches_reference(world, strategy):
 
 def test_ag_gemm_fp16(world):
     world.run(_ag_body, "fused", "fp16", 1)
+
+
+@pytest.mark.parametrize("strategy", ["fused", "sm_pull"])
+def test_ag_gemm_swizzled_split(world, strategy):
+    world.run(_ag_body, strategy, "bf16", 2, schedule="swizzled", split=3)
 
 
 # ----------------------------------------------------------------------------- GEMM + RS / AR
@@ -151,8 +158,12 @@ def _bad_inputs_body(group):
         b = torch.randn(8, 16, device=dev).to(bf)
         cases = [
             (ag, (a.float(), b), InterlaceTypeError, "bfloat16"),
-            (ag, (torch.randn(4, 9, device=dev).to(bf), torch.randn(9, 16, device=dev).to(bf)),
-             InterlaceValueError, "k = 8"),  # fmt: skip
+            (
+                ag,
+                (torch.randn(4, 9, device=dev).to(bf), torch.randn(9, 16, device=dev).to(bf)),
+                InterlaceValueError,
+                "k = 8",
+            ),  # fmt: skip
             (ag, (a, b[:7]), InterlaceValueError, "inner dimensions"),
             (ag, (torch.randn(5, 8, device=dev).to(bf), b), InterlaceValueError, "rows"),
             (ag, (a, torch.randn(8, 17, device=dev).to(bf)), InterlaceValueError, "n = 16"),

@@ -301,3 +301,18 @@ def test_producer_plan_properties(name, mode, w, rows, split, block_m, data):
         assert "max_notifies=8" in str(e)
         return
     _check_producer(s, rank, block_m, p)
+
+
+def test_chunk_order_and_aligned_chunks():
+    from interlace.schedule import check, chunk_order, full_mesh_reduce_scatter
+
+    s = full_mesh_all_gather(4, 300, 2, align=128)
+    check(s)
+    assert [(c.lo, c.hi) for c in s.row_order][:2] == [(0, 256), (256, 300)]
+    order = chunk_order(s, 1)
+    # own chunks first (no wait), then by arrival: rank 0 pushes to 1 first, then 3, then 2
+    assert [(c.owner, slot) for c, slot in order] == [
+        (1, None), (1, None), (0, 0), (0, 1), (3, 6), (3, 7), (2, 4), (2, 5),
+    ]  # fmt: skip
+    rs = full_mesh_reduce_scatter(3, 7, 1)
+    assert [c.owner for c, _ in chunk_order(rs, 0)] == [1, 2, 0]  # own rows last
