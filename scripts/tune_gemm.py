@@ -48,11 +48,13 @@ def time_ms(fn, iters=30):
 
 CANDIDATES = [
     GemmConfig(block_n=256, num_stages=3),
-    GemmConfig(block_n=256, num_stages=4),
     GemmConfig(block_n=128, num_stages=4),
     GemmConfig(block_n=128, num_stages=5, num_warps=4),
     GemmConfig(block_n=256, block_k=64, group_m=16, num_stages=3),
-    GemmConfig(block_m=256, block_n=128, num_stages=3),
+    GemmConfig(block_n=256, num_stages=4, subtile=True),
+    GemmConfig(block_n=256, num_stages=4, group_m=16, subtile=True),
+    GemmConfig(block_n=128, num_warps=4, num_stages=6),
+    GemmConfig(block_n=128, num_warps=4, num_stages=5, group_m=16),
 ]
 
 

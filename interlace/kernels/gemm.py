@@ -135,6 +135,7 @@ def gemm_segments_kernel(
     GROUP_M: tl.constexpr, WORLD: tl.constexpr,
     USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_PUSH: tl.constexpr, BROADCAST: tl.constexpr, HAS_OWN_A: tl.constexpr,
+    SUBTILE: tl.constexpr = False,
 ):  # fmt: skip
     """See the module docstring. ``a_own`` ([own_rows, K]) is read by ``KIND_STORE_OWN``;
     ``recv`` ([WORLD, recv_rows, N], symmetric, table ``recv_table``) receives partials;
@@ -182,14 +183,14 @@ def gemm_segments_kernel(
                 _segment_store(
                     a, b, c, bias, a_desc, b_desc, M, row0, N, K, first, end, n_prog, tile0,
                     row0, rows, seg_mt, tiles_n, token, expected, out_ty,
-                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, HAS_BIAS,
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, HAS_BIAS, SUBTILE,
                 )  # fmt: skip
             if HAS_OWN_A:
                 if kind == KIND_STORE_OWN:
                     _segment_store(
                         a_own, b, c, bias, own_desc, b_desc, own_rows, out_row0, N, K, first,
                         end, n_prog, tile0, row0, rows, seg_mt, tiles_n, token, expected,
-                        out_ty, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, HAS_BIAS,
+                        out_ty, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, HAS_BIAS, SUBTILE,
                     )  # fmt: skip
             if HAS_PUSH:
                 if kind == KIND_PUSH:
@@ -224,14 +225,16 @@ def _segment_store(
     seg_mt, tiles_n, token, expected, out_ty,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SUBTILE: tl.constexpr,
 ):  # fmt: skip
     c_desc = None
     if USE_TMA:
         # Bounded by the segment's rows: a tile overhanging the segment end never writes
-        # rows that belong to the next segment.
+        # rows that belong to the next segment. Stored in halves (``SUBTILE``), the
+        # epilogue needs half the shared memory, which can go to one more pipeline stage.
         c_desc = tl.make_tensor_descriptor(
             c + row0.to(tl.int64) * N, shape=[rows, N], strides=[N, 1],
-            block_shape=[BLOCK_M, BLOCK_N],
+            block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE else BLOCK_N],
         )  # fmt: skip
     for g in tl.range(first, end, n_prog, flatten=True):
         pid_m, pid_n = _tile_coords(g - tile0, seg_mt, tiles_n, GROUP_M)
@@ -242,7 +245,13 @@ def _segment_store(
         )  # fmt: skip
         acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS)
         if USE_TMA:
-            c_desc.store([pid_m * BLOCK_M, col], acc.to(out_ty))
+            if SUBTILE:
+                halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+                left, right = tl.split(halves)
+                c_desc.store([pid_m * BLOCK_M, col], left.to(out_ty))
+                c_desc.store([pid_m * BLOCK_M, col + BLOCK_N // 2], right.to(out_ty))
+            else:
+                c_desc.store([pid_m * BLOCK_M, col], acc.to(out_ty))
         else:
             lrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = col + tl.arange(0, BLOCK_N)

@@ -44,6 +44,7 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    subtile: bool = False  # store the output tile in two halves (frees shared memory)
 
 
 #: Chosen on one H200 (benchmarks/results, gemm tuning); keyed by nothing but the shape
@@ -150,7 +151,7 @@ def launch(
         err, rank, max_spins,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         WORLD=world, USE_TMA=use_tma, HAS_BIAS=bias is not None, HAS_PUSH=push,
-        BROADCAST=broadcast, HAS_OWN_A=a_own is not None,
+        BROADCAST=broadcast, HAS_OWN_A=a_own is not None, SUBTILE=cfg.subtile,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
