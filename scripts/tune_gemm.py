@@ -58,10 +58,30 @@ CANDIDATES = [
 ]
 
 
+def emit_table(results, path):
+    """Write ``TUNED = {(m, n, k): GemmConfig(...)}`` (the module ``ops/_gemm_tuned.py``)."""
+    lines = [
+        '"""Best segment-GEMM config per shape, measured by scripts/tune_gemm.py on one H200',
+        '(generated; edit by re-running the script with --emit)."""',
+        "",
+        "from ._gemm import GemmConfig",
+        "",
+        "TUNED = {",
+    ]
+    for r in results:
+        best = r["best"]
+        if best and best["config"] != "default":
+            lines.append(f"    ({r['M']}, {r['N']}, {r['K']}): {best['config']},")
+    lines.append("}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--emit", help="also write the best configs as a Python table to this file")
     args = ap.parse_args()
     torch.manual_seed(0)
     results = []
@@ -98,6 +118,8 @@ def main():
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "gemm_tuning.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    if args.emit:
+        emit_table(results, args.emit)
     xs = [r["t_cublas_ms"] / r["best"]["t_ms"] for r in results if r["best"]]
     ds = [r["default_x_cublas"] for r in results if r["default_x_cublas"]]
     gm = lambda v: statistics.geometric_mean(v) if v else float("nan")  # noqa: E731

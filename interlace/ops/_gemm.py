@@ -47,11 +47,16 @@ class GemmConfig:
     subtile: bool = False  # store the output tile in two halves (frees shared memory)
 
 
-#: Chosen on one H200 (benchmarks/results, gemm tuning); keyed by nothing but the shape
-#: so every rank picks the same one without talking.
 def gemm_config(m: int, n: int, k: int, backend: str = "cuda") -> GemmConfig:
+    """The tile config for a GEMM shape: the tuned one (``_gemm_tuned``, measured on an
+    H200) or a rule. A function of the shape only, so every rank picks the same config
+    without talking (the tile grid defines the signal counts)."""
     if backend != "cuda":  # the interpreter: small tiles keep CPU tests fast
         return GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    from ._gemm_tuned import TUNED
+
+    if (m, n, k) in TUNED:
+        return TUNED[(m, n, k)]
     if k <= 4096 and n <= 8192 and n % 256 != 0:
         # tuning run 1: 128x128 tiles, 4 warps, 5 stages won the K = 4096 column-parallel
         # shapes whose N is no multiple of 256
