@@ -306,6 +306,10 @@ class _ScatterGemm(_OverlappedGemm):
     pushed to their owner from the epilogue, the owner's tiles reduced in theirs."""
 
     BROADCAST = False
+    # Two chunks per owner: a rank reaches its own chunk j only after every peer has
+    # finished that chunk a whole chunk earlier (full-mesh order), so the owner's reduction
+    # does not wait on a peer's last tile.
+    default_split = 2
 
     def __init__(self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", **kw):
         super().__init__(group, max_m, n, k, dtype, strategy, **kw)
