@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
 # The whole GPU job in one call: GPU test suite, then the benchmarks.
-# Full logs and JSON go under $OUT (default ./gpu-out); a short table is printed last.
+# Full logs and JSON go under $OUT (default ./gpu-out); the short tables are printed last.
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu_suite.sh [bench args]
+# Environment: SUITE=collectives|dense|all (default all), TESTS=0 skips the GPU tests,
+# TEST_TIMEOUT / BENCH_TIMEOUT in seconds, PROBE=1 adds the host-overhead probe.
+# Extra arguments go to `python -m interlace bench`, e.g. --models llama3-8b --ms 8192.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
+SUITE=${SUITE:-all}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # Multicast / NVLS stays off on these machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 TEST_TIMEOUT=${TEST_TIMEOUT:-300}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
+if [ "$SUITE" = collectives ]; then BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}; else BENCH_TIMEOUT=${BENCH_TIMEOUT:-540}; fi
 
 { nvidia-smi -L; nvidia-smi topo -m; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } \
     > "$OUT/machine.txt" 2>&1
 
-timeout -k 10 "$TEST_TIMEOUT" python3 -m pytest -m gpu tests -q -rfEs -p no:cacheprovider --continue-on-collection-errors \
-    --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
-test_rc=$?
+if [ "${TESTS:-1}" != 0 ]; then
+    timeout -k 10 "$TEST_TIMEOUT" python3 -m pytest -m gpu tests -q -rfEs -p no:cacheprovider --continue-on-collection-errors \
+        --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
+    test_rc=$?
+else
+    echo "skipped (TESTS=0)" > "$OUT/gpu_tests.log"; test_rc=skipped
+fi
 
-timeout -k 10 "$BENCH_TIMEOUT" python3 -m interlace bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
+timeout -k 10 "$BENCH_TIMEOUT" python3 -m interlace bench --suite "$SUITE" --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
 bench_rc=$?
 
 if [ -n "${PROBE:-}" ]; then
@@ -28,4 +36,11 @@ fi
 echo "== machine"; head -4 "$OUT/machine.txt"
 echo "== GPU tests (rc=$test_rc)"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT/gpu_tests.log" | tail -25
 [ -n "${PROBE:-}" ] && { echo "== overhead probe"; tail -22 "$OUT/overhead.log"; }
-echo "== bench (rc=$bench_rc)"; tail -32 "$OUT/bench.log"
+echo "== bench $SUITE (rc=$bench_rc)"
+# From the first results table to the end (tables, notes, file written); the tail on a crash.
+if grep -qE "interlace (collectives|dense ops)" "$OUT/bench.log"; then
+    grep -E "^(dense|error)" "$OUT/bench.log" | head -5
+    sed -n '/interlace \(collectives\|dense ops\)/,$p' "$OUT/bench.log"
+else
+    tail -32 "$OUT/bench.log"
+fi
