@@ -124,7 +124,9 @@ def _add_bias(acc, bias, col, N, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
     return acc
 
 
-@triton.jit
+# Integers equal to 1 would be specialised into constants (rank 1, one segment, ...):
+# keep the ones the kernel does arithmetic on as runtime values.
+@triton.jit(do_not_specialize=["rank", "n_seg", "recv_rows", "own_rows", "max_spins"])
 def gemm_segments_kernel(
     a, b, c, bias, M, N, K,
     a_own, own_rows,
