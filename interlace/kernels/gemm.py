@@ -117,6 +117,17 @@ def _mma(
 
 
 @triton.jit
+def _peer_ptr(local, table, rank, peer):
+    """``local`` (a symmetric tensor of this rank) as seen on ``peer``, written so that
+    Triton still knows the 16-byte alignment of ``local``: stores through it vectorise
+    (a pointer loaded from the table has no known alignment, and 2-byte stores over
+    NVLink crawl). Symmetric allocations are at least 16-byte aligned on every rank."""
+    delta = tl.load(table + peer) - tl.load(table + rank)
+    per_16 = 128 // local.dtype.element_ty.primitive_bitwidth
+    return local + (delta // 16) * per_16
+
+
+@triton.jit
 def _add_bias(acc, bias, col, N, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         cols = col + tl.arange(0, BLOCK_N)
@@ -198,7 +209,7 @@ def gemm_segments_kernel(
                 if kind == KIND_PUSH:
                     _segment_push(
                         a, b, a_desc, b_desc, M, N, K, first, end, n_prog, tile0, row0, rows,
-                        seg_mt, tiles_n, token, expected, out_ty, recv_table, recv_rows,
+                        seg_mt, tiles_n, token, expected, out_ty, recv, recv_table, recv_rows,
                         owner, out_row0, sig_table, notify_slot, rank,
                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA,
                     )  # fmt: skip
@@ -264,13 +275,13 @@ def _segment_store(
 @triton.jit
 def _segment_push(
     a, b, a_desc, b_desc, M, N, K, first, end, n_prog, tile0, row0, rows, seg_mt, tiles_n,
-    token, expected, out_ty, recv_table, recv_rows, owner, out_row0, sig_table, notify_slot,
-    rank,
+    token, expected, out_ty, recv, recv_table, recv_rows, owner, out_row0, sig_table,
+    notify_slot, rank,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, USE_TMA: tl.constexpr,
 ):  # fmt: skip
     # This rank's slot of the owner's receive buffer: recv[rank, out_row0 + r, :].
-    dst = tl.load(recv_table + owner).to(tl.pointer_type(out_ty))
+    dst = _peer_ptr(recv, recv_table, rank, owner)
     dst += (rank.to(tl.int64) * recv_rows + out_row0) * N
     owner_sig = signal_base(sig_table, owner) + notify_slot
     for g in tl.range(first, end, n_prog, flatten=True):
@@ -320,8 +331,7 @@ def _segment_reduce(
             goffs = (row0 + lrows)[:, None].to(tl.int64) * N + cols[None, :]
             for i in tl.static_range(WORLD):
                 q = (rank + i) % WORLD
-                dst = tl.load(out_table + q).to(tl.pointer_type(out_ty))
-                tl.store(dst + goffs, val, mask=mask)
+                tl.store(_peer_ptr(c, out_table, rank, q) + goffs, val, mask=mask)
             for i in tl.static_range(1, WORLD):
                 q = (rank + i) % WORLD
                 notify(signal_base(sig_table, q) + notify_slot, 1, ADD=True)
