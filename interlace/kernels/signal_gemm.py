@@ -1,0 +1,157 @@
+"""Signalling GEMM for the ``signal_reorder`` strategy (FlashOverlap's design).
+
+A persistent GEMM ``A @ B`` whose epilogue writes each finished tile into a *reordered*
+buffer, where the tiles of each wave group are contiguous, and then release-adds one to the
+counter of the tile's group. A comm stream waits on each counter and hands exactly that
+contiguous slice to a stock collective, so any ``torch.distributed`` backend can move it.
+
+Tile order: program ``pid`` of ``P`` computes the tiles ``g = pid, pid + P, ...`` of one
+visit numbering; tile ``g`` has the grouped (L2-friendly) coordinates of
+``kernels.gemm._tile_coords``, so wave ``w`` is the tiles ``[w * P, (w + 1) * P)``.
+Where a tile goes and which counter it raises come from ``tile_map`` (int32, one row of
+``MAP_COLS`` per visit index, built on the host from the same order).
+
+Two layouts (``STRIPS``):
+
+* ``STRIPS == 1`` (all-reduce): unit = tile. Tile rows are C's rows
+  ``pid_m * BLOCK_M + [0, BLOCK_M)``; the whole ``[BLOCK_M, BLOCK_N]`` tile is stored at
+  sub-tile slot ``MAP_SLOT`` (slots are ``BLOCK_M * BLOCK_N`` elements, row-major).
+* ``STRIPS > 1`` (reduce-scatter, all-to-all): unit = sub-tile. C's rows are cut into
+  ``world`` equal shares of ``rows_per_rank``; a tile is ``STRIPS`` strips of
+  ``SUB_M = BLOCK_M // STRIPS`` rows, strip ``k`` taken from share ``k`` (rows
+  ``k * rows_per_rank + pid_m * SUB_M + [0, SUB_M)``). Strip ``k`` is stored at slot
+  ``MAP_SLOT + k * MAP_STRIDE`` (slots of ``SUB_M * BLOCK_N`` elements): the host lays
+  out each group as ``[world, tiles of the group]`` sub-tiles, so the group's slice splits
+  into ``world`` equal pools, pool ``k`` holding rows of share ``k`` only, as
+  ``reduce_scatter_tensor`` and ``all_to_all_single`` want. ``STRIPS`` is the world size
+  rounded up to a power of two; strips ``k >= world`` hold no rows and are not stored.
+
+The epilogue uses plain stores (no TMA store): the release that follows must publish them,
+and a bulk async store is not ordered by it. Padding rows and columns of a tile hold zeros
+(or the bias) and are stored too: the collectives treat them like any element and the
+un-reorder never reads them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .gemm import _add_bias, _dot, _mma, _tile_coords
+
+# tile_map columns (one row per visit index g).
+MAP_SLOT = tl.constexpr(0)  # sub-tile slot of strip 0 (the whole tile when STRIPS == 1)
+MAP_STRIDE = tl.constexpr(1)  # slots between strip k and strip k + 1
+MAP_GROUP = tl.constexpr(2)  # counter the tile raises
+MAP_COLS = tl.constexpr(3)
+
+
+@triton.jit
+def _mma_strips(
+    a, b, a_desc, b_desc, pid_m, col, rows_per_rank, world, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STRIPS: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """fp32 accumulator of a strip tile: strip ``k`` is rows
+    ``k * rows_per_rank + pid_m * SUB_M + [0, SUB_M)`` of A (zeros past the share's end)."""
+    SUB_M: tl.constexpr = BLOCK_M // STRIPS
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if USE_TMA:
+        # A seen as [world, rows_per_rank, K]: one 3-D box fetches the STRIPS strips.
+        for kk in range(k_tiles):
+            a3 = a_desc.load([0, pid_m * SUB_M, kk * BLOCK_K])
+            a_t = tl.reshape(a3, (BLOCK_M, BLOCK_K))
+            b_t = b_desc.load([kk * BLOCK_K, col])
+            acc = _dot(a_t, b_t, acc)
+    else:
+        r = tl.arange(0, BLOCK_M)
+        strip = r // SUB_M
+        local = pid_m * SUB_M + r % SUB_M
+        rows = strip * rows_per_rank + local
+        row_ok = (strip < world) & (local < rows_per_rank)
+        cols = col + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        for kk in range(k_tiles):
+            k_ok = kk * BLOCK_K + ks < K
+            a_t = tl.load(
+                a + rows[:, None].to(tl.int64) * K + (kk * BLOCK_K + ks)[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            b_t = tl.load(
+                b + (kk * BLOCK_K + ks)[:, None].to(tl.int64) * N + cols[None, :],
+                mask=k_ok[:, None] & (cols < N)[None, :],
+                other=0.0,
+            )
+            acc = _dot(a_t, b_t, acc)
+    return acc
+
+
+@triton.jit
+def signal_gemm_kernel(
+    a, b, buf, bias, M, N, K, rows_per_rank, world,
+    tile_map, n_tiles, counters,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, STRIPS: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, LANES: tl.constexpr,
+):  # fmt: skip
+    """See the module docstring. ``a [M, K]``, ``b [K, N]``, ``buf`` the reordered output
+    (flat), ``counters`` int32, one per wave group; ``LANES`` = the launch's threads
+    (``32 * num_warps``): each raises the counter once per tile."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    SUB_M: tl.constexpr = BLOCK_M // STRIPS
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    if STRIPS == 1:
+        tiles_m = tl.cdiv(M, BLOCK_M)
+    else:
+        tiles_m = tl.cdiv(rows_per_rank, SUB_M)
+    out_ty = buf.dtype.element_ty
+    a_desc = None
+    b_desc = None
+    if USE_TMA:
+        if STRIPS == 1:
+            a_desc = tl.make_tensor_descriptor(
+                a, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
+            )
+        else:
+            a_desc = tl.make_tensor_descriptor(
+                a, shape=[world, rows_per_rank, K], strides=[rows_per_rank * K, K, 1],
+                block_shape=[STRIPS, SUB_M, BLOCK_K],
+            )  # fmt: skip
+        b_desc = tl.make_tensor_descriptor(
+            b, shape=[K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N]
+        )
+    r = tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_N)
+    strip = r // SUB_M
+    within = (r % SUB_M) * BLOCK_N
+    for g in tl.range(pid, n_tiles, n_prog, flatten=True):
+        pid_m, pid_n = _tile_coords(g, tiles_m, tiles_n, GROUP_M)
+        col = pid_n * BLOCK_N
+        if STRIPS == 1:
+            acc = _mma(
+                a, b, a_desc, b_desc, pid_m * BLOCK_M, col, 1, 1, M, N, K,
+                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA,
+            )  # fmt: skip
+        else:
+            acc = _mma_strips(
+                a, b, a_desc, b_desc, pid_m, col, rows_per_rank, world, N, K,
+                BLOCK_M, BLOCK_N, BLOCK_K, STRIPS, USE_TMA,
+            )  # fmt: skip
+        acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS)
+        row_of = tile_map + g * MAP_COLS
+        slot = tl.load(row_of + MAP_SLOT).to(tl.int64)
+        stride = tl.load(row_of + MAP_STRIDE).to(tl.int64)
+        group = tl.load(row_of + MAP_GROUP)
+        offs = (slot + strip * stride) * (SUB_M * BLOCK_N) + within
+        ptrs = buf + offs[:, None] + c[None, :]
+        if STRIPS == 1:
+            tl.store(ptrs, acc.to(out_ty))
+        else:
+            tl.store(ptrs, acc.to(out_ty), mask=(strip < world)[:, None])
+        # Every thread releases its own stores (no CTA barrier: one in the loop stops
+        # Triton 3.6 from pipelining it); the group is done at tiles * LANES.
+        lanes = tl.zeros([LANES], dtype=tl.int32)
+        tl.atomic_add(counters + group + lanes, 1, sem="release", scope="gpu")

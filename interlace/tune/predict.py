@@ -1,0 +1,472 @@
+"""Predictive wave-group search for the ``signal_reorder`` strategy (FlashOverlap).
+
+A partition cuts the GEMM's waves into groups; each group's collective starts when the
+group's tiles are done and the previous collective has finished. With the GEMM's time per
+wave ``wave_ms`` and a measured curve ``comm(bytes)`` of the collective::
+
+    t_p = t_m = 0
+    for each group G_i:  t_p += wave_ms * |G_i|;  t_m = max(t_p, t_m) + comm(size_i)
+
+and the call ends at ``t_m`` plus the post-comm reorder (``post_ms``). A single group is the
+sequential path (cuBLAS, then the collective), predicted from its own measured GEMM time.
+
+Candidates: every composition of the waves whose first group has at most 2 waves (comm
+starts early) and whose last has at most 4 (a short tail) (``enumerate_partitions``). The
+best of them under the recurrence is found exactly by dynamic programming
+(``best_predicted``): for a given prefix of waves ``t_p`` is fixed, and the recurrence only
+grows with ``t_m``, so the prefix with the smallest ``t_m`` dominates.
+
+Measurements (``measure_model``): the collective's time over sizes (per machine, collective,
+world size and dtype; measured while the signalling GEMM runs beside it, on a GPU, so the
+curve sees the SMs and memory bandwidth the overlap really leaves it), the signalling GEMM
+alone (its wave time), the reorder kernel and cuBLAS. ``best_partition`` predicts (or, with
+``mode="exhaustive"``, measures the candidates) and caches the choice per shape, dtype,
+world size and device (``tune.cache``); rank 0 decides and broadcasts, so every rank runs
+the same partition. ``grade`` measures partitions against their predictions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InterlaceValueError
+from ..ops.signal_reorder import Layout, SignalReorderGemm, launch_rows, wave_groups
+from ..runtime import fork, join, use_stream
+from . import cache
+
+#: First group at most this many waves, last group at most ``MAX_LAST``.
+MAX_FIRST = 2
+MAX_LAST = 4
+#: Smallest size (bytes per rank) of the measured curve; sizes double up to the largest
+#: group.
+CURVE_MIN_BYTES = 1 << 16
+
+
+# ----------------------------------------------------------------------------- the model
+@dataclass
+class CommCurve:
+    """Time of a collective against the bytes each rank hands it (increasing sizes),
+    interpolated linearly; below the first point the first time (latency), above the last
+    the last segment's slope (bandwidth)."""
+
+    sizes: list[int]
+    times_ms: list[float]
+
+    def __post_init__(self):
+        if not self.sizes or len(self.sizes) != len(self.times_ms):
+            raise InterlaceValueError("CommCurve: needs as many times as sizes, at least one")
+        if any(b <= a for a, b in zip(self.sizes, self.sizes[1:])):
+            raise InterlaceValueError("CommCurve: sizes must increase")
+
+    def time_ms(self, nbytes: int) -> float:
+        s, t = self.sizes, self.times_ms
+        if nbytes <= s[0] or len(s) == 1:
+            return t[0] if nbytes <= s[0] else t[0] * nbytes / s[0]
+        i = min(bisect.bisect_left(s, nbytes), len(s) - 1)
+        slope = (t[i] - t[i - 1]) / (s[i] - s[i - 1])
+        return t[i - 1] + slope * (nbytes - s[i - 1])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CommCurve:
+        return cls([int(x) for x in d["sizes"]], [float(x) for x in d["times_ms"]])
+
+
+def predict(waves, group_bytes, wave_ms: float, comm_ms) -> float:
+    """End of the last collective for groups of ``waves[i]`` waves handing
+    ``group_bytes[i]`` bytes to the collective (``comm_ms(bytes) -> ms``)."""
+    t_p = t_m = 0.0
+    for w, size in zip(waves, group_bytes):
+        t_p += wave_ms * w
+        t_m = max(t_p, t_m) + comm_ms(size)
+    return t_m
+
+
+def enumerate_partitions(n_waves: int, max_first: int = MAX_FIRST, max_last: int = MAX_LAST):
+    """Every composition of ``n_waves`` (group sizes, in order) with a first group of at
+    most ``max_first`` waves and a last of at most ``max_last``; a single group counts as
+    both. Yields tuples."""
+    if n_waves < 1:
+        return
+
+    def rest(left: int):
+        if left <= max_last:
+            yield (left,)
+        for size in range(1, left):
+            for tail in rest(left - size):
+                yield (size, *tail)
+
+    for first in range(1, min(max_first, n_waves) + 1):
+        if first == n_waves:
+            if first <= max_last:
+                yield (first,)
+        else:
+            for tail in rest(n_waves - first):
+                yield (first, *tail)
+
+
+@dataclass
+class Model:
+    """What the predictor knows about one shape: its layout, the GEMM's time per wave, the
+    collective's curve, the reorder kernel's time and the sequential path's GEMM time."""
+
+    layout: Layout
+    itemsize: int
+    wave_ms: float
+    curve: CommCurve
+    post_ms: float = 0.0
+    gemm_ms: float = 0.0  # cuBLAS alone, for the single-group (sequential) path
+
+    def group_bytes(self, partition) -> list[int]:
+        lay = self.layout
+        return [
+            lay.group_bytes(count, self.itemsize)
+            for _, count in wave_groups(partition, lay.n_tiles, lay.programs)
+        ]
+
+    def predict(self, partition) -> float:
+        """Predicted time of a call with ``partition`` (ms)."""
+        partition = tuple(partition)
+        if len(partition) == 1:
+            return self.gemm_ms + self.curve.time_ms(self.group_bytes(partition)[0])
+        comm = self.curve.time_ms
+        return predict(partition, self.group_bytes(partition), self.wave_ms, comm) + self.post_ms
+
+    def ranked(self, max_first: int = MAX_FIRST, max_last: int = MAX_LAST):
+        """Every candidate as ``(predicted ms, partition)``, best first."""
+        n = self.layout.n_waves
+        cands = {p: self.predict(p) for p in enumerate_partitions(n, max_first, max_last)}
+        single = (self.layout.n_waves,)
+        cands.setdefault(single, self.predict(single))
+        return sorted((t, p) for p, t in cands.items())
+
+    def best_predicted(self, max_first: int = MAX_FIRST, max_last: int = MAX_LAST):
+        """``(predicted ms, partition)`` of the best candidate, by dynamic programming over
+        wave prefixes (exact for the recurrence; see the module docstring)."""
+        lay, n = self.layout, self.layout.n_waves
+        comm = self.curve.time_ms
+        unit = lay.parts * lay.unit * self.itemsize
+        # best[w] = (t_m, sizes) for a prefix of w waves cut into groups
+        best: list = [None] * (n + 1)
+        best[0] = (0.0, ())
+        for end in range(1, n + 1):
+            t_p = self.wave_ms * end
+            tiles_end = min(end * lay.programs, lay.n_tiles)
+            for start in range(end):
+                if best[start] is None or (start == 0 and end > max_first):
+                    continue
+                if start == 0 and end == n:  # one group is the sequential path, below
+                    continue
+                if end == n and end - start > max_last:
+                    continue
+                t_m = max(t_p, best[start][0]) + comm((tiles_end - start * lay.programs) * unit)
+                if best[end] is None or t_m < best[end][0]:
+                    best[end] = (t_m, (*best[start][1], end - start))
+        single = (n,)
+        options = [(self.predict(single), single)]
+        if best[n] is not None:
+            options.append((best[n][0] + self.post_ms, best[n][1]))
+        return min(options)
+
+
+# ----------------------------------------------------------------------------- timing
+def time_ms(group, fn, iters: int = 10, warmup: int = 3) -> float:
+    """Median time of ``fn()`` (ms) on this rank, the ranks aligned before each run
+    (CUDA events on a GPU, the wall clock on the cpu backend), then the max over ranks."""
+    pg = group.process_group
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if group.backend == "cuda":
+            torch.cuda.synchronize()
+            dist.barrier(group=pg, device_ids=[group.device.index])
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            dist.barrier(group=pg)
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return _max_over_ranks(group, statistics.median(times))
+
+
+def _max_over_ranks(group, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=group.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.process_group)
+    return float(t.item())
+
+
+def _broadcast(group, value):
+    box = [value]
+    src = dist.get_global_rank(group.process_group, 0)
+    dist.broadcast_object_list(box, src=src, group=group.process_group, device=group.device)
+    return box[0]
+
+
+def device_name(group) -> str:
+    if group.backend == "cuda":
+        return torch.cuda.get_device_name(group.device)
+    return "cpu"
+
+
+# ----------------------------------------------------------------------------- measuring
+def _inputs(ctx: SignalReorderGemm, m: int, n: int, seed: int = 0):
+    gen = torch.Generator(device=ctx.group.device).manual_seed(seed + ctx.rank)
+    scale = ctx.k**-0.25
+    a = torch.randn(m, ctx.k, generator=gen, device=ctx.group.device).mul_(scale)
+    b = torch.randn(ctx.k, n, generator=gen, device=ctx.group.device).mul_(scale)
+    return a.to(ctx.dtype), b.to(ctx.dtype)
+
+
+def _probe_plan(ctx: SignalReorderGemm, m: int, n: int):
+    """A multi-group plan of the shape (the GEMM's and the reorder's cost do not depend on
+    the partition)."""
+    waves = ctx.waves(m, n)
+    return ctx.plan(m, n, (1, waves - 1)) if waves > 1 else None
+
+
+def measure_curve(
+    ctx: SignalReorderGemm, max_bytes: int, *, a=None, b=None, iters=10, warmup=3, loaded=None
+) -> CommCurve:
+    """The collective's time at sizes doubling from ``CURVE_MIN_BYTES`` to ``max_bytes``
+    (and ``max_bytes`` itself). ``loaded`` (default: on a GPU, when ``a``/``b`` are given):
+    each collective runs on the comm stream beside the signalling GEMM, as in a call."""
+    group = ctx.group
+    loaded = (group.backend == "cuda" and a is not None) if loaded is None else loaded
+    sizes, s = [], min(CURVE_MIN_BYTES, max_bytes)
+    while s < max_bytes:
+        sizes.append(s)
+        s *= 2
+    sizes.append(max_bytes)
+    plan = _probe_plan(ctx, a.shape[0], b.shape[1]) if loaded else None
+    times = []
+    for size in sizes:
+        if plan is None:
+            times.append(time_ms(group, lambda size=size: ctx.comm_only(size), iters, warmup))
+        else:
+            times.append(_loaded_comm_ms(ctx, plan, a, b, size, iters, warmup))
+    return CommCurve(sizes, times)
+
+
+def _loaded_comm_ms(ctx, plan, a, b, nbytes, iters, warmup) -> float:
+    """Median time of the collective on the comm stream while the signalling GEMM runs on
+    the current one (events on the comm stream; the GEMM's counters are cleared after)."""
+    group = ctx.group
+    times = []
+    for i in range(warmup + iters):
+        torch.cuda.synchronize()
+        dist.barrier(group=group.process_group, device_ids=[group.device.index])
+        stream = fork(group)
+        ctx.launch_gemm(plan, a, b)
+        with use_stream(stream):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            ctx.comm_only(nbytes)
+            end.record()
+        join(group, stream)
+        ctx.counters.zero_()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return _max_over_ranks(group, statistics.median(times))
+
+
+def measure_model(
+    ctx: SignalReorderGemm,
+    m: int,
+    n: int | None = None,
+    *,
+    a=None,
+    b=None,
+    iters: int = 10,
+    warmup: int = 3,
+    use_cache: bool = True,
+) -> Model:
+    """Measure what the predictor needs for ``M = m`` (collective on every rank). The curve
+    is cached per device, collective, world size and dtype (re-measured when a larger size
+    is needed); the per-shape numbers per shape as well."""
+    n = ctx.n if n is None else n
+    if a is None or b is None:
+        a, b = _inputs(ctx, m, n)
+    lay = ctx.layout(m, n)
+    item = ctx.dtype.itemsize
+    common = dict(
+        collective=ctx.collective,
+        world=ctx.world_size,
+        dtype=str(ctx.dtype),
+        device=device_name(ctx.group),
+        comm_sms=ctx.comm_sms,
+    )
+    need = lay.group_bytes(lay.n_tiles, item)
+    curve_key = cache.cache_key("comm_curve", **common)
+    curve = _cached(ctx, curve_key, use_cache)
+    if curve is None or curve["sizes"][-1] < need:
+        curve = measure_curve(ctx, need, a=a, b=b, iters=iters, warmup=warmup).to_dict()
+        _store(ctx, curve_key, curve, use_cache)
+    block = [lay.block_m, lay.block_n]
+    shape_key = cache.cache_key(
+        "gemm_waves", m=m, n=n, k=ctx.k, programs=lay.programs, block=block, **common
+    )
+    nums = _cached(ctx, shape_key, use_cache)
+    if nums is None:
+        plan = _probe_plan(ctx, m, n)
+        gemm_ms = time_ms(ctx.group, lambda: torch.matmul(a, b), iters, warmup)
+        wave_ms = post_ms = 0.0
+        if plan is not None:
+
+            def signal_gemm():
+                ctx.launch_gemm(plan, a, b)
+                ctx.counters.zero_()
+
+            wave_ms = time_ms(ctx.group, signal_gemm, iters, warmup) / lay.n_waves
+            out = torch.empty(ctx.out_shape(m, n), dtype=ctx.dtype, device=ctx.group.device)
+            src = ctx.send if ctx.collective == "all_reduce" else ctx.recv
+            post_ms = time_ms(
+                ctx.group,
+                lambda: launch_rows(src, out, slots=plan.slots, layout=plan.layout),
+                iters, warmup,
+            )  # fmt: skip
+        nums = {"wave_ms": wave_ms, "post_ms": post_ms, "gemm_ms": gemm_ms}
+        _store(ctx, shape_key, nums, use_cache)
+    curve = CommCurve.from_dict(curve)
+    return Model(lay, item, nums["wave_ms"], curve, nums["post_ms"], nums["gemm_ms"])
+
+
+def _cached(ctx, key, use_cache):
+    """Rank 0's cache entry, the same on every rank (None: measure)."""
+    value = cache.load(key) if use_cache and ctx.rank == 0 else None
+    return _broadcast(ctx.group, value)
+
+
+def _store(ctx, key, value, use_cache):
+    if use_cache and ctx.rank == 0:
+        cache.store(key, value)
+
+
+def grade(
+    ctx: SignalReorderGemm,
+    m: int,
+    partitions,
+    n: int | None = None,
+    *,
+    model=None,
+    a=None,
+    b=None,
+    iters: int = 10,
+    warmup: int = 3,
+) -> list[dict]:
+    """Measure each partition's call against its prediction:
+    ``[{"partition", "predicted_ms", "measured_ms"}]``."""
+    n = ctx.n if n is None else n
+    if a is None or b is None:
+        a, b = _inputs(ctx, m, n)
+    model = model or measure_model(ctx, m, n, a=a, b=b, iters=iters, warmup=warmup)
+    rows = []
+    for p in partitions:
+        p = tuple(p)
+        t = time_ms(ctx.group, lambda p=p: ctx(a, b, partition=p), iters, warmup)
+        rows.append({"partition": list(p), "predicted_ms": model.predict(p), "measured_ms": t})
+    return rows
+
+
+def exhaustive_candidates(model: Model, limit: int = 64) -> list[tuple]:
+    """The partitions exhaustive mode measures: every candidate when there are at most
+    ``limit``, else the best ``limit // 2`` predicted and the rest spread evenly over the
+    ranking (so the predictor is graded away from its own favourites too)."""
+    ranked = [p for _, p in model.ranked()]
+    if len(ranked) <= limit:
+        return ranked
+    head = ranked[: limit // 2]
+    rest = ranked[limit // 2 :]
+    step = len(rest) / (limit - len(head))
+    return head + [rest[int(i * step)] for i in range(limit - len(head))]
+
+
+def best_partition(
+    ctx: SignalReorderGemm,
+    m: int,
+    n: int | None = None,
+    *,
+    mode: str = "predict",
+    iters: int = 10,
+    warmup: int = 3,
+    use_cache: bool = True,
+    limit: int = 64,
+    apply: bool = True,
+) -> list[int]:
+    """The partition for calls of ``ctx`` with ``M = m`` (collective on every rank).
+
+    ``mode="predict"``: the predictor's best (exact over the candidates, see the module
+    docstring); ``"exhaustive"``: the measured best of ``exhaustive_candidates``. Rank 0's
+    choice is broadcast and cached per shape, dtype, world size and device; with ``apply``
+    it is also set on the context (``ctx.set_partition``)."""
+    if mode not in ("predict", "exhaustive"):
+        raise InterlaceValueError(
+            f"best_partition: mode must be predict or exhaustive, got {mode!r}"
+        )
+    n = ctx.n if n is None else n
+    lay = ctx.layout(m, n)
+    key = cache.cache_key(
+        "partition", op=ctx.collective, m=m, n=n, k=ctx.k, dtype=str(ctx.dtype),
+        world=ctx.world_size, device=device_name(ctx.group), programs=lay.programs,
+        block=[lay.block_m, lay.block_n], mode=mode,
+    )  # fmt: skip
+    choice = _cached(ctx, key, use_cache)
+    if choice is None:
+        if lay.n_waves == 1:
+            choice = [1]
+        else:
+            a, b = _inputs(ctx, m, n)
+            model = measure_model(
+                ctx, m, n, a=a, b=b, iters=iters, warmup=warmup, use_cache=use_cache
+            )
+            if mode == "predict":
+                choice = list(model.best_predicted()[1])
+            else:
+                cands = exhaustive_candidates(model, limit)
+                rows = grade(ctx, m, cands, n, model=model, a=a, b=b, iters=iters, warmup=warmup)
+                choice = min(rows, key=lambda r: r["measured_ms"])["partition"]
+        choice = _broadcast(ctx.group, choice)
+        _store(ctx, key, choice, use_cache)
+    if apply:
+        ctx.set_partition(m, choice, n)
+    return list(choice)
+
+
+def mean_abs_error(rows) -> float:
+    """Mean of ``|predicted - measured| / measured`` over ``grade`` rows."""
+    errs = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows]
+    return sum(errs) / len(errs) if errs else math.nan
+
+
+__all__ = [
+    "CommCurve",
+    "MAX_FIRST",
+    "MAX_LAST",
+    "Model",
+    "best_partition",
+    "device_name",
+    "enumerate_partitions",
+    "exhaustive_candidates",
+    "grade",
+    "mean_abs_error",
+    "measure_curve",
+    "measure_model",
+    "predict",
+    "time_ms",
+]
