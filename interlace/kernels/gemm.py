@@ -128,10 +128,12 @@ def _peer_ptr(local, table, rank, peer):
 
 
 @triton.jit
-def _add_bias(acc, bias, col, N, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _add_bias(acc, bias, col, N, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, enabled=True):
+    """``acc + bias`` where ``enabled`` (partial sums get the bias once, at the owner)."""
     if HAS_BIAS:
         cols = col + tl.arange(0, BLOCK_N)
-        acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        b = tl.load(bias + cols, mask=(cols < N) & enabled, other=0.0)
+        acc += b.to(tl.float32)[None, :]
     return acc
 
 
@@ -152,24 +154,18 @@ def gemm_segments_kernel(
 ):  # fmt: skip
     """See the module docstring. ``a_own`` ([own_rows, K]) is read by ``KIND_STORE_OWN``;
     ``recv`` ([WORLD, recv_rows, N], symmetric, table ``recv_table``) receives partials;
-    ``out_table`` is the all-reduce output's pointer table (``BROADCAST``)."""
+    ``out_table`` is the all-reduce output's pointer table (``BROADCAST``).
+
+    There is one main loop for every kind: only the epilogue branches. (A second
+    instantiation of the pipelined loop, e.g. one per A source, cost 35 % on an H200.)"""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     out_ty = c.dtype.element_ty
-    a_desc = None
     b_desc = None
     if USE_TMA:
-        a_desc = tl.make_tensor_descriptor(
-            a, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
-        )
         b_desc = tl.make_tensor_descriptor(
             b, shape=[K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N]
-        )
-    own_desc = None
-    if HAS_OWN_A and USE_TMA:
-        own_desc = tl.make_tensor_descriptor(
-            a_own, shape=[own_rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
         )
     for s in range(n_seg):
         row_of = seg + s * SEG_COLS
@@ -192,38 +188,93 @@ def gemm_segments_kernel(
                     err, rank, max_spins,
                 )  # fmt: skip
             notify_slot = tl.load(row_of + SEG_NOTIFY)
-            if kind == KIND_STORE:
-                _segment_store(
-                    a, b, c, bias, a_desc, b_desc, M, row0, N, K, first, end, n_prog, tile0,
-                    row0, rows, seg_mt, tiles_n, token, expected, out_ty,
-                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, HAS_BIAS, SUBTILE,
-                )  # fmt: skip
+            # A's rows: this rank's shard read in place, or ``a``.
+            a_src = a
+            a_rows = M
+            a_row0 = row0
             if HAS_OWN_A:
-                if kind == KIND_STORE_OWN:
-                    _segment_store(
-                        a_own, b, c, bias, own_desc, b_desc, own_rows, out_row0, N, K, first,
-                        end, n_prog, tile0, row0, rows, seg_mt, tiles_n, token, expected,
-                        out_ty, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA, HAS_BIAS, SUBTILE,
-                    )  # fmt: skip
+                from_own = kind == KIND_STORE_OWN
+                a_src = tl.where(from_own, a_own, a)
+                a_rows = tl.where(from_own, own_rows, M)
+                a_row0 = tl.where(from_own, out_row0, row0)
+            # C's rows: the owner's frame for a reduce-scatter's own rows, else global.
+            c_row0 = row0
+            if HAS_PUSH and not BROADCAST:
+                c_row0 = tl.where(kind == KIND_REDUCE, out_row0, row0)
+            a_desc = None
+            c_desc = None
+            if USE_TMA:
+                a_desc = tl.make_tensor_descriptor(
+                    a_src, shape=[a_rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
+                )
+                # Bounded by the segment's rows: a tile overhanging the segment end never
+                # writes rows of the next segment. Stored in halves (``SUBTILE``), the
+                # epilogue needs half the shared memory.
+                c_desc = tl.make_tensor_descriptor(
+                    c + c_row0.to(tl.int64) * N, shape=[rows, N], strides=[N, 1],
+                    block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE else BLOCK_N],
+                )  # fmt: skip
+            push_dst = c
+            owner_sig = sig
             if HAS_PUSH:
+                # This rank's slot of the owner's receive buffer: recv[rank, out_row0 + r].
+                push_dst = _peer_ptr(recv, recv_table, rank, owner)
+                push_dst += (rank.to(tl.int64) * recv_rows + out_row0) * N
+                owner_sig = signal_base(sig_table, owner) + notify_slot
+            for g in tl.range(first, end, n_prog, flatten=True):
+                pid_m, pid_n = _tile_coords(g - tile0, seg_mt, tiles_n, GROUP_M)
+                col = pid_n * BLOCK_N
+                acc = _mma(
+                    a_src, b, a_desc, b_desc, a_row0 + pid_m * BLOCK_M, col, token, expected,
+                    a_rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA,
+                )  # fmt: skip
+                lrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                cols = col + tl.arange(0, BLOCK_N)
+                mask = (lrows < rows)[:, None] & (cols < N)[None, :]
+                # The epilogue does not branch on the kind (Triton 3.6 cannot flatten the
+                # tile loop around such branches): each store is masked by it and a TMA
+                # store is moved out of bounds. Signals are raised after the loop.
+                keep = True
+                if HAS_PUSH:
+                    is_push = kind == KIND_PUSH
+                    keep = kind != KIND_PUSH
+                    acc = _add_partials(
+                        acc, recv, recv_rows, out_row0, lrows, cols, N,
+                        mask & (kind == KIND_REDUCE), token, expected, rank, WORLD,
+                    )  # fmt: skip
+                    offs = lrows[:, None].to(tl.int64) * N + cols[None, :]
+                    tl.store(push_dst + offs, acc.to(out_ty), mask=mask & is_push)
+                acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS, keep)
+                if BROADCAST:
+                    _broadcast_tile(
+                        acc.to(out_ty), c, out_table, rank, row0 + lrows, cols, N, mask & keep,
+                        WORLD,
+                    )  # fmt: skip
+                else:
+                    tile_row = tl.where(keep, pid_m * BLOCK_M, rows)  # rows: out of bounds
+                    _store_tile(
+                        acc, c, c_desc, c_row0, tile_row, col, lrows, cols, N, mask & keep,
+                        out_ty, BLOCK_M, BLOCK_N, USE_TMA, SUBTILE,
+                    )  # fmt: skip
+            # One release per (program, segment), outside the pipelined loop (a CTA barrier
+            # in it stops Triton from pipelining): it publishes every tile this program
+            # pushed or broadcast here; counters reach the chunk's tile count when all
+            # programs of all sources are done.
+            if HAS_PUSH:
+                mine = (end - first + n_prog - 1) // n_prog
                 if kind == KIND_PUSH:
-                    _segment_push(
-                        a, b, a_desc, b_desc, M, N, K, first, end, n_prog, tile0, row0, rows,
-                        seg_mt, tiles_n, token, expected, out_ty, recv, recv_table, recv_rows,
-                        owner, out_row0, sig_table, notify_slot, rank,
-                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, USE_TMA,
-                    )  # fmt: skip
-                if kind == KIND_REDUCE:
-                    _segment_reduce(
-                        a, b, c, bias, a_desc, b_desc, M, N, K, first, end, n_prog, tile0,
-                        row0, rows, seg_mt, tiles_n, token, expected, out_ty, recv, recv_rows,
-                        out_row0, out_table, sig_table, notify_slot, rank,
-                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WORLD, USE_TMA, HAS_BIAS, BROADCAST,
-                    )  # fmt: skip
+                    notify(owner_sig, mine, ADD=True)
+                if BROADCAST:
+                    if kind == KIND_REDUCE:
+                        for i in tl.static_range(1, WORLD):
+                            q = (rank + i) % WORLD
+                            notify(signal_base(sig_table, q) + notify_slot, mine, ADD=True)
     if BROADCAST:
-        # Program 0 also waits for every peer's broadcast of the rows it owns, so the kernel
-        # ends only when the whole all-reduced output is in place on this rank.
-        if pid == 0:
+        # The last program also waits for every peer's broadcast of the rows it owns, so
+        # the kernel ends only when the whole all-reduced output is in place on this rank.
+        # (Last: the interpreter runs programs in order, and this must not block the
+        # others of this rank.)
+        if pid == n_prog - 1:
             for s in range(n_seg):
                 row_of = seg + s * SEG_COLS
                 fin = tl.load(row_of + SEG_FINAL_EXPECTED)
@@ -233,107 +284,44 @@ def gemm_segments_kernel(
 
 
 @triton.jit
-def _segment_store(
-    a, b, c, bias, a_desc, b_desc, M, a_row0, N, K, first, end, n_prog, tile0, row0, rows,
-    seg_mt, tiles_n, token, expected, out_ty,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _store_tile(
+    acc, c, c_desc, c_row0, tile_row, col, lrows, cols, N, mask, out_ty,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
     SUBTILE: tl.constexpr,
 ):  # fmt: skip
-    c_desc = None
     if USE_TMA:
-        # Bounded by the segment's rows: a tile overhanging the segment end never writes
-        # rows that belong to the next segment. Stored in halves (``SUBTILE``), the
-        # epilogue needs half the shared memory, which can go to one more pipeline stage.
-        c_desc = tl.make_tensor_descriptor(
-            c + row0.to(tl.int64) * N, shape=[rows, N], strides=[N, 1],
-            block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE else BLOCK_N],
-        )  # fmt: skip
-    for g in tl.range(first, end, n_prog, flatten=True):
-        pid_m, pid_n = _tile_coords(g - tile0, seg_mt, tiles_n, GROUP_M)
-        col = pid_n * BLOCK_N
-        acc = _mma(
-            a, b, a_desc, b_desc, a_row0 + pid_m * BLOCK_M, col, token, expected, M, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA,
-        )  # fmt: skip
-        acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS)
-        if USE_TMA:
-            if SUBTILE:
-                halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-                left, right = tl.split(halves)
-                c_desc.store([pid_m * BLOCK_M, col], left.to(out_ty))
-                c_desc.store([pid_m * BLOCK_M, col + BLOCK_N // 2], right.to(out_ty))
-            else:
-                c_desc.store([pid_m * BLOCK_M, col], acc.to(out_ty))
+        if SUBTILE:
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            left, right = tl.split(halves)
+            c_desc.store([tile_row, col], left.to(out_ty))
+            c_desc.store([tile_row, col + BLOCK_N // 2], right.to(out_ty))
         else:
-            lrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            cols = col + tl.arange(0, BLOCK_N)
-            ptrs = c + (row0 + lrows)[:, None].to(tl.int64) * N + cols[None, :]
-            tl.store(ptrs, acc.to(out_ty), mask=(lrows < rows)[:, None] & (cols < N)[None, :])
+            c_desc.store([tile_row, col], acc.to(out_ty))
+    else:
+        ptrs = c + (c_row0 + lrows)[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(ptrs, acc.to(out_ty), mask=mask)
 
 
 @triton.jit
-def _segment_push(
-    a, b, a_desc, b_desc, M, N, K, first, end, n_prog, tile0, row0, rows, seg_mt, tiles_n,
-    token, expected, out_ty, recv, recv_table, recv_rows, owner, out_row0, sig_table,
-    notify_slot, rank,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, USE_TMA: tl.constexpr,
+def _add_partials(
+    acc, recv, recv_rows, out_row0, lrows, cols, N, mask, token, expected, rank,
+    WORLD: tl.constexpr,
 ):  # fmt: skip
-    # This rank's slot of the owner's receive buffer: recv[rank, out_row0 + r, :].
-    dst = _peer_ptr(recv, recv_table, rank, owner)
-    dst += (rank.to(tl.int64) * recv_rows + out_row0) * N
-    owner_sig = signal_base(sig_table, owner) + notify_slot
-    for g in tl.range(first, end, n_prog, flatten=True):
-        pid_m, pid_n = _tile_coords(g - tile0, seg_mt, tiles_n, GROUP_M)
-        col = pid_n * BLOCK_N
-        acc = _mma(
-            a, b, a_desc, b_desc, row0 + pid_m * BLOCK_M, col, token, expected, M, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA,
-        )  # fmt: skip
-        lrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = col + tl.arange(0, BLOCK_N)
-        mask = (lrows < rows)[:, None] & (cols < N)[None, :]
-        tl.store(dst + lrows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ty), mask=mask)
-        notify(owner_sig, 1, ADD=True)
+    """``acc`` plus every peer's partial of these rows (fp32), loaded only once the wait
+    for them has returned (``guard``)."""
+    ok = guard(mask, token, expected)
+    offs = (out_row0 + lrows)[:, None].to(tl.int64) * N + cols[None, :]
+    for p in tl.static_range(WORLD):
+        # masked, not branched: the flattened tile loop cannot hold a branch with results
+        part = tl.load(recv + p * recv_rows * N + offs, mask=ok & (p != rank), other=0.0)
+        acc += part.to(tl.float32)
+    return acc
 
 
 @triton.jit
-def _segment_reduce(
-    a, b, c, bias, a_desc, b_desc, M, N, K, first, end, n_prog, tile0, row0, rows, seg_mt,
-    tiles_n, token, expected, out_ty, recv, recv_rows, out_row0, out_table, sig_table,
-    notify_slot, rank,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, WORLD: tl.constexpr, USE_TMA: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BROADCAST: tl.constexpr,
-):  # fmt: skip
-    for g in tl.range(first, end, n_prog, flatten=True):
-        pid_m, pid_n = _tile_coords(g - tile0, seg_mt, tiles_n, GROUP_M)
-        col = pid_n * BLOCK_N
-        # A's rows are local here: only the peers' partials are guarded by the wait.
-        acc = _mma(
-            a, b, a_desc, b_desc, row0 + pid_m * BLOCK_M, col, expected, expected, M, N, K,
-            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA,
-        )  # fmt: skip
-        lrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = col + tl.arange(0, BLOCK_N)
-        mask = (lrows < rows)[:, None] & (cols < N)[None, :]
-        ok = guard(mask, token, expected)
-        offs = (out_row0 + lrows)[:, None].to(tl.int64) * N + cols[None, :]
-        for p in tl.static_range(WORLD):
-            if p != rank:
-                part = tl.load(recv + p * recv_rows * N + offs, mask=ok, other=0.0)
-                acc += part.to(tl.float32)
-        acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS)
-        val = acc.to(out_ty)
-        if BROADCAST:
-            # c is this rank's all-reduce output [M, N]; every rank's copy gets the tile.
-            goffs = (row0 + lrows)[:, None].to(tl.int64) * N + cols[None, :]
-            for i in tl.static_range(WORLD):
-                q = (rank + i) % WORLD
-                tl.store(_peer_ptr(c, out_table, rank, q) + goffs, val, mask=mask)
-            for i in tl.static_range(1, WORLD):
-                q = (rank + i) % WORLD
-                notify(signal_base(sig_table, q) + notify_slot, 1, ADD=True)
-        else:
-            tl.store(c + offs, val, mask=mask)
+def _broadcast_tile(val, c, out_table, rank, grows, cols, N, mask, WORLD: tl.constexpr):
+    """Store a reduced tile into every rank's all-reduce output."""
+    goffs = grows[:, None].to(tl.int64) * N + cols[None, :]
+    for i in tl.static_range(WORLD):
+        q = (rank + i) % WORLD
+        tl.store(_peer_ptr(c, out_table, rank, q) + goffs, val, mask=mask)
