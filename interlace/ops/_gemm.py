@@ -9,7 +9,7 @@ describe their chunks in arrival order (AG+GEMM) or in the order the scatter nee
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -62,6 +62,24 @@ def gemm_config(m: int, n: int, k: int, backend: str = "cuda") -> GemmConfig:
         # shapes whose N is no multiple of 256
         return GemmConfig(block_n=128, num_warps=4, num_stages=5)
     return GemmConfig()
+
+
+SHARED_BYTES = 224 * 1024  # of an H200 SM's 227 KB, leaving room for Triton's own use
+
+
+def with_epilogue_room(cfg: GemmConfig, itemsize: int = 2) -> GemmConfig:
+    """The config for a kernel whose epilogue also stores tiles through registers (pushes
+    to peers, all-reduce broadcasts): that store needs a tile of shared memory for its
+    layout change, so store halves and drop pipeline stages until it fits."""
+    tile = cfg.block_m * cfg.block_n * itemsize
+    stage = (cfg.block_m + cfg.block_n) * cfg.block_k * itemsize
+    subtile = cfg.subtile or cfg.block_n >= 256
+    stages = cfg.num_stages
+    # the TMA store buffer (halved by subtiling) plus ~0.6 tile for the layout change
+    # (measured: 128x256x64, 3 stages, whole-tile store needed 245,784 bytes)
+    while stages > 2 and stages * stage + tile * ((0.5 if subtile else 1) + 0.6) > SHARED_BYTES:
+        stages -= 1
+    return replace(cfg, subtile=subtile, num_stages=stages)
 
 
 @dataclass(frozen=True)

@@ -325,6 +325,10 @@ class _ScatterGemm(_OverlappedGemm):
     def _regions(world):
         return {"partial": world * MAX_SPLIT * (world - 1), "broadcast": world * MAX_SPLIT}
 
+    def _cfg(self, m: int, n: int, k: int) -> GemmConfig:
+        cfg = super()._cfg(m, n, k)
+        return cfg if self.group.backend != "cuda" else _gemm.with_epilogue_room(cfg)
+
     def _plan(self, m: int, n: int):
         """Segments from a checked schedule: its chunks in the order this rank sends them
         (own rows last); counters: one per (chunk, source) on the owner, one broadcast

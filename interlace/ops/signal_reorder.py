@@ -301,8 +301,10 @@ class SignalReorderGemm(OpContext):
 
     ``comm_sms``: SMs the GEMM leaves free (cuda; default ``DEFAULT_COMM_SMS``);
     ``config``: a fixed ``GemmConfig`` (default: ``ops._gemm.gemm_config`` per shape);
-    ``eps``: RMSNorm epsilon. Every call is collective: all ranks call with the same
-    shapes and partition."""
+    ``eps``: RMSNorm epsilon; ``comm_group``: the torch process group the collectives run
+    on (default: the group's own), e.g. an NCCL group built with ``config.max_ctas`` below
+    ``comm_sms`` so that every NCCL CTA finds a free SM beside the GEMM. Every call is
+    collective: all ranks call with the same shapes and partition."""
 
     op_name = "signal_reorder"
     collective = "all_reduce"
@@ -310,7 +312,7 @@ class SignalReorderGemm(OpContext):
     def __init__(
         self, group: Group, max_m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
         *, comm_sms: int | None = None, config: _gemm.GemmConfig | None = None,
-        eps: float = 1e-6, max_spins: int | None = None,
+        eps: float = 1e-6, max_spins: int | None = None, comm_group=None,
     ):  # fmt: skip
         # OpContext without its signal pad: this strategy needs no symmetric memory.
         if not isinstance(group, Group):
@@ -336,6 +338,12 @@ class SignalReorderGemm(OpContext):
         self.max_spins = int(max_spins) if max_spins is not None else default_max_spins(group)
         self.comm_sms = self._check_comm_sms(comm_sms)
         self.config, self.eps = config, float(eps)
+        self.comm_group = comm_group if comm_group is not None else group.process_group
+        if dist.get_world_size(self.comm_group) != w:
+            raise InterlaceValueError(
+                f"{self.op_name}: comm_group has {dist.get_world_size(self.comm_group)} ranks, "
+                f"the group {w}"
+            )
         self.pad = _Counters()
         self.error = ErrorWord(group)
         self._closed, self._buffers = False, []
@@ -535,7 +543,7 @@ class SignalReorderGemm(OpContext):
 
     def _collective(self, lay: Layout, first: int, count: int) -> None:
         """The stock collective on the contiguous slice of one group."""
-        pg = self.group.process_group
+        pg = self.comm_group
         lo, hi = first * lay.parts * lay.unit, (first + count) * lay.parts * lay.unit
         if lay.op == "all_reduce":
             dist.all_reduce(self.send[lo:hi], group=pg)
@@ -550,7 +558,7 @@ class SignalReorderGemm(OpContext):
         tuner's bandwidth curve)."""
         w, item = self.world_size, self.dtype.itemsize
         numel = max(w, min(nbytes // item, self.send.numel()) // w * w)
-        pg = self.group.process_group
+        pg = self.comm_group
         if self.collective == "all_reduce":
             dist.all_reduce(self.send[:numel], group=pg)
         elif self.collective == "reduce_scatter":
@@ -560,7 +568,7 @@ class SignalReorderGemm(OpContext):
 
     def _sequential(self, a, b, bias, out, norm_weight) -> None:
         """cuBLAS, then the whole collective (a single group: nothing to overlap)."""
-        pg = self.group.process_group
+        pg = self.comm_group
         res = out if norm_weight is None else torch.empty_like(out)
         if self.collective == "all_to_all":
             c = torch.addmm(bias, a, b) if bias is not None else torch.matmul(a, b)
