@@ -153,8 +153,8 @@ def _reference(group, op, a, b, bias):
 def _shapes(group):
     """(rows per rank, n, k): ragged rows; TMA-aligned and unaligned n / k."""
     if group.backend == "cuda":
-        return [(300, 520, 264), (77, 200, 72), (129, 33, 20)]
-    return [(37, 40, 24), (9, 33, 20)]
+        return [(300, 520, 264), (520, 200, 72), (700, 33, 20)]
+    return [(37, 40, 24), (21, 33, 20)]
 
 
 def _gpu_programs_kw(group):
@@ -353,3 +353,24 @@ def test_signal_gemm_is_software_pipelined(strips):
     if strips == 1:
         assert "pendings = 1" in ttgir
     assert "atom.global.gpu.release.add" in ptx
+
+
+# ----------------------------------------------------------------------------- benchmark
+def test_bench_shape_table():
+    from interlace.bench.signal_reorder import shapes
+
+    table = shapes(4)
+    assert len(table) == 6 and ("llama3-70b", 8192, 8192, 7168) in table
+    assert ("llama-7b", 2048, 4096, 2752) in table
+    assert shapes(2, ["llama3-8b"], [8192]) == [("llama3-8b", 8192, 4096, 7168)]
+
+
+def test_bench_body_on_cpu(world):
+    from interlace.bench.signal_reorder import run_signal_reorder_bench
+
+    w = world.world_size
+    recs = world.run(run_signal_reorder_bench, shape_list=[("tiny", 37 * w, 40, 24)])
+    assert recs[0] == recs[-1]
+    (rec,) = recs[0]
+    assert rec["op"] == "gemm_ar" and rec["strategy"] == "signal_reorder" and rec["ok"]
+    assert len(rec["partition"]) > 1 and rec["t_ms"] is None
