@@ -2,7 +2,7 @@
 slicing, on the tensor-parallel MLP and on query-split attention (LLaMA-3-8B sizes).
 
 For each case one rank body times, in the same run (DESIGN.md protocol: CUDA events, warm-up,
-median per rank, max over ranks):
+median per rank, max over ranks; the callables interleaved round by round, see ``_Case``):
 
 * ``t_gemm_ms``: the unsliced compute alone; ``t_none_ms``: vanilla, compute then the NCCL
   collective(s); ``t_comm_ms``: the vanilla collective(s) alone;
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from dataclasses import dataclass
 
@@ -37,7 +38,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..ops.p2p_ring import P2PRing
-from .timing import median_ms
 
 MODEL = "llama3-8b"
 SHAPES = ((32, 4096), (16, 8192))  # batch x sequence
@@ -96,18 +96,49 @@ def _rel_err(y, ref) -> float:
 
 
 class _Case:
-    """Timing and checking of one job's callables on one rank."""
+    """Timing and checking of one job's callables on one rank.
 
-    def __init__(self, group, iters: int, timed: bool, tol: float):
+    The callables are timed interleaved, round by round (each round in a rotated order),
+    each call aligned across ranks and timed with CUDA events as in ``timing.median_ms``:
+    long GEMM-bound runs drift with the GPU clock (seen: +-3% over seconds on H200), and
+    interleaving keeps that drift out of the differences the records are about.
+    """
+
+    def __init__(self, group, iters: int, timed: bool, tol: float, warmup: int = 3):
         self.group, self.iters, self.timed, self.tol = group, iters, timed, tol
+        self.warmup = warmup
+        self.fns: dict[str, object] = {}
         self.times: dict[str, float] = {}
         self.err = 0.0
 
-    def time(self, name: str, fn) -> None:
-        if self.timed:
-            self.times[name] = median_ms(self.group, fn, self.iters)
-        else:
-            fn()
+    def add(self, name: str, fn) -> None:
+        self.fns[name] = fn
+
+    def run(self) -> None:
+        """Time every callable added (on cpu: call each once)."""
+        names = list(self.fns)
+        if not self.timed:
+            for name in names:
+                self.fns[name]()
+            return
+        for _ in range(self.warmup):
+            for name in names:
+                self.fns[name]()
+        samples = {name: [] for name in names}
+        pg, dev = self.group.process_group, self.group.device
+        for i in range(self.iters):
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                dist.barrier(group=pg, device_ids=[dev.index])
+                torch.cuda.synchronize()
+                start.record()
+                self.fns[name]()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end))
+        self.times = {name: statistics.median(v) for name, v in samples.items()}
 
     def check(self, name: str, y, ref) -> None:
         err = _rel_err(y, ref)
@@ -213,11 +244,12 @@ def _mlp_job(group, rings, dims: Dims, job: Job, case: _Case, dtype) -> dict:
     ref = vanilla().clone()
     case.check("slicing", slicing().clone(), ref)
     names = _run_ring_variants(group, rings, case, ring_fn, ref)
-    case.time("gemm", gemm)
-    case.time("none", vanilla)
-    case.time("comm", comm)
-    case.time("slicing", slicing)
-    case.time("slicing_compute", slicing_compute)
+    case.add("gemm", gemm)
+    case.add("none", vanilla)
+    case.add("comm", comm)
+    case.add("slicing", slicing)
+    case.add("slicing_compute", slicing_compute)
+    case.run()
     shape = {"M": T, "N": 2 * Fl, "K": D, "ffn": dims.ffn}
     return _record(job, dims, dtype, case, names, shape)
 
@@ -270,11 +302,12 @@ def _attn_job(group, rings, dims: Dims, job: Job, case: _Case, dtype) -> dict:
     ref = vanilla().clone()
     case.check("slicing", slicing().clone(), ref)
     names = _run_ring_variants(group, rings, case, ring_fn, ref)
-    case.time("gemm", gemm)
-    case.time("none", vanilla)
-    case.time("comm", comm)
-    case.time("slicing", slicing)
-    case.time("slicing_compute", lambda: slicing(False))
+    case.add("gemm", gemm)
+    case.add("none", vanilla)
+    case.add("comm", comm)
+    case.add("slicing", slicing)
+    case.add("slicing_compute", lambda: slicing(False))
+    case.run()
     shape = {"M": S * B, "N": D, "K": h * d, "heads": dims.heads, "head_dim": d, "causal": False}
     return _record(job, dims, dtype, case, names, shape)
 
@@ -287,14 +320,14 @@ def _run_ring_variants(group, rings, case: _Case, ring_fn, ref) -> dict:
     for t, s, c in variants:
         case.check(f"{t}/{s}/c{c}", ring_fn(rings[t], s, c), ref)
     dry = rings["compute_only"]
-    case.time("compute", lambda: ring_fn(dry))
+    case.add("compute", lambda: ring_fn(dry))
     for c in (1, 2):
-        case.time(f"compute/c{c}", lambda c=c: ring_fn(dry, None, c))
-    case.time("p2p_ring", lambda: ring_fn(default))
+        case.add(f"compute/c{c}", lambda c=c: ring_fn(dry, None, c))
+    case.add("p2p_ring", lambda: ring_fn(default))
     names = []
     for t, s, c in variants:
         names.append(f"{t}/{s}/c{c}")
-        case.time(names[-1], lambda t=t, s=s, c=c: ring_fn(rings[t], s, c))
+        case.add(names[-1], lambda t=t, s=s, c=c: ring_fn(rings[t], s, c))
     return {"transport": default.transport, "variants": names}
 
 
