@@ -229,31 +229,27 @@ def gemm_segments_kernel(
                     a_rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA,
                 )  # fmt: skip
                 lrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-                cols = col + tl.arange(0, BLOCK_N)
-                mask = (lrows < rows)[:, None] & (cols < N)[None, :]
                 # The epilogue does not branch on the kind (Triton 3.6 cannot flatten the
                 # tile loop around such branches): each store is masked by it and a TMA
                 # store is moved out of bounds. Signals are raised after the loop.
-                keep = True
                 if HAS_PUSH:
-                    is_push = kind == KIND_PUSH
-                    keep = kind != KIND_PUSH
-                    acc = _add_partials(
-                        acc, recv, recv_rows, out_row0, lrows, cols, N,
-                        mask & (kind == KIND_REDUCE), token, expected, rank, WORLD,
-                    )  # fmt: skip
-                    offs = lrows[:, None].to(tl.int64) * N + cols[None, :]
-                    tl.store(push_dst + offs, acc.to(out_ty), mask=mask & is_push)
-                acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS, keep)
-                if BROADCAST:
-                    _broadcast_tile(
-                        acc.to(out_ty), c, out_table, rank, row0 + lrows, cols, N, mask & keep,
-                        WORLD,
-                    )  # fmt: skip
+                    # In halves: the partials loaded beside the accumulator would
+                    # otherwise spill registers (measured with ptxas at 128x256).
+                    halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+                    left, right = tl.split(halves)
+                    for h in tl.static_range(2):
+                        _scatter_epilogue(
+                            left if h == 0 else right, col + h * (BLOCK_N // 2), kind, rows,
+                            row0, out_row0, c, c_desc, c_row0, pid_m * BLOCK_M, bias, recv,
+                            recv_rows, push_dst, out_table, N, token, expected, rank, out_ty,
+                            BLOCK_M, BLOCK_N // 2, WORLD, USE_TMA, HAS_BIAS, BROADCAST,
+                        )  # fmt: skip
                 else:
-                    tile_row = tl.where(keep, pid_m * BLOCK_M, rows)  # rows: out of bounds
+                    cols = col + tl.arange(0, BLOCK_N)
+                    mask = (lrows < rows)[:, None] & (cols < N)[None, :]
+                    acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS)
                     _store_tile(
-                        acc, c, c_desc, c_row0, tile_row, col, lrows, cols, N, mask & keep,
+                        acc, c, c_desc, c_row0, pid_m * BLOCK_M, col, lrows, cols, N, mask,
                         out_ty, BLOCK_M, BLOCK_N, USE_TMA, SUBTILE,
                     )  # fmt: skip
             # One release per (program, segment), outside the pipelined loop (a CTA barrier
@@ -303,25 +299,43 @@ def _store_tile(
 
 
 @triton.jit
-def _add_partials(
-    acc, recv, recv_rows, out_row0, lrows, cols, N, mask, token, expected, rank,
-    WORLD: tl.constexpr,
+def _scatter_epilogue(
+    acc, col, kind, rows, row0, out_row0, c, c_desc, c_row0, tile_row, bias, recv,
+    recv_rows, push_dst, out_table, N, token, expected, rank, out_ty,
+    BLOCK_M: tl.constexpr, HALF_N: tl.constexpr, WORLD: tl.constexpr,
+    USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr, BROADCAST: tl.constexpr,
 ):  # fmt: skip
-    """``acc`` plus every peer's partial of these rows (fp32), loaded only once the wait
-    for them has returned (``guard``)."""
-    ok = guard(mask, token, expected)
-    offs = (out_row0 + lrows)[:, None].to(tl.int64) * N + cols[None, :]
+    """The epilogue of GEMM+RS / GEMM+AR for ``HALF_N`` columns of a tile: push the
+    partial to its owner, or (own rows) add the peers' partials and the bias, then store
+    (reduce-scatter) or broadcast (all-reduce) the result.
+
+    Addresses are a 64-bit base per tile plus 32-bit offsets inside it: 64-bit offsets
+    per element cost two registers each and made the kernel spill."""
+    r = tl.arange(0, BLOCK_M)
+    cols = col + tl.arange(0, HALF_N)
+    mask = (tile_row + r < rows)[:, None] & (cols < N)[None, :]
+    in_tile = r[:, None] * N + cols[None, :]
+    is_push = kind == KIND_PUSH
+    keep = kind != KIND_PUSH
+    ok = guard(mask & (kind == KIND_REDUCE), token, expected)
     for p in tl.static_range(WORLD):
         # masked, not branched: the flattened tile loop cannot hold a branch with results
-        part = tl.load(recv + p * recv_rows * N + offs, mask=ok & (p != rank), other=0.0)
+        part_base = recv + (p * recv_rows + out_row0 + tile_row).to(tl.int64) * N
+        part = tl.load(part_base + in_tile, mask=ok & (p != rank), other=0.0)
         acc += part.to(tl.float32)
-    return acc
-
-
-@triton.jit
-def _broadcast_tile(val, c, out_table, rank, grows, cols, N, mask, WORLD: tl.constexpr):
-    """Store a reduced tile into every rank's all-reduce output."""
-    goffs = grows[:, None].to(tl.int64) * N + cols[None, :]
-    for i in tl.static_range(WORLD):
-        q = (rank + i) % WORLD
-        tl.store(_peer_ptr(c, out_table, rank, q) + goffs, val, mask=mask)
+    push_base = push_dst + tile_row.to(tl.int64) * N
+    tl.store(push_base + in_tile, acc.to(out_ty), mask=mask & is_push)
+    acc = _add_bias(acc, bias, col, N, HALF_N, HAS_BIAS, keep)
+    val = acc.to(out_ty)
+    if BROADCAST:
+        # every rank's all-reduce output gets the reduced tile
+        for i in tl.static_range(WORLD):
+            q = (rank + i) % WORLD
+            dst = _peer_ptr(c, out_table, rank, q) + (row0 + tile_row).to(tl.int64) * N
+            tl.store(dst + in_tile, val, mask=mask & keep)
+    else:
+        if USE_TMA:
+            c_desc.store([tl.where(keep, tile_row, rows), col], val)  # rows: out of bounds
+        else:
+            dst = c + (c_row0 + tile_row).to(tl.int64) * N
+            tl.store(dst + in_tile, val, mask=mask & keep)
