@@ -515,14 +515,19 @@ class SignalReorderGemm(OpContext):
         self.launch_gemm(plan, a, b, bias)
         with use_stream(stream):
             for i, (first, count) in enumerate(plan.groups):
-                wait_kernel[(1,)](
-                    self.counters, i, 1, count * plan.lanes, self.error.address, self.rank,
-                    self.max_spins, RESET=True,
-                )  # fmt: skip
-                self._collective(plan.layout, first, count)
+                self.enqueue_group(plan.layout, i, count * plan.lanes, first, count)
         join(self.group, stream)
         src = self.send if plan.layout.op == "all_reduce" else self.recv
         launch_rows(src, out, norm_weight, self.eps, slots=plan.slots, layout=plan.layout)
+
+    def enqueue_group(self, lay: Layout, counter: int, expected: int, first: int, count: int):
+        """On the current stream: wait until ``counters[counter] == expected`` and reset it
+        (one program, bounded), then the collective on tiles ``[first, first + count)``."""
+        wait_kernel[(1,)](
+            self.counters, counter, 1, expected, self.error.address, self.rank,
+            self.max_spins, RESET=True,
+        )  # fmt: skip
+        self._collective(lay, first, count)
 
     def launch_gemm(self, plan: Plan, a, b, bias=None) -> None:
         """The signalling GEMM alone, on the current stream (it raises the counters; only

@@ -9,12 +9,17 @@ wave ``wave_ms`` and a measured curve ``comm(bytes)`` of the collective::
 
 and the call ends at ``t_m`` plus the post-comm reorder (``post_ms``). A single group is the
 sequential path (cuBLAS, then the collective), predicted from its own measured GEMM time.
+Eager calls also wait for the host: the GEMM starts once it is launched (``host0_ms`` after
+the call begins, so ``t_p`` starts there) and group ``i``'s collective no earlier than its
+enqueue, ``host0_ms + (i + 1) * host_ms``; both are measured on a GPU (zero otherwise, which
+is the recurrence above).
 
 Candidates: every composition of the waves whose first group has at most 2 waves (comm
 starts early) and whose last has at most 4 (a short tail) (``enumerate_partitions``). The
 best of them under the recurrence is found exactly by dynamic programming
-(``best_predicted``): for a given prefix of waves ``t_p`` is fixed, and the recurrence only
-grows with ``t_m``, so the prefix with the smallest ``t_m`` dominates.
+(``best_predicted``): for a given prefix of waves cut into a given number of groups, ``t_p``
+and the host terms are fixed and the rest only grows with ``t_m``, so the prefix with the
+smallest ``t_m`` dominates.
 
 Measurements (``measure_model``): the collective's time over sizes (per machine, collective,
 world size and dtype; measured while the signalling GEMM runs beside it, on a GPU, so the
@@ -81,13 +86,14 @@ class CommCurve:
         return cls([int(x) for x in d["sizes"]], [float(x) for x in d["times_ms"]])
 
 
-def predict(waves, group_bytes, wave_ms: float, comm_ms) -> float:
+def predict(waves, group_bytes, wave_ms: float, comm_ms, host0_ms=0.0, host_ms=0.0) -> float:
     """End of the last collective for groups of ``waves[i]`` waves handing
-    ``group_bytes[i]`` bytes to the collective (``comm_ms(bytes) -> ms``)."""
-    t_p = t_m = 0.0
-    for w, size in zip(waves, group_bytes):
+    ``group_bytes[i]`` bytes to the collective (``comm_ms(bytes) -> ms``); the host terms
+    as in the module docstring."""
+    t_p, t_m = host0_ms, 0.0
+    for i, (w, size) in enumerate(zip(waves, group_bytes)):
         t_p += wave_ms * w
-        t_m = max(t_p, t_m) + comm_ms(size)
+        t_m = max(t_p, t_m, host0_ms + (i + 1) * host_ms) + comm_ms(size)
     return t_m
 
 
@@ -125,6 +131,8 @@ class Model:
     curve: CommCurve
     post_ms: float = 0.0
     gemm_ms: float = 0.0  # cuBLAS alone, for the single-group (sequential) path
+    host0_ms: float = 0.0  # host time from the call to the GEMM's launch
+    host_ms: float = 0.0  # host time to enqueue one group (wait kernel + collective)
 
     def group_bytes(self, partition) -> list[int]:
         lay = self.layout
@@ -138,8 +146,9 @@ class Model:
         partition = tuple(partition)
         if len(partition) == 1:
             return self.gemm_ms + self.curve.time_ms(self.group_bytes(partition)[0])
-        comm = self.curve.time_ms
-        return predict(partition, self.group_bytes(partition), self.wave_ms, comm) + self.post_ms
+        t = predict(partition, self.group_bytes(partition), self.wave_ms, self.curve.time_ms,
+                    self.host0_ms, self.host_ms)  # fmt: skip
+        return t + self.post_ms
 
     def ranked(self, max_first: int = MAX_FIRST, max_last: int = MAX_LAST):
         """Every candidate as ``(predicted ms, partition)``, best first."""
@@ -151,30 +160,32 @@ class Model:
 
     def best_predicted(self, max_first: int = MAX_FIRST, max_last: int = MAX_LAST):
         """``(predicted ms, partition)`` of the best candidate, by dynamic programming over
-        wave prefixes (exact for the recurrence; see the module docstring)."""
+        wave prefixes and group counts (exact for the recurrence; see the module
+        docstring)."""
         lay, n = self.layout, self.layout.n_waves
         comm = self.curve.time_ms
         unit = lay.parts * lay.unit * self.itemsize
-        # best[w] = (t_m, sizes) for a prefix of w waves cut into groups
-        best: list = [None] * (n + 1)
-        best[0] = (0.0, ())
-        for end in range(1, n + 1):
-            t_p = self.wave_ms * end
-            tiles_end = min(end * lay.programs, lay.n_tiles)
-            for start in range(end):
-                if best[start] is None or (start == 0 and end > max_first):
-                    continue
-                if start == 0 and end == n:  # one group is the sequential path, below
-                    continue
-                if end == n and end - start > max_last:
-                    continue
-                t_m = max(t_p, best[start][0]) + comm((tiles_end - start * lay.programs) * unit)
-                if best[end] is None or t_m < best[end][0]:
-                    best[end] = (t_m, (*best[start][1], end - start))
+        # best[j][w] = (t_m, sizes): the best prefix of w waves cut into j groups
+        best = [[None] * (n + 1) for _ in range(n + 1)]
+        best[0][0] = (0.0, ())
+        for j in range(1, n + 1):
+            ready = self.host0_ms + j * self.host_ms  # group j - 1 is enqueued
+            for end in range(j, n + 1):
+                t_p = self.host0_ms + self.wave_ms * end
+                tiles_end = min(end * lay.programs, lay.n_tiles)
+                for start in range(j - 1, end):
+                    prev = best[j - 1][start]
+                    if prev is None or (start == 0 and end > max_first):
+                        continue
+                    if end == n and (end - start > max_last or j == 1):
+                        continue  # one group is the sequential path, below
+                    size = (tiles_end - start * lay.programs) * unit
+                    t_m = max(t_p, prev[0], ready) + comm(size)
+                    if best[j][end] is None or t_m < best[j][end][0]:
+                        best[j][end] = (t_m, (*prev[1], end - start))
         single = (n,)
         options = [(self.predict(single), single)]
-        if best[n] is not None:
-            options.append((best[n][0] + self.post_ms, best[n][1]))
+        options += [(b[n][0] + self.post_ms, b[n][1]) for b in best if b[n] is not None]
         return min(options)
 
 
@@ -342,9 +353,43 @@ def measure_model(
                 iters, warmup,
             )  # fmt: skip
         nums = {"wave_ms": wave_ms, "post_ms": post_ms, "gemm_ms": gemm_ms}
+        if plan is not None and ctx.group.backend == "cuda":
+            nums.update(_host_costs(ctx, plan, a, b))
         _store(ctx, shape_key, nums, use_cache)
     curve = CommCurve.from_dict(curve)
-    return Model(lay, item, nums["wave_ms"], curve, nums["post_ms"], nums["gemm_ms"])
+    return Model(lay, item, nums["wave_ms"], curve, nums["post_ms"], nums["gemm_ms"],
+                 nums.get("host0_ms", 0.0), nums.get("host_ms", 0.0))  # fmt: skip
+
+
+def _host_costs(ctx, plan, a, b, reps: int = 20) -> dict:
+    """Host time (ms, max over ranks) from a call's start to its GEMM launch (argument
+    checks, fork, launch) and to enqueue one group (a wait that passes at once and a small
+    collective), both without waiting for the device."""
+    group = ctx.group
+    m, n = a.shape[0], b.shape[1]
+    lay = plan.layout
+    torch.cuda.synchronize()
+    dist.barrier(group=group.process_group, device_ids=[group.device.index])
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        ctx._check_call(a, b, None, None)
+        ctx.plan(m, n, plan.partition)
+        stream = fork(group)
+        ctx.launch_gemm(plan, a, b)
+        join(group, stream)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    ctx.counters.zero_()
+    stream = fork(group)
+    with use_stream(stream):
+        t2 = time.perf_counter()
+        for _ in range(reps):  # counter MAX_GROUPS - 1 is zero: the wait passes at once
+            ctx.enqueue_group(lay, len(ctx.counters) - 1, 0, 0, 1)
+        t3 = time.perf_counter()
+    join(group, stream)
+    torch.cuda.synchronize()
+    host = {"host0_ms": (t1 - t0) / reps * 1e3, "host_ms": (t3 - t2) / reps * 1e3}
+    return {k: _max_over_ranks(group, v) for k, v in host.items()}
 
 
 def _cached(ctx, key, use_cache):

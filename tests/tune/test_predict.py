@@ -53,6 +53,9 @@ def test_recurrence_by_hand():
     assert predict([1, 1, 1], [6, 6, 6], 1.0, comm) == pytest.approx(1 + 9)
     # compute bound: the last group's comm is the tail
     assert predict([1, 1, 1], [1, 1, 1], 1.0, comm) == pytest.approx(3.5)
+    # host terms: the GEMM starts at 0.5; group i is enqueued at 0.5 + 2 (i + 1)
+    # t_p 1.5, 2.5, 3.5; t_m max(1.5, 2.5) + .5 = 3, max(2.5, 3, 4.5) + .5 = 5, 7
+    assert predict([1, 1, 1], [1, 1, 1], 1.0, comm, 0.5, 2.0) == pytest.approx(7.0)
 
 
 def _compositions(n):
@@ -86,13 +89,14 @@ def _model(rng, n_waves, programs=7, world=2):
     sizes = [1 << s for s in range(10, 22)]
     lat, bw = rng.uniform(0.01, 0.3), rng.uniform(2e4, 4e5)
     curve = CommCurve(sizes, [lat + s / bw for s in sizes])
+    host = rng.choice([0.0, rng.uniform(0, 0.2)])  # sometimes the host is the bottleneck
     return Model(lay, 2, rng.uniform(0.05, 0.5), curve, post_ms=rng.uniform(0, 0.1),
-                 gemm_ms=rng.uniform(0.5, 5))  # fmt: skip
+                 gemm_ms=rng.uniform(0.5, 5), host0_ms=2 * host, host_ms=host)  # fmt: skip
 
 
 def test_search_is_exact_on_synthetic_curves():
     rng = random.Random(0)
-    for trial in range(40):
+    for trial in range(60):
         model = _model(rng, rng.randrange(1, 11))
         ranked = model.ranked()
         t, p = model.best_predicted()
@@ -112,7 +116,8 @@ def test_model_prediction_parts():
     # several: the recurrence plus the reorder; the last group holds the partial wave
     sizes = model.group_bytes([2, 2, 1])
     assert sum(sizes) == total and sizes[0] == 2 * lay.programs * lay.unit * 2
-    want = predict([2, 2, 1], sizes, model.wave_ms, model.curve.time_ms) + model.post_ms
+    want = predict([2, 2, 1], sizes, model.wave_ms, model.curve.time_ms, model.host0_ms,
+                   model.host_ms) + model.post_ms  # fmt: skip
     assert model.predict([2, 2, 1]) == pytest.approx(want)
 
 
