@@ -208,11 +208,11 @@ def gemm_segments_kernel(
                     a_src, shape=[a_rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
                 )
                 # Bounded by the segment's rows: a tile overhanging the segment end never
-                # writes rows of the next segment. Stored in halves (``SUBTILE``), the
-                # epilogue needs half the shared memory.
+                # writes rows of the next segment. Stored in halves (``SUBTILE``, and
+                # always with pushes), the epilogue needs half the shared memory.
                 c_desc = tl.make_tensor_descriptor(
                     c + c_row0.to(tl.int64) * N, shape=[rows, N], strides=[N, 1],
-                    block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE else BLOCK_N],
+                    block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE or HAS_PUSH else BLOCK_N],
                 )  # fmt: skip
             push_dst = c
             owner_sig = sig
