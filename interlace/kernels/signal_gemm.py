@@ -48,43 +48,43 @@ MAP_COLS = tl.constexpr(3)
 
 @triton.jit
 def _mma_strips(
-    a, b, a_desc, b_desc, pid_m, col, rows_per_rank, world, N, K,
+    a, b, b_desc, pid_m, col, rows_per_rank, world, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STRIPS: tl.constexpr, USE_TMA: tl.constexpr,
 ):  # fmt: skip
     """fp32 accumulator of a strip tile: strip ``k`` is rows
-    ``k * rows_per_rank + pid_m * SUB_M + [0, SUB_M)`` of A (zeros past the share's end)."""
+    ``k * rows_per_rank + pid_m * SUB_M + [0, SUB_M)`` of A (zeros past the share's end).
+
+    A's rows are gathered with plain loads (``cp.async`` into shared memory), B comes by
+    TMA when ``USE_TMA``: both operands then feed the wgmma from shared memory, pipelined.
+    (A 3-D TMA box of the strips needs a reshape that moves A through registers and
+    serialises the wgmmas.)"""
     SUB_M: tl.constexpr = BLOCK_M // STRIPS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    if USE_TMA:
-        # A seen as [world, rows_per_rank, K]: one 3-D box fetches the STRIPS strips.
-        for kk in range(k_tiles):
-            a3 = a_desc.load([0, pid_m * SUB_M, kk * BLOCK_K])
-            a_t = tl.reshape(a3, (BLOCK_M, BLOCK_K))
+    r = tl.arange(0, BLOCK_M)
+    strip = r // SUB_M
+    local = pid_m * SUB_M + r % SUB_M
+    rows = strip * rows_per_rank + local
+    row_ok = (strip < world) & (local < rows_per_rank)
+    cols = col + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    for kk in range(k_tiles):
+        k_ok = kk * BLOCK_K + ks < K
+        a_t = tl.load(
+            a + rows[:, None].to(tl.int64) * K + (kk * BLOCK_K + ks)[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        if USE_TMA:
             b_t = b_desc.load([kk * BLOCK_K, col])
-            acc = _dot(a_t, b_t, acc)
-    else:
-        r = tl.arange(0, BLOCK_M)
-        strip = r // SUB_M
-        local = pid_m * SUB_M + r % SUB_M
-        rows = strip * rows_per_rank + local
-        row_ok = (strip < world) & (local < rows_per_rank)
-        cols = col + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
-        for kk in range(k_tiles):
-            k_ok = kk * BLOCK_K + ks < K
-            a_t = tl.load(
-                a + rows[:, None].to(tl.int64) * K + (kk * BLOCK_K + ks)[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
+        else:
             b_t = tl.load(
                 b + (kk * BLOCK_K + ks)[:, None].to(tl.int64) * N + cols[None, :],
                 mask=k_ok[:, None] & (cols < N)[None, :],
                 other=0.0,
             )
-            acc = _dot(a_t, b_t, acc)
+        acc = _dot(a_t, b_t, acc)
     return acc
 
 
@@ -115,11 +115,6 @@ def signal_gemm_kernel(
             a_desc = tl.make_tensor_descriptor(
                 a, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
             )
-        else:
-            a_desc = tl.make_tensor_descriptor(
-                a, shape=[world, rows_per_rank, K], strides=[rows_per_rank * K, K, 1],
-                block_shape=[STRIPS, SUB_M, BLOCK_K],
-            )  # fmt: skip
         b_desc = tl.make_tensor_descriptor(
             b, shape=[K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N]
         )
@@ -137,7 +132,7 @@ def signal_gemm_kernel(
             )  # fmt: skip
         else:
             acc = _mma_strips(
-                a, b, a_desc, b_desc, pid_m, col, rows_per_rank, world, N, K,
+                a, b, b_desc, pid_m, col, rows_per_rank, world, N, K,
                 BLOCK_M, BLOCK_N, BLOCK_K, STRIPS, USE_TMA,
             )  # fmt: skip
         acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS)
