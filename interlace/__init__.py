@@ -2,7 +2,19 @@
 on stock PyTorch and stock Triton."""
 
 from .errors import InterlaceError, InterlaceTypeError, InterlaceValueError, WaitTimeoutError
-from .ops import AGGemm, AllGather, AllReduce, GemmAR, GemmRS, ReduceScatter
+from .ops import (
+    AGGemm,
+    AllGather,
+    AllReduce,
+    FuseAGLinear,
+    FuseRSLinear,
+    GemmAR,
+    GemmRS,
+    P2PRing,
+    ReduceScatter,
+    fuse_ag,
+    fuse_rs,
+)
 from .runtime import Group, SymmetricTensor, symm_empty, symm_zeros
 
 __version__ = "0.1.0"
@@ -11,16 +23,21 @@ __all__ = [
     "AGGemm",
     "AllGather",
     "AllReduce",
+    "FuseAGLinear",
+    "FuseRSLinear",
     "GemmAR",
     "GemmRS",
     "Group",
     "InterlaceError",
     "InterlaceTypeError",
     "InterlaceValueError",
+    "P2PRing",
     "ReduceScatter",
     "SymmetricTensor",
     "WaitTimeoutError",
     "__version__",
+    "fuse_ag",
+    "fuse_rs",
     "symm_empty",
     "symm_zeros",
 ]

@@ -218,6 +218,13 @@ def _dense_jobs(args, timed: bool, world: int) -> list:
 
 
 def bench(args) -> int:
+    if args.suite == "p2p_ring":  # its own runner (sliced MLP and attention, not GEMM shapes)
+        from .bench.p2p_ring import main as p2p_ring_main
+
+        argv = ["--iters", str(args.iters), "--out", args.out] + (["--cpu"] if args.cpu else [])
+        if args.world_size:
+            argv += ["--world-size", str(args.world_size)]
+        return p2p_ring_main(argv)
     import torch
 
     from .bench.collectives import merge_ranks, run_size
@@ -308,8 +315,8 @@ def main(argv=None) -> int:
     b.add_argument(
         "--suite",
         default="all",
-        choices=["collectives", "dense", "all"],
-        help="which benchmarks (default: all)",
+        choices=["collectives", "dense", "p2p_ring", "all"],
+        help="which benchmarks (default: all = collectives and dense; p2p_ring on its own)",
     )
     b.add_argument("--world-size", type=int, default=None, help="ranks (default: every GPU)")
     b.add_argument(

@@ -161,7 +161,10 @@ class _Case:
 def _record(job: Job, dims: Dims, dtype, case: _Case, names, shape: dict) -> dict:
     t, err = case.merged()
     rnd = lambda v: None if v is None else round(v, 4)
-    rec = {"op": job.op, "strategy": "p2p_ring", "model": MODEL, "dtype": str(dtype)[6:]}
+    # batch x sequence in the model name: both shapes have the same M, N, K, and results
+    # files and their checker key records by (op, model, M, N, K)
+    model = f"{MODEL}-b{job.batch}xs{job.seq}"
+    rec = {"op": job.op, "strategy": "p2p_ring", "model": model, "dtype": str(dtype)[6:]}
     rec.update(shape)
     rec.update(batch=job.batch, seq=job.seq, slices=SLICES, t_torch_ms=None, rel_err=err)
     rec.update(schedule="auto", transport=names["transport"], chunks="auto")
