@@ -322,6 +322,7 @@ def measure_model(
         dtype=str(ctx.dtype),
         device=device_name(ctx.group),
         comm_sms=ctx.comm_sms,
+        comm_group=_comm_group_tag(ctx),
     )
     need = lay.group_bytes(lay.n_tiles, item)
     curve_key = cache.cache_key("comm_curve", **common)
@@ -390,6 +391,11 @@ def _host_costs(ctx, plan, a, b, reps: int = 20) -> dict:
     torch.cuda.synchronize()
     host = {"host0_ms": (t1 - t0) / reps * 1e3, "host_ms": (t3 - t2) / reps * 1e3}
     return {k: _max_over_ranks(group, v) for k, v in host.items()}
+
+
+def _comm_group_tag(ctx) -> str:
+    """Whether the collectives run on the group's own process group (cache keys)."""
+    return "own" if ctx.comm_group is ctx.group.process_group else "custom"
 
 
 def _cached(ctx, key, use_cache):
@@ -469,7 +475,7 @@ def best_partition(
     key = cache.cache_key(
         "partition", op=ctx.collective, m=m, n=n, k=ctx.k, dtype=str(ctx.dtype),
         world=ctx.world_size, device=device_name(ctx.group), programs=lay.programs,
-        block=[lay.block_m, lay.block_n], mode=mode,
+        block=[lay.block_m, lay.block_n], mode=mode, comm_group=_comm_group_tag(ctx),
     )  # fmt: skip
     choice = _cached(ctx, key, use_cache)
     if choice is None:
