@@ -357,6 +357,7 @@ class SignalReorderGemm(OpContext):
         self.partitions: dict[tuple[int, int], tuple[int, ...]] = {}
         self.last_partition: tuple[int, ...] | None = None
         self._plans: dict = {}
+        self._layouts: dict = {}
 
     def _check_comm_sms(self, comm_sms) -> int:
         if self.group.backend != "cuda":
@@ -408,6 +409,11 @@ class SignalReorderGemm(OpContext):
     def layout(self, m: int, n: int | None = None) -> Layout:
         """The tile grid a call with ``M = m`` rows (and ``n`` columns) runs on."""
         n = self.n if n is None else n
+        if (m, n) not in self._layouts:
+            self._layouts[(m, n)] = self._make_layout(m, n)
+        return self._layouts[(m, n)]
+
+    def _make_layout(self, m: int, n: int) -> Layout:
         cfg = self._config(m, n)
         tiles = make_layout(self.collective, m, n, self.world_size, cfg, 1).n_tiles
         if self.group.backend == "cuda":
