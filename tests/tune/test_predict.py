@@ -159,7 +159,8 @@ def test_cache_round_trip(tmp_path, monkeypatch):
 def _tune_body(group, cache_dir):
     from interlace.ops.signal_reorder import SignalReorderGemmAR, SignalReorderGemmRS
 
-    os.environ["INTERLACE_CACHE_DIR"] = cache_dir
+    saved = os.environ.get("INTERLACE_CACHE_DIR")
+    os.environ["INTERLACE_CACHE_DIR"] = cache_dir  # this rank process serves later tests too
     w = group.world_size
     out = {}
     ar = SignalReorderGemmAR(group, max_m=8 * 37, n=64, k=24)
@@ -185,6 +186,10 @@ def _tune_body(group, cache_dir):
     finally:
         ar.close()
         rs.close()
+        if saved is None:
+            os.environ.pop("INTERLACE_CACHE_DIR")
+        else:
+            os.environ["INTERLACE_CACHE_DIR"] = saved
     return out
 
 
