@@ -118,7 +118,20 @@ def segment_table(segments: list[Segment], n: int, cfg: GemmConfig, device) -> t
         )  # fmt: skip
         tile0 += tiles_of(s.rows, n, cfg)
     assert len(rows[0]) == SEG_COLS.value
-    return torch.tensor(rows, dtype=torch.int32).to(device)
+    return to_device(torch.tensor(rows, dtype=torch.int32), device)
+
+
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A host table on ``device``, also while a CUDA graph is being captured (a plan may be
+    built then, e.g. when ``auto`` picks ``fused`` for the first time inside a capture):
+    the copy comes from pinned memory, kept alive by the returned tensor's owner."""
+    if torch.device(device).type != "cuda":
+        return host
+    pinned = host.pin_memory()
+    table = torch.empty_like(pinned, device=device)
+    table.copy_(pinned, non_blocking=True)
+    table._interlace_host = pinned  # the capture's copy node reads it at every replay
+    return table
 
 
 def total_tiles(segments: list[Segment], n: int, cfg: GemmConfig) -> int:

@@ -94,7 +94,8 @@ class _OverlappedGemm(OpContext):
         self.max_m, self.n, self.k = int(max_m), int(n), int(k)
         self.strategy, self.split, self.comm_sms, self.config = strategy, split, comm_sms, config
         self.last_strategy: str | None = None
-        self._plans: dict = {}
+        self._plans: dict = {}  # eager plans; plans first built inside a capture are kept
+        self._captured_plans: dict = {}  # apart: their tables fill only when a graph replays
 
     @staticmethod
     def _regions(world: int) -> dict[str, int]:
@@ -109,12 +110,25 @@ class _OverlappedGemm(OpContext):
             return self.strategy
         t_gemm = 2.0 * m_total * n * k / (EST_TFLOPS * 1e12) * 1e6
         t_comm = self._comm_bytes(m_total, n) / (EST_LINK_GBPS * 1e9) * 1e6
-        capturing = self.group.backend == "cuda" and torch.cuda.is_current_stream_capturing()
-        floor = MIN_OVERLAP_US["graph" if capturing else "eager"]
+        floor = MIN_OVERLAP_US["graph" if self._capturing() else "eager"]
         return "fused" if min(t_gemm, t_comm) >= floor else "none"
 
     def _cfg(self, m: int, n: int, k: int) -> GemmConfig:
         return self.config or _gemm.gemm_config(m, n, k, self.group.backend)
+
+    def _capturing(self) -> bool:
+        return self.group.backend == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _known_plan(self, key):
+        """The plan for ``key``: an eager call never uses one built inside a capture (its
+        device tables are only filled when the graph replays)."""
+        if key in self._plans:
+            return self._plans[key]
+        return self._captured_plans.get(key) if self._capturing() else None
+
+    def _keep_plan(self, key, plan):
+        (self._captured_plans if self._capturing() else self._plans)[key] = plan
+        return plan
 
     def _check_call(self, a, b, bias, a_rows_max: int):
         self._begin()
@@ -207,8 +221,8 @@ class AGGemm(_OverlappedGemm):
         """Segments in arrival order, and the transfers this rank issues (push) or the
         chunk table of the pull kernel; lowered from a checked schedule, once per shape."""
         key = (m_loc, n, pull)
-        if key in self._plans:
-            return self._plans[key]
+        if (found := self._known_plan(key)) is not None:
+            return found
         w, r = self.world_size, self.rank
         cfg = self._cfg(w * m_loc, n, self.k)
         sched = AG_TEMPLATES[self.schedule](
@@ -242,7 +256,7 @@ class AGGemm(_OverlappedGemm):
         moves = schedule.transfers(sched, r)
         if pull:
             rows = [[t.lo, t.hi - t.lo, arrival + t.signal, t.src] for t in moves]
-            comm = torch.tensor(rows, dtype=torch.int32).to(self.group.device)
+            comm = _gemm.to_device(torch.tensor(rows, dtype=torch.int32), self.group.device)
         else:
             comm = []
             for t in moves:  # issue order: peer by peer, rank-rotated
@@ -252,8 +266,7 @@ class AGGemm(_OverlappedGemm):
                     (self.gathered.peers[t.dst][t.lo : t.hi], lo, hi, signal, arrival + t.signal)
                 )
         plan = (cfg, table, len(segments), grid, comm)
-        self._plans[key] = plan
-        return plan
+        return self._keep_plan(key, plan)
 
     def _pull_programs(self) -> int:
         return self.comm_sms if self.group.backend == "cuda" else 2
@@ -337,8 +350,8 @@ class _ScatterGemm(_OverlappedGemm):
         """Segments from a checked schedule: its chunks in the order this rank sends them
         (own rows last); counters: one per (chunk, source) on the owner, one broadcast
         counter per chunk on every rank (all-reduce)."""
-        if (m, n) in self._plans:
-            return self._plans[(m, n)]
+        if (found := self._known_plan((m, n))) is not None:
+            return found
         w, r = self.world_size, self.rank
         m_loc = m // w
         cfg = self._cfg(m, n, self.k)
@@ -376,8 +389,7 @@ class _ScatterGemm(_OverlappedGemm):
             single=True,
         )  # fmt: skip
         plan = (cfg, table, len(segments), grid)
-        self._plans[(m, n)] = plan
-        return plan
+        return self._keep_plan((m, n), plan)
 
     def _fused(self, a, b, bias, c):
         """One device barrier (it also zeroes this rank's counters, which the previous call
