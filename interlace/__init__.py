@@ -1,6 +1,7 @@
 """interlace: overlap inter-GPU communication with computation at tile granularity,
 on stock PyTorch and stock Triton."""
 
+from . import tune
 from .errors import InterlaceError, InterlaceTypeError, InterlaceValueError, WaitTimeoutError
 from .ops import (
     AGGemm,
@@ -12,6 +13,9 @@ from .ops import (
     GemmRS,
     P2PRing,
     ReduceScatter,
+    SignalReorderGemmA2A,
+    SignalReorderGemmAR,
+    SignalReorderGemmRS,
     fuse_ag,
     fuse_rs,
 )
@@ -33,6 +37,9 @@ __all__ = [
     "InterlaceValueError",
     "P2PRing",
     "ReduceScatter",
+    "SignalReorderGemmA2A",
+    "SignalReorderGemmAR",
+    "SignalReorderGemmRS",
     "SymmetricTensor",
     "WaitTimeoutError",
     "__version__",
@@ -40,4 +47,5 @@ __all__ = [
     "fuse_rs",
     "symm_empty",
     "symm_zeros",
+    "tune",
 ]

@@ -3,6 +3,7 @@
 from .collectives import AllGather, AllReduce, ReduceScatter
 from .gemm import AGGemm, GemmAR, GemmRS
 from .p2p_ring import FuseAGLinear, FuseRSLinear, P2PRing, fuse_ag, fuse_rs
+from .signal_reorder import SignalReorderGemmA2A, SignalReorderGemmAR, SignalReorderGemmRS
 
 __all__ = [
     "AGGemm",
@@ -14,6 +15,9 @@ __all__ = [
     "GemmRS",
     "P2PRing",
     "ReduceScatter",
+    "SignalReorderGemmA2A",
+    "SignalReorderGemmAR",
+    "SignalReorderGemmRS",
     "fuse_ag",
     "fuse_rs",
 ]

@@ -24,6 +24,10 @@ Strategies (``strategy=``):
     output (the all-gather half, spread over the whole GEMM).
 * ``sm_pull`` (AG+GEMM): ``comm_sms`` SMs pull the peers' shards with loads while the GEMM
   runs on the other SMs.
+* ``signal_reorder`` (GEMM+RS, GEMM+AR): FlashOverlap, through
+  :class:`~interlace.SignalReorderGemmRS` / ``...AR``: tiles land wave group by wave group
+  in a reordered buffer and a stock ``torch.distributed`` collective runs per group. No
+  symmetric memory: it works wherever the process group does (across nodes, over PCIe).
 * ``none``: cuBLAS + NCCL back to back: the baseline, and the fallback.
 * ``auto``: ``fused``, unless the cost model says overlap cannot pay for its extra
   synchronisation (small problems): then ``none``. ``last_strategy`` says which ran.
@@ -322,6 +326,7 @@ class _ScatterGemm(_OverlappedGemm):
     """Shared by GEMM+RS and GEMM+AR: the row chunks in rank-rotated order, partial tiles
     pushed to their owner from the epilogue, the owner's tiles reduced in theirs."""
 
+    STRATEGIES = ("auto", "fused", "signal_reorder", "none")
     BROADCAST = False
     # Two chunks per owner: a rank reaches its own chunk j only after every peer has
     # finished that chunk a whole chunk earlier (full-mesh order), so the owner's reduction
@@ -335,7 +340,16 @@ class _ScatterGemm(_OverlappedGemm):
             raise InterlaceValueError(
                 f"{self.op_name}: max_m = {self.max_m} must be a multiple of the world size {w}"
             )
-        if strategy != "none":
+        self._signal_reorder = None
+        if strategy == "signal_reorder":
+            from .signal_reorder import SignalReorderGemmAR, SignalReorderGemmRS
+
+            cls = SignalReorderGemmAR if self.BROADCAST else SignalReorderGemmRS
+            self._signal_reorder = cls(
+                group, self.max_m, self.n, self.k, dtype, config=self.config,
+                max_spins=self.max_spins,
+            )  # fmt: skip
+        elif strategy != "none":
             self.recv = self._track(symm_empty((w, self.max_m // w, self.n), dtype, group))
 
     @staticmethod
@@ -408,6 +422,11 @@ class _ScatterGemm(_OverlappedGemm):
             broadcast=self.BROADCAST,
         )  # fmt: skip
 
+    def close(self) -> None:
+        if self._signal_reorder is not None:
+            self._signal_reorder.close()
+        super().close()
+
     def _rows_check(self, a):
         if a.shape[0] % self.world_size:
             raise InterlaceValueError(
@@ -440,6 +459,8 @@ class GemmRS(_ScatterGemm):
             dist.reduce_scatter_tensor(out, c, group=self._pg)
             if bias is not None:
                 out += bias
+        elif strategy == "signal_reorder":
+            out = self._signal_reorder(a, b, bias=bias, out=out)
         else:
             self._fused(a, b, bias, out)
         self.last_strategy = strategy
@@ -473,6 +494,8 @@ class GemmAR(_ScatterGemm):
             dist.all_reduce(result, group=self._pg)
             if bias is not None:
                 result += bias
+        elif strategy == "signal_reorder":
+            result = self._signal_reorder(a, b, bias=bias, out=out)
         else:
             result = self.result.local.view(-1)[: m * n].view(m, n)
             self._fused(a, b, bias, result)
