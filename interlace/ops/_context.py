@@ -11,6 +11,7 @@ import torch
 from ..errors import InterlaceError, InterlaceTypeError, InterlaceValueError
 from ..language.primitives import barrier_kernel
 from ..runtime import ErrorWord, Group, SignalPad, default_max_spins
+from ._launch import launch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -104,9 +105,9 @@ class OpContext:
     def _barrier(self, clear_first: int = 0, clear_count: int = 0) -> None:
         """Device-side barrier over the group on the current stream; optionally zeroes
         ``clear_count`` local signal slots from ``clear_first`` before arriving."""
-        barrier_kernel[(1,)](
-            self.pad.ptrs, self.pad.offset("barrier"), self.rank, self.world_size,
-            self.error.address, self.max_spins, clear_first, clear_count,
+        launch(
+            barrier_kernel, 1, self.pad.ptrs, self.pad.offset("barrier"), self.rank,
+            self.world_size, self.error.address, self.max_spins, clear_first, clear_count,
         )  # fmt: skip
 
     def input_buffer(self, shape) -> torch.Tensor:

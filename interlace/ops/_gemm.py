@@ -24,6 +24,7 @@ from ..kernels.gemm import (
     gemm_segments_kernel,
 )
 from ._context import cdiv, sm_count
+from ._launch import launch as fast_launch
 
 KINDS = {
     "store": KIND_STORE.value,
@@ -177,8 +178,8 @@ def launch(
     dummy = c
     if not err:  # no waits can run; the kernel still needs a 64-bit address
         err = _unused_error_word(c.device).data_ptr()
-    gemm_segments_kernel[(grid,)](
-        a, b, c, bias if bias is not None else dummy, m, n, k,
+    fast_launch(
+        gemm_segments_kernel, grid, a, b, c, bias if bias is not None else dummy, m, n, k,
         a_own if a_own is not None else a, max(own_rows, 1),
         segments_t, n_seg,
         recv if recv is not None else dummy, recv_table if recv_table is not None else segments_t,

@@ -66,18 +66,34 @@ def copy_and_signal(
         stream_write_value32(signal, index, value)
 
 
+_events: dict[tuple, torch.cuda.Event] = {}
+
+
+def _event(kind: str, device: torch.device, index: int) -> torch.cuda.Event:
+    """A reusable event per (fork or join, device, comm stream): ``wait_stream`` would
+    create one per call. Reuse is safe: a wait binds to the record made before it."""
+    key = (kind, device.index, index)
+    if key not in _events:
+        _events[key] = torch.cuda.Event()
+    return _events[key]
+
+
 def fork(group: Group, index: int = 0):
     """The comm stream, made to wait for the current stream's work so far (``None`` on cpu)."""
     stream = comm_stream(group, index)
     if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(group.device))
+        event = _event("fork", group.device, index)
+        event.record(torch.cuda.current_stream(group.device))
+        stream.wait_event(event)
     return stream
 
 
-def join(group: Group, stream) -> None:
+def join(group: Group, stream, index: int = 0) -> None:
     """Make the current stream wait for everything enqueued on ``stream`` so far."""
     if stream is not None:
-        torch.cuda.current_stream(group.device).wait_stream(stream)
+        event = _event("join", group.device, index)
+        event.record(stream)
+        torch.cuda.current_stream(group.device).wait_event(event)
 
 
 def use_stream(stream):
