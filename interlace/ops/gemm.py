@@ -59,17 +59,20 @@ AG_TEMPLATES = {
 }
 
 #: ``auto`` runs ``none`` when the smaller of the GEMM and communication times, estimated
-#: from these rates (an H200 with NVLink: cuBLAS ~650 TFLOP/s on these shapes, NCCL
-#: all-gather ~190 GB/s per peer pair), is under what overlap costs: in an eager call the
-#: extra host launches (measured ~100-150 us on 2 x H200), in a CUDA-graph capture only the
-#: device-side synchronisation.
+#: from these rates (an H200 with NVLink: cuBLAS ~650 TFLOP/s on these shapes, NCCL ~200
+#: GB/s per peer pair), is under the op's floor: what overlap must save to pay for its
+#: extra host launches (eager) or its device-side synchronisation (CUDA-graph capture).
+#: The floors come from the 2 x H200 results (benchmarks/results/2026-11-22-h200-w2.json):
+#: there, eager ``fused`` beat cuBLAS + NCCL at M = 8192 for AG+GEMM, from about 170 us of
+#: estimated reduce-scatter traffic for GEMM+RS and only at the largest shape for GEMM+AR;
+#: captured, it won at M = 8192 everywhere and at M = 2048 for AG+GEMM.
 EST_TFLOPS = 650.0
 EST_LINK_GBPS = 200.0
-MIN_OVERLAP_US = {"eager": 100.0, "graph": 15.0}
 
 
 class _OverlappedGemm(OpContext):
     STRATEGIES: tuple[str, ...] = ("auto", "fused", "none")
+    MIN_OVERLAP_US = {"eager": 100.0, "graph": 15.0}  # see EST_TFLOPS
     default_split = 1
 
     def __init__(
@@ -114,7 +117,7 @@ class _OverlappedGemm(OpContext):
             return self.strategy
         t_gemm = 2.0 * m_total * n * k / (EST_TFLOPS * 1e12) * 1e6
         t_comm = self._comm_bytes(m_total, n) / (EST_LINK_GBPS * 1e9) * 1e6
-        floor = MIN_OVERLAP_US["graph" if self._capturing() else "eager"]
+        floor = self.MIN_OVERLAP_US["graph" if self._capturing() else "eager"]
         return "fused" if min(t_gemm, t_comm) >= floor else "none"
 
     def _cfg(self, m: int, n: int, k: int) -> GemmConfig:
@@ -327,6 +330,7 @@ class _ScatterGemm(_OverlappedGemm):
     pushed to their owner from the epilogue, the owner's tiles reduced in theirs."""
 
     STRATEGIES = ("auto", "fused", "signal_reorder", "none")
+    MIN_OVERLAP_US = {"eager": 150.0, "graph": 100.0}
     BROADCAST = False
     # Two chunks per owner: a rank reaches its own chunk j only after every peer has
     # finished that chunk a whole chunk earlier (full-mesh order), so the owner's reduction
@@ -355,6 +359,10 @@ class _ScatterGemm(_OverlappedGemm):
     @staticmethod
     def _regions(world):
         return {"partial": world * MAX_SPLIT * (world - 1), "broadcast": world * MAX_SPLIT}
+
+    def _comm_bytes(self, m_total, n):
+        """The reduce-scatter traffic (for all-reduce too: its floor accounts for the rest)."""
+        return m_total * n * self.dtype.itemsize * (self.world_size - 1) // self.world_size
 
     def _cfg(self, m: int, n: int, k: int) -> GemmConfig:
         cfg = super()._cfg(m, n, k)
@@ -442,9 +450,6 @@ class GemmRS(_ScatterGemm):
 
     op_name = "gemm_rs"
 
-    def _comm_bytes(self, m_total, n):
-        return m_total * n * self.dtype.itemsize * (self.world_size - 1) // self.world_size
-
     def __call__(self, a, b, bias=None, out=None):
         w = self.world_size
         self._check_call(a, b, bias, self.max_m)
@@ -474,14 +479,12 @@ class GemmAR(_ScatterGemm):
 
     op_name = "gemm_ar"
     BROADCAST = True
+    MIN_OVERLAP_US = {"eager": 250.0, "graph": 100.0}
 
     def __init__(self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", **kw):
         super().__init__(group, max_m, n, k, dtype, strategy, **kw)
         if strategy != "none":
             self.result = self._track(symm_empty((self.max_m, self.n), dtype, group))
-
-    def _comm_bytes(self, m_total, n):
-        return 2 * m_total * n * self.dtype.itemsize * (self.world_size - 1) // self.world_size
 
     def __call__(self, a, b, bias=None, out=None):
         self._check_call(a, b, bias, self.max_m)

@@ -1,0 +1,53 @@
+"""Markdown tables of a results file's dense-op records (for the README).
+
+python scripts/results_table.py benchmarks/results/2026-11-22-h200-w2.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+OPS = ("ag_gemm", "gemm_rs", "gemm_ar")
+
+
+def _f(x, nd=3):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def dense_table(records: list[dict]) -> str:
+    by = {}
+    for r in records:
+        if r.get("op") in OPS:
+            by.setdefault((r["op"], r["model"], r["M"]), {})[r["strategy"]] = r
+    head = (
+        "| op | model | M | N | K | cuBLAS | NCCL | bound | cuBLAS+NCCL | torch fused | "
+        "auto (ran) | auto / bound | fused graph | graph / bound | fastest eager |"
+    )
+    lines = [head, "|" + " --- |" * 3 + " ---: |" * 12]
+    for (op, model, m), s in sorted(by.items(), key=lambda kv: (OPS.index(kv[0][0]), kv[0][1:])):
+        auto, fused = s.get("auto"), s.get("fused")
+        ref = auto or fused
+        bound = max(ref["t_gemm_ms"], ref["t_comm_ms"])
+        eager = {k: v["t_ms"] for k, v in s.items() if v.get("t_ms") and k != "auto"}
+        best = min(eager, key=eager.get)
+        g = fused.get("t_graph_ms") if fused else None
+        lines.append(
+            f"| {op} | {model} | {m} | {ref['N']} | {ref['K']} | {_f(ref['t_gemm_ms'])} | "
+            f"{_f(ref['t_comm_ms'])} | {_f(bound)} | {_f(ref['t_none_ms'])} | "
+            f"{_f(ref.get('t_torch_ms'))} | {_f(auto['t_ms'])} ({auto.get('last_strategy')}) | "
+            f"{_f(auto['t_ms'] / bound, 2)} | {_f(g)} | {_f(g / bound if g else None, 2)} | "
+            f"{best} |"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    data = json.load(open(sys.argv[1]))
+    print(f"{data['device']}, world size {data['world_size']}, torch {data['torch']}, "
+          f"Triton {data['triton']}, {data['date']}\n")  # fmt: skip
+    print(dense_table(data["records"]))
+
+
+if __name__ == "__main__":
+    main()
