@@ -578,8 +578,10 @@ class SignalReorderGemm(OpContext):
             dist.all_to_all_single(self.recv[:numel], self.send[:numel], group=pg)
 
     def _sequential(self, a, b, bias, out, norm_weight) -> None:
-        """cuBLAS, then the whole collective (a single group: nothing to overlap)."""
-        pg = self.comm_group
+        """cuBLAS, then the whole collective (a single group: nothing to overlap), on the
+        caller's process group: ``comm_group`` caps NCCL's CTAs to leave SMs to the GEMM,
+        which a collective that runs alone does not need."""
+        pg = self.group.process_group
         res = out if norm_weight is None else torch.empty_like(out)
         if self.collective == "all_to_all":
             c = torch.addmm(bias, a, b) if bias is not None else torch.matmul(a, b)

@@ -198,3 +198,10 @@ def test_best_partition_on_cpu_world(tmp_path):
     assert results[0]["p"] == results[1]["p"] and results[0]["q"] == results[1]["q"]
     kinds = {name.split("-")[0] for name in results[0]["files"]}
     assert kinds == {"comm_curve", "gemm_waves", "partition"}
+
+
+def test_monotone_curve_drops_small_size_outliers():
+    from interlace.tune.predict import monotone
+
+    assert monotone([2.5, 0.26, 0.27, 0.08, 0.09, 0.4]) == [0.08, 0.08, 0.08, 0.08, 0.09, 0.4]
+    assert monotone([0.1, 0.2, 0.3]) == [0.1, 0.2, 0.3]
