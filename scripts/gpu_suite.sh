@@ -2,7 +2,8 @@
 # The whole GPU job in one call: GPU test suite, then the benchmarks.
 # Full logs and JSON go under $OUT (default ./gpu-out); the short tables are printed last.
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu_suite.sh [bench args]
-# Environment: SUITE=collectives|dense|all (default all), TESTS=0 skips the GPU tests,
+# Environment: SUITE=collectives|dense|p2p_ring|signal_reorder|all (default all: every one),
+# TESTS=0 skips the GPU tests,
 # TEST_TIMEOUT / BENCH_TIMEOUT in seconds, PROBE=1 adds the host-overhead probe.
 # Extra arguments go to `python -m interlace bench`, e.g. --models llama3-8b --ms 8192.
 set -u
@@ -26,8 +27,23 @@ else
     echo "skipped (TESTS=0)" > "$OUT/gpu_tests.log"; test_rc=skipped
 fi
 
-timeout -k 10 "$BENCH_TIMEOUT" python3 -m interlace bench --suite "$SUITE" --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
-bench_rc=$?
+MAIN_SUITE=$SUITE
+case "$SUITE" in p2p_ring|signal_reorder) MAIN_SUITE="" ;; esac
+bench_rc=skipped
+if [ -n "$MAIN_SUITE" ]; then
+    timeout -k 10 "$BENCH_TIMEOUT" python3 -m interlace bench --suite "$MAIN_SUITE" --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
+    bench_rc=$?
+fi
+# The two strategies with their own runners (sliced layers; wave-group search).
+p2p_rc=skipped; sr_rc=skipped
+if [ "$SUITE" = all ] || [ "$SUITE" = p2p_ring ]; then
+    timeout -k 10 "${P2P_TIMEOUT:-150}" python3 -m interlace.bench.p2p_ring --out "$OUT" > "$OUT/p2p_ring.log" 2>&1
+    p2p_rc=$?
+fi
+if [ "$SUITE" = all ] || [ "$SUITE" = signal_reorder ]; then
+    timeout -k 10 "${SR_TIMEOUT:-240}" python3 -m interlace.bench.signal_reorder --out "$OUT" --ms 8192 > "$OUT/signal_reorder.log" 2>&1
+    sr_rc=$?
+fi
 
 if [ -n "${PROBE:-}" ]; then
     timeout -k 10 150 python3 -m interlace.bench.overhead > "$OUT/overhead.log" 2>&1
@@ -38,9 +54,14 @@ echo "== GPU tests (rc=$test_rc)"; grep -E "^(FAILED|ERROR)|passed|failed|error"
 [ -n "${PROBE:-}" ] && { echo "== overhead probe"; tail -22 "$OUT/overhead.log"; }
 echo "== bench $SUITE (rc=$bench_rc)"
 # From the first results table to the end (tables, notes, file written); the tail on a crash.
-if grep -qE "interlace (collectives|dense ops)" "$OUT/bench.log"; then
+if [ ! -f "$OUT/bench.log" ]; then
+    echo "skipped"
+elif grep -qE "interlace (collectives|dense ops)" "$OUT/bench.log"; then
     grep -E "^(dense|error)" "$OUT/bench.log" | head -5
     sed -n '/interlace \(collectives\|dense ops\)/,$p' "$OUT/bench.log"
 else
     tail -32 "$OUT/bench.log"
 fi
+echo "== p2p_ring (rc=$p2p_rc)"; [ -f "$OUT/p2p_ring.log" ] && tail -12 "$OUT/p2p_ring.log"
+echo "== signal_reorder (rc=$sr_rc)"; [ -f "$OUT/signal_reorder.log" ] && sed -n '/^gemm_ar signal_reorder/,$p' "$OUT/signal_reorder.log"
+true
