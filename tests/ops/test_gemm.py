@@ -243,3 +243,18 @@ def test_cuda_graph_replay(op, size):
     from tests.conftest import get_world
 
     get_world("cuda", size).run(_graph_body, op)
+
+
+# ----------------------------------------------------------------------------- 8 ranks
+def _eight_rank_body(group):
+    _ag_body(group, "fused", "bf16", 1)
+    _scatter_body(group, "rs", "fused", "bf16", 1, None)
+    _scatter_body(group, "ar", "fused", "bf16", 1, None)
+    return True
+
+
+def test_eight_ranks_cpu_emulation():
+    """Nothing is hard-coded for 2 or 4 ranks: the overlapped GEMMs with 8 (TP 8)."""
+    from tests.conftest import get_world
+
+    get_world("cpu", 8).run(_eight_rank_body)
