@@ -13,7 +13,8 @@ fewer rows than ``split``); chunk ids are numbered in row order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 from ..errors import InterlaceValueError
 from .chunks import BACKENDS, MODES, P2P, Chunk, Ref, Schedule, split_rows
@@ -173,85 +174,82 @@ def _mesh_scatter(b: _Builder) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def ring_all_gather(
-    world_size: int,
-    rows_per_rank: int | Sequence[int],
-    split: int = 1,
-    mode: str = "push",
-    backend: str = "ce",
-    tensor: str = "A",
-    align: int = 1,
-) -> Schedule:
+def _template(
+    name: str,
+    kind: str,
+    phases: Callable[[_Builder], None],
+    doc: str,
+    *,
+    default_tensor: str,
+    default_split: int = 1,
+):
+    """The public template ``name`` (documented by ``doc``): a ``kind`` schedule whose
+    transfers ``phases`` appends, with the given defaults for ``tensor`` and ``split``."""
+
+    def template(
+        world_size: int,
+        rows_per_rank: int | Sequence[int],
+        split: int = default_split,
+        mode: str = "push",
+        backend: str = "ce",
+        tensor: str = default_tensor,
+        align: int = 1,
+    ) -> Schedule:
+        b = _Builder(world_size, kind, rows_per_rank, split, mode, backend, tensor, align)
+        phases(b)
+        return b.build()
+
+    template.__name__ = template.__qualname__ = name
+    template.__doc__ = doc
+    return template
+
+
+ring_all_gather = _template(
+    "ring_all_gather",
+    "all_gather",
+    _ring_gather,
     """Ring all-gather: ``W - 1`` steps, each rank forwards to its right neighbour the
-    shard it received in the previous step (its own first)."""
-    b = _Builder(world_size, "all_gather", rows_per_rank, split, mode, backend, tensor, align)
-    _ring_gather(b)
-    return b.build()
+    shard it received in the previous step (its own first).""",
+    default_tensor="A",
+)
 
-
-def full_mesh_all_gather(
-    world_size: int,
-    rows_per_rank: int | Sequence[int],
-    split: int = 1,
-    mode: str = "push",
-    backend: str = "ce",
-    tensor: str = "A",
-    align: int = 1,
-) -> Schedule:
+full_mesh_all_gather = _template(
+    "full_mesh_all_gather",
+    "all_gather",
+    partial(_mesh_gather, swizzle=False),
     """Full-mesh all-gather, rank-rotated and peer by peer: data moves from rank ``q`` to
-    ``q + 1``, then ``q + 2``, ... (push: ``q`` sends; pull: ``q + d`` fetches)."""
-    b = _Builder(world_size, "all_gather", rows_per_rank, split, mode, backend, tensor, align)
-    _mesh_gather(b, swizzle=False)
-    return b.build()
+    ``q + 1``, then ``q + 2``, ... (push: ``q`` sends; pull: ``q + d`` fetches).""",
+    default_tensor="A",
+)
 
-
-def swizzled_all_gather(
-    world_size: int,
-    rows_per_rank: int | Sequence[int],
-    split: int = 2,
-    mode: str = "push",
-    backend: str = "ce",
-    tensor: str = "A",
-    align: int = 1,
-) -> Schedule:
+swizzled_all_gather = _template(
+    "swizzled_all_gather",
+    "all_gather",
+    partial(_mesh_gather, swizzle=True),
     """2-D swizzled all-gather: shards cut into ``split`` sub-chunks, sent sub-chunk-major
     and peer-rotated, so each rank receives the first rows of every peer early and, at any
-    step (with equal shards), every rank uses a different link."""
-    b = _Builder(world_size, "all_gather", rows_per_rank, split, mode, backend, tensor, align)
-    _mesh_gather(b, swizzle=True)
-    return b.build()
+    step (with equal shards), every rank uses a different link.""",
+    default_split=2,
+    default_tensor="A",
+)
 
-
-def ring_reduce_scatter(
-    world_size: int,
-    rows_per_rank: int | Sequence[int],
-    split: int = 1,
-    mode: str = "push",
-    backend: str = "ce",
-    tensor: str = "C",
-    align: int = 1,
-) -> Schedule:
+ring_reduce_scatter = _template(
+    "ring_reduce_scatter",
+    "reduce_scatter",
+    _ring_scatter,
     """Ring reduce-scatter: ``W - 1`` steps of adding a running partial sum into the right
-    neighbour; a rank's own shard arrives complete in the last step."""
-    b = _Builder(world_size, "reduce_scatter", rows_per_rank, split, mode, backend, tensor, align)
-    _ring_scatter(b)
-    return b.build()
+    neighbour; a rank's own shard arrives complete in the last step.""",
+    default_tensor="C",
+)
 
-
-def full_mesh_reduce_scatter(
-    world_size: int,
-    rows_per_rank: int | Sequence[int],
-    split: int = 1,
-    mode: str = "push",
-    backend: str = "ce",
-    tensor: str = "C",
-    align: int = 1,
-) -> Schedule:
+full_mesh_reduce_scatter = _template(
+    "full_mesh_reduce_scatter",
+    "reduce_scatter",
+    _mesh_scatter,
     """Full-mesh reduce-scatter, rank-rotated: each rank adds its partial of rank
-    ``q + d``'s shard into ``q + d`` for ``d = 1, 2, ...``; its own shard is never sent."""
-    b = _Builder(world_size, "reduce_scatter", rows_per_rank, split, mode, backend, tensor, align)
-    _mesh_scatter(b)
-    return b.build()
+    ``q + d``'s shard into ``q + d`` for ``d = 1, 2, ...``; its own shard is never sent.""",
+    default_tensor="C",
+)
 
 
 def partition_all_reduce(
