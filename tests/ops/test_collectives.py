@@ -5,37 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import interlace
 from interlace.errors import InterlaceTypeError, InterlaceValueError, WaitTimeoutError
+from tests.ops._helpers import gathered, reduced, rel_err, sync
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _sync(group):
-    if group.backend == "cuda":
-        torch.cuda.synchronize()
-
-
-def _rel_err(out, ref):
-    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
-
-
 def _poison(t):
     return t.fill_(float("nan"))
-
-
-def _gather_ref(x, group):
-    parts = [torch.empty_like(x) for _ in range(group.world_size)]
-    dist.all_gather(parts, x)
-    return torch.cat(parts)
-
-
-def _sum_ref(x, group):
-    full = x.float().clone()
-    dist.all_reduce(full)
-    return full
 
 
 # ----------------------------------------------------------------------------- all-gather
@@ -50,8 +29,8 @@ def _all_gather_body(group, method, dtype_name, rows, cols, calls):
             use_out = i % 2 == 1
             out = _poison(torch.empty(group.world_size * n, cols, dtype=dtype, device=group.device))
             y = ctx(x, out=out) if use_out else ctx(x)
-            _sync(group)
-            ref = _gather_ref(x, group)
+            sync(group)
+            ref = gathered(x, group)
             assert y.shape == ref.shape, (y.shape, ref.shape)
             assert torch.equal(y, ref), f"call {i}: all-gather differs from torch.distributed"
             if use_out:
@@ -85,11 +64,11 @@ def _reduce_scatter_body(group, method, dtype_name, rows, cols, calls, pieces):
             x = torch.randn(w * m, cols, generator=gen).to(dtype).to(group.device)
             out = _poison(torch.empty(m, cols, dtype=dtype, device=group.device))
             y = ctx(x, out=out) if i % 2 else ctx(x)
-            _sync(group)
-            ref = _sum_ref(x, group)[group.rank * m : (group.rank + 1) * m]
+            sync(group)
+            ref = reduced(x, group)[group.rank * m : (group.rank + 1) * m]
             assert y.shape == ref.shape
             assert not torch.isnan(y).any(), f"call {i}: unwritten output"
-            err = _rel_err(y, ref)
+            err = rel_err(y, ref)
             assert err <= (1e-2 if dtype == torch.bfloat16 else 1e-5), f"call {i}: rel err {err}"
     finally:
         ctx.close()
@@ -120,8 +99,8 @@ def _all_reduce_body(group, method, dtype_name, shapes, calls):
             x = torch.randn(*shape, generator=gen).to(dtype).to(group.device)
             out = _poison(torch.empty(shape, dtype=dtype, device=group.device))
             y = ctx(x, out=out) if i % 2 else ctx(x)
-            _sync(group)
-            err = _rel_err(y, _sum_ref(x, group))
+            sync(group)
+            err = rel_err(y, reduced(x, group))
             assert err <= (1e-2 if dtype == torch.bfloat16 else 1e-5), f"call {i}: rel err {err}"
             results.append(y.float().cpu())
     finally:
@@ -173,8 +152,8 @@ def _bad_inputs_body(group):
     expect(InterlaceValueError, interlace.ReduceScatter, group, 64, torch.bfloat16, pieces=0)
     # The contexts still work after rejecting bad input: nothing was launched.
     y = ag(good)
-    _sync(group)
-    assert torch.equal(y, _gather_ref(good, group))
+    sync(group)
+    assert torch.equal(y, gathered(good, group))
     ag.close()
     rs.close()
     with pytest.raises(interlace.InterlaceError):
@@ -275,10 +254,10 @@ def _graph_body(group):
         group.host_barrier()
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out_ag, _gather_ref(x_ag, group)), f"replay {step}: all-gather"
-        ref_rs = _sum_ref(x_rs, group)[group.rank * 4096 : (group.rank + 1) * 4096]
-        assert _rel_err(y_rs, ref_rs) < 1e-2, f"replay {step}: reduce-scatter"
-        assert _rel_err(y_ar, _sum_ref(x_ar, group)) < 1e-2, f"replay {step}: all-reduce"
+        assert torch.equal(out_ag, gathered(x_ag, group)), f"replay {step}: all-gather"
+        ref_rs = reduced(x_rs, group)[group.rank * 4096 : (group.rank + 1) * 4096]
+        assert rel_err(y_rs, ref_rs) < 1e-2, f"replay {step}: reduce-scatter"
+        assert rel_err(y_ar, reduced(x_ar, group)) < 1e-2, f"replay {step}: all-reduce"
     for ctx in (ag, rs, ar):
         ctx.check()
         ctx.close()
@@ -324,14 +303,14 @@ def _input_buffer_body(group):
                 buf.copy_(torch.randn(w * 6, 5, generator=gen).to(dtype).to(dev))
                 expected = buf.clone()
                 y = ctx(buf)
-                _sync(group)
+                sync(group)
                 if ctx.op_name == "all_gather":
-                    assert torch.equal(y, _gather_ref(expected, group))
+                    assert torch.equal(y, gathered(expected, group))
                     continue
-                ref = _sum_ref(expected, group)
+                ref = reduced(expected, group)
                 if ctx.op_name == "reduce_scatter":
                     ref = ref[group.rank * 6 : (group.rank + 1) * 6]
-                assert _rel_err(y, ref) <= 1e-2, ctx.op_name
+                assert rel_err(y, ref) <= 1e-2, ctx.op_name
         if hasattr(contexts[0], "staging"):
             assert contexts[0].input_buffer((4,)).data_ptr() == contexts[0].staging.local.data_ptr()
         with pytest.raises(InterlaceValueError, match="input_buffer"):

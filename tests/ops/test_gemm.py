@@ -12,34 +12,10 @@ import torch.distributed as dist
 
 import interlace
 from interlace.errors import InterlaceTypeError, InterlaceValueError
+from tests.ops._helpers import expect_error, gathered, nans, rand, reduced, rel_err, sync
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = 1e-2
-
-
-def _sync(group):
-    if group.backend == "cuda":
-        torch.cuda.synchronize()
-
-
-def _rel_err(out, ref):
-    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-12))
-
-
-def _rand(gen, *shape, dtype, device, scale=1.0):
-    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
-
-
-def _gathered(x, group):
-    parts = [torch.empty_like(x) for _ in range(group.world_size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts)
-
-
-def _reduced(x, group):
-    full = x.float().clone()
-    dist.all_reduce(full)
-    return full
 
 
 def _shapes(group):
@@ -61,17 +37,17 @@ def _ag_body(group, strategy, dtype_name, calls, **options):
         try:
             for i in range(calls):
                 rows = m_loc if i % 2 == 0 else max(1, m_loc // 2 + 1)  # varying M per call
-                a = _rand(gen, rows, k, dtype=dtype, device=group.device)
-                b = _rand(wgen, k, n, dtype=dtype, device=group.device, scale=0.2)
-                bias = _rand(gen, n, dtype=dtype, device=group.device) if i == 1 else None
-                out = torch.full((w * rows, n), float("nan"), dtype=dtype, device=group.device)
+                a = rand(gen, rows, k, dtype=dtype, device=group.device)
+                b = rand(wgen, k, n, dtype=dtype, device=group.device, scale=0.2)
+                bias = rand(gen, n, dtype=dtype, device=group.device) if i == 1 else None
+                out = nans(w * rows, n, dtype=dtype, device=group.device)
                 c = ctx(a, b, bias=bias, out=out) if i != 2 else ctx(a, b, bias=bias)
-                _sync(group)
-                ref = _gathered(a, group).float() @ b.float()
+                sync(group)
+                ref = gathered(a, group).float() @ b.float()
                 if bias is not None:
                     ref += bias.float()
                 assert c.shape == (w * rows, n)
-                err = _rel_err(c, ref)
+                err = rel_err(c, ref)
                 assert err < TOL, f"{strategy} shape {(rows, n, k)} call {i}: rel err {err:.2e}"
                 if i != 2:
                     assert c.data_ptr() == out.data_ptr()
@@ -107,20 +83,20 @@ def _scatter_body(group, op, strategy, dtype_name, calls, split):
         try:
             for i in range(calls):
                 m = w * (m_loc if i % 2 == 0 else max(1, m_loc // 3))
-                a = _rand(gen, m, k, dtype=dtype, device=group.device)
-                b = _rand(gen, k, n, dtype=dtype, device=group.device, scale=0.2)
-                bias = _rand(torch.Generator().manual_seed(5), n, dtype=dtype, device="cpu")
+                a = rand(gen, m, k, dtype=dtype, device=group.device)
+                b = rand(gen, k, n, dtype=dtype, device=group.device, scale=0.2)
+                bias = rand(torch.Generator().manual_seed(5), n, dtype=dtype, device="cpu")
                 bias = bias.to(group.device) if i == 1 else None
-                full = _reduced(a.float() @ b.float(), group)
+                full = reduced(a.float() @ b.float(), group)
                 if bias is not None:
                     full += bias.float()
                 rows = m // w if op == "rs" else m
                 ref = full[r * rows : (r + 1) * rows] if op == "rs" else full
-                out = torch.full((rows, n), float("nan"), dtype=dtype, device=group.device)
+                out = nans(rows, n, dtype=dtype, device=group.device)
                 c = ctx(a, b, bias=bias, out=out) if i != 2 else ctx(a, b, bias=bias)
-                _sync(group)
+                sync(group)
                 assert c.shape == (rows, n)
-                err = _rel_err(c, ref)
+                err = rel_err(c, ref)
                 assert err < TOL, f"{op} {strategy} {(m, n, k)} call {i}: rel err {err:.2e}"
                 if op == "ar" and strategy == "fused":
                     # every rank holds the same bits
@@ -172,12 +148,7 @@ def _bad_inputs_body(group):
             (rs, (a, b, torch.randn(15, device=dev).to(bf)), InterlaceValueError, "bias"),
         ]
         for ctx, args, exc, text in cases:
-            try:
-                ctx(*args)
-            except exc as e:
-                assert text in str(e), f"{text!r} not in {e}"
-            else:
-                raise AssertionError(f"no {exc.__name__} for {text}")
+            expect_error(exc, text, ctx, *args)
         for bad in (
             lambda: interlace.AGGemm(group, max_m=4 * w + 1, n=16, k=8),
             lambda: interlace.GemmRS(group, max_m=4 * w, n=16, k=8, strategy="fast"),
@@ -205,12 +176,12 @@ def _graph_body(group, op):
     gen = torch.Generator().manual_seed(3 + group.rank)
     if op == "ag":
         ctx = interlace.AGGemm(group, max_m=w * m_loc, n=n, k=k, strategy="fused")
-        a = _rand(gen, m_loc, k, dtype=dtype, device=dev)
+        a = rand(gen, m_loc, k, dtype=dtype, device=dev)
     else:
         cls = interlace.GemmRS if op == "rs" else interlace.GemmAR
         ctx = cls(group, max_m=w * m_loc, n=n, k=k, strategy="fused")
-        a = _rand(gen, w * m_loc, k, dtype=dtype, device=dev)
-    b = _rand(gen, k, n, dtype=dtype, device=dev, scale=0.2)
+        a = rand(gen, w * m_loc, k, dtype=dtype, device=dev)
+    b = rand(gen, k, n, dtype=dtype, device=dev, scale=0.2)
     try:
         ctx(a, b)
         torch.cuda.synchronize()
@@ -219,17 +190,17 @@ def _graph_body(group, op):
         with torch.cuda.graph(graph):
             c = ctx(a, b)
         for _ in range(3):
-            a.copy_(_rand(gen, *a.shape, dtype=dtype, device=dev))
+            a.copy_(rand(gen, *a.shape, dtype=dtype, device=dev))
             c.fill_(float("nan"))
             dist.barrier()
             graph.replay()
             torch.cuda.synchronize()
             if op == "ag":
-                ref = _gathered(a, group).float() @ b.float()
+                ref = gathered(a, group).float() @ b.float()
             else:
-                full = _reduced(a.float() @ b.float(), group)
+                full = reduced(a.float() @ b.float(), group)
                 ref = full[group.rank * m_loc : (group.rank + 1) * m_loc] if op == "rs" else full
-            assert _rel_err(c, ref) < TOL
+            assert rel_err(c, ref) < TOL
         ctx.check()
     finally:
         ctx.close()

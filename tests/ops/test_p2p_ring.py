@@ -23,6 +23,7 @@ from interlace.ops.p2p_ring import (
     partner,
 )
 from interlace.ops.p2p_ring.schedule import all_to_all_plan, gather_plan, reduce_plan
+from tests.ops._helpers import gathered, nans, rand, reduced_rows, rel_err
 
 TRANSPORTS = ("p2p", "symm")
 
@@ -41,34 +42,19 @@ def _schedules(group):
 
 
 def _rand(gen, group, *shape, requires_grad=False):
-    t = torch.randn(*shape, generator=gen).to(_dtype(group)).to(group.device)
+    t = rand(gen, *shape, dtype=_dtype(group), device=group.device)
     return t.requires_grad_(requires_grad)
 
 
 def _nan(group, *shape):
-    return torch.full(shape, float("nan"), dtype=_dtype(group), device=group.device)
+    return nans(*shape, dtype=_dtype(group), device=group.device)
 
 
 def _check(group, what, y, ref):
     assert y.shape == ref.shape, f"{what}: shape {tuple(y.shape)} != {tuple(ref.shape)}"
     assert not torch.isnan(y).any(), f"{what}: unwritten (NaN) output"
-    ref = ref.float()
-    err = float((y.float() - ref).norm() / ref.norm().clamp_min(1e-12))
+    err = rel_err(y, ref)
     assert err <= _tol(group), f"{what}: relative error {err:.2e} on rank {group.rank}"
-
-
-def _gather(x, group):
-    parts = [torch.empty_like(x) for _ in range(group.world_size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts)
-
-
-def _reduce_rows(p, group):
-    """Rows ``rank*R ..`` of the sum over ranks (fp32): the reduce-scatter reference."""
-    full = p.float().contiguous()
-    dist.all_reduce(full)
-    rows = full.shape[0] // group.world_size
-    return full[group.rank * rows : (group.rank + 1) * rows]
 
 
 def _poison(ring):
@@ -146,15 +132,15 @@ def _gemm_body(group, transport, seed):
                 y = ring.ag_gemm(x, w, out=out, chunks=chunks)
                 assert y.data_ptr() == out.data_ptr()
                 _check(
-                    group, f"ag_gemm {tag} call {call}", y, _gather(x, group).float() @ w.float()
+                    group, f"ag_gemm {tag} call {call}", y, gathered(x, group).float() @ w.float()
                 )
                 _poison(ring)
                 y, g = ring.ag_gemm(x, w, return_gathered=True, chunks=chunks)
-                assert torch.equal(g, _gather(x, group)), f"ag_gemm gathered {tag}"
-                _check(group, f"ag_gemm (no out) {tag}", y, _gather(x, group).float() @ w.float())
+                assert torch.equal(g, gathered(x, group)), f"ag_gemm gathered {tag}"
+                _check(group, f"ag_gemm (no out) {tag}", y, gathered(x, group).float() @ w.float())
                 _poison(ring)
                 _, g = ring.ag_gemm(x, None, return_gathered=True, chunks=chunks)
-                assert torch.equal(g, _gather(x, group)), f"gather only {tag}"
+                assert torch.equal(g, gathered(x, group)), f"gather only {tag}"
 
                 xs = _rand(gen, group, W * R, K)
                 _poison(ring)
@@ -165,7 +151,7 @@ def _gemm_body(group, transport, seed):
                     group,
                     f"gemm_rs {tag} call {call}",
                     y,
-                    _reduce_rows(xs.float() @ w.float(), group),
+                    reduced_rows(xs.float() @ w.float(), group),
                 )
         for sched, ring in rings.items():
             for mode in ("both", "weights", "inputs"):
@@ -192,18 +178,18 @@ def _autograd_check(group, gen, ring, tag, mode):
     y = fuse_rs(h, w2, ring)
     y.backward(gy)
 
-    xg = _gather(x.detach(), group).float()
+    xg = gathered(x.detach(), group).float()
     h_ref = xg @ w1.detach().float()
     _check(group, f"fuse_ag fwd {tag}", h, h_ref)
-    _check(group, f"fuse_rs fwd {tag}", y, _reduce_rows(h_ref @ w2.detach().float(), group))
-    gyg = _gather(gy, group).float()
+    _check(group, f"fuse_rs fwd {tag}", y, reduced_rows(h_ref @ w2.detach().float(), group))
+    gyg = gathered(gy, group).float()
     gh = gyg @ w2.detach().float().t()
     if mode != "inputs":
         _check(group, f"grad w2 {tag}", w2.grad, h_ref.t() @ gyg)
     if mode == "both":
         _check(group, f"grad w1 {tag}", w1.grad, xg.t() @ gh)
     if mode != "weights":
-        _check(group, f"grad x {tag}", x.grad, _reduce_rows(gh @ w1.detach().float().t(), group))
+        _check(group, f"grad x {tag}", x.grad, reduced_rows(gh @ w1.detach().float().t(), group))
 
 
 def _layers_check(group, gen, ring, transport):
@@ -213,27 +199,27 @@ def _layers_check(group, gen, ring, transport):
     y = down(up(x))
     gy = _rand(gen, group, R, D)
     y.backward(gy)
-    xg = _gather(x.detach(), group).float()
+    xg = gathered(x.detach(), group).float()
     h = xg @ up.weight.detach().float().t()
     _check(
         group,
         f"layers fwd {transport}",
         y,
-        _reduce_rows(h @ down.weight.detach().float().t(), group),
+        reduced_rows(h @ down.weight.detach().float().t(), group),
     )
-    gh = _gather(gy, group).float() @ down.weight.detach().float()
+    gh = gathered(gy, group).float() @ down.weight.detach().float()
     _check(
         group,
         f"layers grad down {transport}",
         down.weight.grad,
-        (h.t() @ _gather(gy, group).float()).t(),
+        (h.t() @ gathered(gy, group).float()).t(),
     )
     _check(group, f"layers grad up {transport}", up.weight.grad, (xg.t() @ gh).t())
     _check(
         group,
         f"layers grad x {transport}",
         x.grad,
-        _reduce_rows(gh @ up.weight.detach().float(), group),
+        reduced_rows(gh @ up.weight.detach().float(), group),
     )
 
 
@@ -265,7 +251,7 @@ def _attention_body(group, transport, seed):
             out = _nan(group, L, B, H)
             y = ring.attn_rs(q, k, v, w_o, causal=causal, out=out, chunks=chunks)
             assert y.data_ptr() == out.data_ptr()
-            ref = _reduce_rows(o.reshape(S * B, h * d) @ w_o.float(), group).view(L, B, H)
+            ref = reduced_rows(o.reshape(S * B, h * d) @ w_o.float(), group).view(L, B, H)
             _check(group, f"attn_rs {tag}", y, ref)
 
             _poison(ring)
@@ -327,7 +313,7 @@ def _errors_body(group):
         # nothing was sent by the failed calls: the context still works
         x = _rand(gen, group, W * 4, 8)
         _check(
-            group, "after errors", ring.gemm_rs(x, w), _reduce_rows(x.float() @ w.float(), group)
+            group, "after errors", ring.gemm_rs(x, w), reduced_rows(x.float() @ w.float(), group)
         )
         # compute_only (benchmark use) moves nothing and returns the right shapes
         with P2PRing(group, dt, transport="compute_only") as dry:

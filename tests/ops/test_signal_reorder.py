@@ -27,6 +27,7 @@ from interlace.ops.signal_reorder import (
     tile_coords,
     wave_groups,
 )
+from tests.ops._helpers import expect_error, nans, rand, rel_err, sync
 
 CLASSES = {"ar": SignalReorderGemmAR, "rs": SignalReorderGemmRS, "a2a": SignalReorderGemmA2A}
 OP_NAMES = {"ar": "all_reduce", "rs": "reduce_scatter", "a2a": "all_to_all"}
@@ -117,19 +118,6 @@ def test_partitions_and_groups():
 
 
 # ----------------------------------------------------------------------------- rank bodies
-def _sync(group):
-    if group.backend == "cuda":
-        torch.cuda.synchronize()
-
-
-def _rel_err(out, ref):
-    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-12))
-
-
-def _rand(gen, *shape, dtype, device, scale=1.0):
-    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
-
-
 def _norm_ref(x, w):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w.float()
 
@@ -181,21 +169,21 @@ def _op_body(group, op, dtype_name):
                     m += 1  # all-reduce takes any M
                 waves = ctx.waves(m, n)
                 partition = [None, [1] * waves, [waves], None][i]
-                a = _rand(gen, m, k, dtype=dtype, device=dev)
-                b = _rand(gen, k, n, dtype=dtype, device=dev, scale=0.2)
-                bias = _rand(shared, n, dtype=dtype, device=dev) if i in (0, 2) else None
-                weight = _rand(shared, n, dtype=dtype, device=dev).abs() if i % 2 else None
+                a = rand(gen, m, k, dtype=dtype, device=dev)
+                b = rand(gen, k, n, dtype=dtype, device=dev, scale=0.2)
+                bias = rand(shared, n, dtype=dtype, device=dev) if i in (0, 2) else None
+                weight = rand(shared, n, dtype=dtype, device=dev).abs() if i % 2 else None
                 ref = _reference(group, op, a, b, bias)
                 if weight is not None:
                     ref = _norm_ref(ref, weight)
                 out = None
                 if i < 2:
-                    out = torch.full(ref.shape, float("nan"), dtype=dtype, device=dev)
+                    out = nans(*ref.shape, dtype=dtype, device=dev)
                 y = ctx(a, b, bias=bias, out=out, norm_weight=weight, partition=partition)
-                _sync(group)
+                sync(group)
                 what = f"{op} {(m, n, k)} call {i} partition {ctx.last_partition}"
                 assert y.shape == ref.shape, what
-                err = _rel_err(y, ref)
+                err = rel_err(y, ref)
                 assert err < TOL, f"{what}: rel err {err:.2e}"
                 if out is not None:
                     assert y.data_ptr() == out.data_ptr()
@@ -223,11 +211,11 @@ def _rmsnorm_body(group):
     passes."""
     gen = torch.Generator().manual_seed(3)
     for rows, n in [(5, 40), (3, 70000)]:
-        x = _rand(gen, rows, n, dtype=torch.bfloat16, device=group.device)
-        w = _rand(gen, n, dtype=torch.bfloat16, device=group.device)
+        x = rand(gen, rows, n, dtype=torch.bfloat16, device=group.device)
+        w = rand(gen, n, dtype=torch.bfloat16, device=group.device)
         y = rms_norm(x, w, EPS)
-        _sync(group)
-        assert _rel_err(y, _norm_ref(x.float(), w)) < TOL
+        sync(group)
+        assert rel_err(y, _norm_ref(x.float(), w)) < TOL
     return True
 
 
@@ -258,12 +246,7 @@ def _bad_inputs_body(group):
              "multiple"),
         ]  # fmt: skip
         for ctx, args, kw, exc, text in cases:
-            try:
-                ctx(*args, **kw)
-            except exc as e:
-                assert text in str(e), f"{text!r} not in {e}"
-            else:
-                raise AssertionError(f"no {exc.__name__} for {text}")
+            expect_error(exc, text, ctx, *args, **kw)
         for bad, exc in [
             (lambda: SignalReorderGemmRS(group, max_m=4 * w + 1, n=16, k=8), InterlaceValueError),
             (lambda: SignalReorderGemmAR(group, max_m=8, n=16, k=8, dtype=torch.float32),
@@ -294,8 +277,8 @@ def _graph_body(group, op):
     m_loc, n, k = 384, 512, 256
     gen = torch.Generator().manual_seed(3 + group.rank)
     ctx = CLASSES[op](group, max_m=w * m_loc, n=n, k=k, **_gpu_programs_kw(group))
-    a = _rand(gen, w * m_loc, k, dtype=dtype, device=dev)
-    b = _rand(gen, k, n, dtype=dtype, device=dev, scale=0.2)
+    a = rand(gen, w * m_loc, k, dtype=dtype, device=dev)
+    b = rand(gen, k, n, dtype=dtype, device=dev, scale=0.2)
     try:
         assert len(ctx.partition_for(w * m_loc)) > 1
         ctx(a, b)
@@ -305,12 +288,12 @@ def _graph_body(group, op):
         with torch.cuda.graph(graph):
             c = ctx(a, b)
         for _ in range(3):
-            a.copy_(_rand(gen, *a.shape, dtype=dtype, device=dev))
+            a.copy_(rand(gen, *a.shape, dtype=dtype, device=dev))
             c.fill_(float("nan"))
             dist.barrier()
             graph.replay()
             torch.cuda.synchronize()
-            assert _rel_err(c, _reference(group, op, a, b, None)) < TOL
+            assert rel_err(c, _reference(group, op, a, b, None)) < TOL
         ctx.check()
     finally:
         ctx.close()
