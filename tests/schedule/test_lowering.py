@@ -256,9 +256,9 @@ def _check_producer(s, rank, block_m, p):
     assert list(p.expected) == expected
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    name=st.sampled_from(sorted(AG)),
+# the plan property cases besides the template: mode, world size, rows per rank, split,
+# tile height, and data to draw the rank from
+_PLAN_CASES = dict(
     mode=st.sampled_from(["push", "pull"]),
     w=st.integers(2, 8),
     rows=st.integers(1, 300),
@@ -266,6 +266,10 @@ def _check_producer(s, rank, block_m, p):
     block_m=st.sampled_from([1, 16, 64, 128, 100]),
     data=st.data(),
 )
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(AG)), **_PLAN_CASES)
 def test_consumer_plan_properties(name, mode, w, rows, split, block_m, data):
     s = AG[name](w, rows, split, mode=mode)
     rank = data.draw(st.integers(0, w - 1))
@@ -283,15 +287,7 @@ def test_consumer_plan_properties(name, mode, w, rows, split, block_m, data):
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    name=st.sampled_from(sorted(RS)),
-    mode=st.sampled_from(["push", "pull"]),
-    w=st.integers(2, 8),
-    rows=st.integers(1, 300),
-    split=st.integers(1, 4),
-    block_m=st.sampled_from([1, 16, 64, 128, 100]),
-    data=st.data(),
-)
+@given(name=st.sampled_from(sorted(RS)), **_PLAN_CASES)
 def test_producer_plan_properties(name, mode, w, rows, split, block_m, data):
     s = RS[name](w, rows, split, mode=mode)
     rank = data.draw(st.integers(0, w - 1))
