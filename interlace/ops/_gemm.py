@@ -201,6 +201,16 @@ def _unused_error_word(device) -> torch.Tensor:
 SUPPORTED = (torch.bfloat16, torch.float16)
 
 
+def check_gemm_shape(op: str, max_m, n, k, dtype) -> None:
+    """A GEMM context's capacity and dtype: ``max_m``, ``n`` and ``k`` positive, ``dtype``
+    one of ``SUPPORTED``; the message names the op."""
+    if dtype not in SUPPORTED:
+        raise InterlaceValueError(f"{op}: dtype must be one of {SUPPORTED}, got {dtype}")
+    for name, v in (("max_m", max_m), ("n", n), ("k", k)):
+        if int(v) <= 0:
+            raise InterlaceValueError(f"{op}: {name} must be positive, got {v}")
+
+
 def check_gemm_operands(op: str, a, b, bias=None) -> None:
     """Types and shapes every GEMM op needs, with a message that names the op."""
     for name, t in (("a", a), ("b", b)):

@@ -84,13 +84,7 @@ class _OverlappedGemm(OpContext):
             raise InterlaceValueError(
                 f"{self.op_name}: strategy must be one of {self.STRATEGIES}, got {strategy!r}"
             )
-        if dtype not in _gemm.SUPPORTED:
-            raise InterlaceValueError(
-                f"{self.op_name}: dtype must be one of {_gemm.SUPPORTED}, got {dtype}"
-            )
-        for name, v in (("max_m", max_m), ("n", n), ("k", k)):
-            if int(v) <= 0:
-                raise InterlaceValueError(f"{self.op_name}: {name} must be positive, got {v}")
+        _gemm.check_gemm_shape(self.op_name, max_m, n, k, dtype)
         split = self.default_split if split is None else int(split)
         if not 1 <= split <= MAX_SPLIT:
             raise InterlaceValueError(

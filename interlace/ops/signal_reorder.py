@@ -319,13 +319,7 @@ class SignalReorderGemm(OpContext):
             raise InterlaceTypeError(
                 f"{self.op_name}: group must be an interlace Group, got {type(group).__name__}"
             )
-        if dtype not in _gemm.SUPPORTED:
-            raise InterlaceValueError(
-                f"{self.op_name}: dtype must be one of {_gemm.SUPPORTED}, got {dtype}"
-            )
-        for name, v in (("max_m", max_m), ("n", n), ("k", k)):
-            if int(v) <= 0:
-                raise InterlaceValueError(f"{self.op_name}: {name} must be positive, got {v}")
+        _gemm.check_gemm_shape(self.op_name, max_m, n, k, dtype)
         w = group.world_size
         if self.collective != "all_reduce" and int(max_m) % w:
             raise InterlaceValueError(
