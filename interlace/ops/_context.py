@@ -137,7 +137,8 @@ class OpContext:
         return buf
 
     # ------------------------------------------------------------------ argument checks
-    def _check_tensor(self, name: str, t, *, max_numel: int | None = None, numel_multiple: int = 1):
+    def _check_placed(self, name: str, t) -> None:
+        """``t`` is a tensor of the context's dtype on the group's device."""
         if not isinstance(t, torch.Tensor):
             raise InterlaceTypeError(
                 f"{self.op_name}: {name} must be a torch.Tensor, got {type(t).__name__}"
@@ -151,6 +152,9 @@ class OpContext:
             raise InterlaceValueError(
                 f"{self.op_name}: {name} is on {t.device}, expected {self.group.device}"
             )
+
+    def _check_tensor(self, name: str, t, *, max_numel: int | None = None, numel_multiple: int = 1):
+        self._check_placed(name, t)
         if not t.is_contiguous():
             raise InterlaceValueError(f"{self.op_name}: {name} must be contiguous")
         if t.dim() == 0:

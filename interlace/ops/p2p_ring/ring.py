@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...errors import InterlaceTypeError, InterlaceValueError
+from ...errors import InterlaceValueError
 from ...runtime import Group, symm_empty
 from .._context import OpContext
 from .schedule import all_to_all_plan, gather_plan, reduce_plan, resolve_schedule
@@ -133,19 +133,7 @@ class P2PRing(OpContext):
         return schedule, chunks or self.chunks or default_chunks
 
     def _check_dims(self, name: str, t, dims: int) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise InterlaceTypeError(
-                f"{self.op_name}: {name} must be a torch.Tensor, got {type(t).__name__}"
-            )
-        if t.dtype != self.dtype:
-            raise InterlaceTypeError(
-                f"{self.op_name}: {name} has dtype {t.dtype}, the context was built for "
-                f"{self.dtype}"
-            )
-        if t.device != self.group.device:
-            raise InterlaceValueError(
-                f"{self.op_name}: {name} is on {t.device}, expected {self.group.device}"
-            )
+        self._check_placed(name, t)
         if t.dim() != dims:
             raise InterlaceValueError(
                 f"{self.op_name}: {name} must have {dims} dimensions, got shape {tuple(t.shape)}"
