@@ -43,6 +43,21 @@ def _progress(total: int):
         return step, lambda: None
 
 
+def _ranks(world_size: int | None, cpu: bool) -> tuple[bool, int] | None:
+    """``(timed, world)`` of a benchmark run: timed on the GPUs when there are at least two
+    and ``cpu`` is off; ``world_size`` ranks, by default every GPU (timed) or 2 (the CPU
+    emulation). None, after printing why, when more ranks than GPUs are asked for."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    timed = gpus >= 2 and not cpu
+    world = world_size or (gpus if timed else 2)
+    if timed and world > gpus:
+        print(f"error: --world-size {world} but only {gpus} GPUs", file=sys.stderr)
+        return None
+    return timed, world
+
+
 def _print_table(title: str, head: list[str], rows: list[list[str]], width: int = 140) -> None:
     """A rich table when rich is installed, aligned plain text otherwise."""
     try:
@@ -231,12 +246,10 @@ def bench(args) -> int:
     from .bench.dense import run_shape, warm_device
     from .testing import World
 
-    gpus = torch.cuda.device_count()
-    timed = gpus >= 2 and not args.cpu
-    world = args.world_size or (gpus if timed else 2)
-    if timed and world > gpus:
-        print(f"error: --world-size {world} but only {gpus} GPUs", file=sys.stderr)
+    plan = _ranks(args.world_size, args.cpu)
+    if plan is None:
         return 2
+    timed, world = plan
     suites = ("collectives", "dense") if args.suite == "all" else (args.suite,)
     if not timed:
         print(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .timing import graph_of, median_ms
+from .timing import graph_of, max_over_ranks, median_ms
 
 #: model -> (hidden H, intermediate I)
 MODELS = {"llama-7b": (4096, 11008), "llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}
@@ -137,18 +137,6 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error of ``y`` against ``ref`` (inf where ``y`` has NaNs)."""
     err = float((y.float() - ref).norm() / ref.norm().clamp_min(1e-12))
     return err if math.isfinite(err) else float("inf")
-
-
-def max_over_ranks(group, values: dict) -> dict:
-    """Max of each value over the ranks; None (not measured) on any rank stays None."""
-    keys = sorted(values)
-    t = torch.tensor(
-        [math.inf if values[k] is None else float(values[k]) for k in keys],
-        dtype=torch.float64,
-        device=group.device,
-    )
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.process_group)
-    return {k: (v if math.isfinite(v) else None) for k, v in zip(keys, t.tolist())}
 
 
 def make_inputs(group, op: str, m: int, n: int, k: int, dtype: torch.dtype, seed: int):

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..ops.p2p_ring import P2PRing
+from .timing import max_over_ranks
 
 MODEL = "llama3-8b"
 SHAPES = ((32, 4096), (16, 8192))  # batch x sequence
@@ -148,14 +149,9 @@ class _Case:
 
     def merged(self) -> tuple[dict[str, float], float]:
         """Max over ranks of every timing and of the error."""
-        names = sorted(self.times)
-        vals = torch.tensor(
-            [self.times[n] for n in names] + [self.err], dtype=torch.float64,
-            device=self.group.device,
-        )  # fmt: skip
-        dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self.group.process_group)
-        vals = vals.tolist()
-        return dict(zip(names, vals[:-1])), vals[-1]
+        agreed = max_over_ranks(self.group, {**self.times, "rel_err": self.err})
+        err = agreed.pop("rel_err")
+        return agreed, err
 
 
 def _record(job: Job, dims: Dims, dtype, case: _Case, names, shape: dict) -> dict:
@@ -244,15 +240,11 @@ def _mlp_job(group, rings, dims: Dims, job: Job, case: _Case, dtype) -> dict:
         h = ring.ag_gemm(x, w1, schedule=schedule, chunks=chunks)
         return ring.gemm_rs(act(h), w2, schedule=schedule, chunks=chunks)
 
-    ref = vanilla().clone()
-    case.check("slicing", slicing().clone(), ref)
-    names = _run_ring_variants(group, rings, case, ring_fn, ref)
-    case.add("gemm", gemm)
-    case.add("none", vanilla)
-    case.add("comm", comm)
-    case.add("slicing", slicing)
-    case.add("slicing_compute", slicing_compute)
-    case.run()
+    names = _check_and_time(
+        group, rings, case, ring_fn,
+        {"gemm": gemm, "none": vanilla, "comm": comm, "slicing": slicing,
+         "slicing_compute": slicing_compute},
+    )  # fmt: skip
     shape = {"M": T, "N": 2 * Fl, "K": D, "ffn": dims.ffn}
     return _record(job, dims, dtype, case, names, shape)
 
@@ -302,17 +294,25 @@ def _attn_job(group, rings, dims: Dims, job: Job, case: _Case, dtype) -> dict:
     def ring_fn(ring, schedule=None, chunks=None):
         return ring.attn_rs(q, k, v, w_o, schedule=schedule, chunks=chunks)
 
-    ref = vanilla().clone()
-    case.check("slicing", slicing().clone(), ref)
-    names = _run_ring_variants(group, rings, case, ring_fn, ref)
-    case.add("gemm", gemm)
-    case.add("none", vanilla)
-    case.add("comm", comm)
-    case.add("slicing", slicing)
-    case.add("slicing_compute", lambda: slicing(False))
-    case.run()
+    names = _check_and_time(
+        group, rings, case, ring_fn,
+        {"gemm": gemm, "none": vanilla, "comm": comm, "slicing": slicing,
+         "slicing_compute": lambda: slicing(False)},
+    )  # fmt: skip
     shape = {"M": S * B, "N": D, "K": h * d, "heads": dims.heads, "head_dim": d, "causal": False}
     return _record(job, dims, dtype, case, names, shape)
+
+
+def _check_and_time(group, rings, case: _Case, ring_fn, baselines: dict) -> dict:
+    """Check the sliced baseline and every p2p_ring variant against ``baselines["none"]``
+    (vanilla), then time them all together with ``baselines`` (name -> callable)."""
+    ref = baselines["none"]().clone()
+    case.check("slicing", baselines["slicing"]().clone(), ref)
+    names = _run_ring_variants(group, rings, case, ring_fn, ref)
+    for name, fn in baselines.items():
+        case.add(name, fn)
+    case.run()
+    return names
 
 
 def _run_ring_variants(group, rings, case: _Case, ring_fn, ref) -> dict:
@@ -390,7 +390,7 @@ def _table(records: list[dict], timed: bool) -> None:
 
 
 def main(argv=None) -> int:
-    from ..__main__ import _progress, write_results
+    from ..__main__ import _progress, _ranks, write_results
     from ..testing import World
 
     parser = argparse.ArgumentParser(prog="python -m interlace.bench.p2p_ring")
@@ -410,12 +410,10 @@ def main(argv=None) -> int:
     for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                        ("NVSHMEM_DISABLE_NVLS", "1")):  # fmt: skip
         os.environ.setdefault(key, value)
-    gpus = torch.cuda.device_count()
-    timed = gpus >= 2 and not args.cpu
-    world = args.world_size or (gpus if timed else 2)
-    if timed and world > gpus:
-        print(f"error: --world-size {world} but only {gpus} GPUs", file=sys.stderr)
+    plan = _ranks(args.world_size, args.cpu)
+    if plan is None:
         return 2
+    timed, world = plan
     if not timed:
         print("No GPUs in use: CPU emulation on tiny sizes, checked against vanilla; no timings.")
     jobs = default_jobs(world, timed, ops)

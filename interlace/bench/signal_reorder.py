@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from .. import tune
 from ..ops.signal_reorder import SignalReorderGemmAR, default_partition, launch_rows, rms_norm
-from .timing import graph_of, median_ms
+from .dense import rel_err
+from .timing import graph_of, max_over_ranks, median_ms
 
 #: model -> (hidden H, intermediate I)
 MODELS = {"llama-7b": (4096, 11008), "llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}
@@ -56,22 +57,6 @@ def shapes(world: int, models=None, ms=None) -> list[tuple[str, int, int, int]]:
         for m in ms or MS:
             out.append((model, m, hidden, inter // world))
     return out
-
-
-def _max_over_ranks(group, values: dict) -> dict:
-    keys = sorted(values)
-    t = torch.tensor(
-        [math.inf if values[k] is None else float(values[k]) for k in keys],
-        dtype=torch.float64,
-        device=group.device,
-    )
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.process_group)
-    return {k: (v if math.isfinite(v) else None) for k, v in zip(keys, t.tolist())}
-
-
-def _rel_err(y, ref) -> float:
-    err = float((y.float() - ref).norm() / ref.norm().clamp_min(1e-12))
-    return err if math.isfinite(err) else float("inf")
 
 
 def _r(x, digits=4):
@@ -129,7 +114,7 @@ def _pick_context(group, m, n, k, dtype, a, b, comm_sms, iters, warmup, timed):
                 part = ctx.partition_for(m)
             ctx.set_partition(m, part)
             t = median_ms(group, lambda ctx=ctx: ctx(a, b), iters, warmup) if timed else None
-            t = _max_over_ranks(group, {"t": t})["t"]
+            t = max_over_ranks(group, {"t": t})["t"]
         except BaseException:
             ctx.close()
             raise
@@ -166,7 +151,7 @@ def _shape_records(group, model, m, n, k, dtype_name, iters, warmup, grade_limit
     def clock(fn):
         return median_ms(group, fn, iters, warmup) if timed else None
 
-    base = _max_over_ranks(
+    base = max_over_ranks(
         group, {"t_gemm_ms": clock(gemm), "t_comm_ms": clock(comm), "t_none_ms": clock(none)}
     )
     ctx, mdl, predicted, part, sweep = _pick_context(
@@ -175,7 +160,7 @@ def _shape_records(group, model, m, n, k, dtype_name, iters, warmup, grade_limit
     try:
         out = torch.full((m, n), float("nan"), dtype=dtype, device=group.device)
         y = ctx(a, b, out=out)
-        err = _rel_err(y, ref)
+        err = rel_err(y, ref)
         t = clock(lambda: ctx(a, b))
         t_graph, notes = None, []
         if timed and graph:
@@ -186,7 +171,7 @@ def _shape_records(group, model, m, n, k, dtype_name, iters, warmup, grade_limit
             except Exception as e:  # noqa: BLE001 - recorded as a note, the run goes on
                 torch.cuda.synchronize()
                 notes.append(f"graph failed: {type(e).__name__}: {str(e)[:160]}")
-        agreed = _max_over_ranks(group, {"t_ms": t, "t_graph_ms": t_graph, "rel_err": err})
+        agreed = max_over_ranks(group, {"t_ms": t, "t_graph_ms": t_graph, "rel_err": err})
         err = agreed.pop("rel_err")
         bound = None
         if base["t_gemm_ms"] and base["t_comm_ms"]:
@@ -277,8 +262,8 @@ def _reorder_record(ctx, model, m, n, k, dtype_name, a, b, part, iters, warmup):
     }
     run_fused()
     run_plain()
-    err = _rel_err(fused, plain.float())
-    times = _max_over_ranks(group, {**times, "rel_err": err})
+    err = rel_err(fused, plain.float())
+    times = max_over_ranks(group, {**times, "rel_err": err})
     err = times.pop("rel_err")
     return {
         "op": "reorder_rmsnorm", "strategy": "signal_reorder", "model": model,
@@ -376,12 +361,10 @@ def main(argv=None) -> int:
     from .. import __main__ as cli
     from ..testing import World
 
-    gpus = torch.cuda.device_count()
-    timed = gpus >= 2 and not args.cpu
-    world = args.world_size or (gpus if timed else 2)
-    if timed and world > gpus:
-        print(f"error: --world-size {world} but only {gpus} GPUs", file=sys.stderr)
+    plan = cli._ranks(args.world_size, args.cpu)
+    if plan is None:
         return 2
+    timed, world = plan
     models = args.models.split(",") if args.models else None
     ms = [int(x) for x in args.ms.split(",")] if args.ms else None
     shape_list = shapes(world, models, ms) if timed else [("tiny", 37 * world, 40, 24)]

@@ -3,6 +3,7 @@ first, median over the runs of a rank, and the caller takes the max over ranks."
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
@@ -44,6 +45,18 @@ def pipelined_median_ms(group, fn, iters: int = 20, warmup: int = 5) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def max_over_ranks(group, values: dict) -> dict:
+    """Max of each value over the ranks; None (not measured) on any rank stays None."""
+    keys = sorted(values)
+    t = torch.tensor(
+        [math.inf if values[k] is None else float(values[k]) for k in keys],
+        dtype=torch.float64,
+        device=group.device,
+    )
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.process_group)
+    return {k: (v if math.isfinite(v) else None) for k, v in zip(keys, t.tolist())}
 
 
 def graph_of(group, fn):
