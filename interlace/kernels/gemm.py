@@ -79,6 +79,28 @@ def _dot(a_t, b_t, acc):
 
 
 @triton.jit
+def _load_a(a, rows, row_ok, ks, K):
+    """The ``[rows, ks]`` tile of row-major ``a [*, K]`` by plain loads (zeros where
+    ``row_ok`` is false or past ``K``)."""
+    return tl.load(
+        a + rows[:, None].to(tl.int64) * K + ks[None, :],
+        mask=row_ok[:, None] & (ks < K)[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _load_b(b, cols, ks, N, K):
+    """The ``[ks, cols]`` tile of row-major ``b [K, N]`` by plain loads (zeros past
+    ``K`` or ``N``)."""
+    return tl.load(
+        b + ks[:, None].to(tl.int64) * N + cols[None, :],
+        mask=(ks < K)[:, None] & (cols < N)[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
 def _mma(
     a, b, a_desc, b_desc, row, col, token, wait_expected, M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
@@ -101,17 +123,8 @@ def _mma(
         ks = tl.arange(0, BLOCK_K)
         row_ok = guard(rows < M, token, wait_expected)
         for kk in range(k_tiles):
-            k_ok = kk * BLOCK_K + ks < K
-            a_t = tl.load(
-                a + rows[:, None].to(tl.int64) * K + (kk * BLOCK_K + ks)[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            b_t = tl.load(
-                b + (kk * BLOCK_K + ks)[:, None].to(tl.int64) * N + cols[None, :],
-                mask=k_ok[:, None] & (cols < N)[None, :],
-                other=0.0,
-            )
+            a_t = _load_a(a, rows, row_ok, kk * BLOCK_K + ks, K)
+            b_t = _load_b(b, cols, kk * BLOCK_K + ks, N, K)
             acc = _dot(a_t, b_t, acc)
     return acc
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemm import _add_bias, _dot, _mma, _tile_coords
+from .gemm import _add_bias, _dot, _load_a, _load_b, _mma, _tile_coords
 
 # tile_map columns (one row per visit index g).
 MAP_SLOT = tl.constexpr(0)  # sub-tile slot of strip 0 (the whole tile when STRIPS == 1)
@@ -70,20 +70,11 @@ def _mma_strips(
     cols = col + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     for kk in range(k_tiles):
-        k_ok = kk * BLOCK_K + ks < K
-        a_t = tl.load(
-            a + rows[:, None].to(tl.int64) * K + (kk * BLOCK_K + ks)[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
+        a_t = _load_a(a, rows, row_ok, kk * BLOCK_K + ks, K)
         if USE_TMA:
             b_t = b_desc.load([kk * BLOCK_K, col])
         else:
-            b_t = tl.load(
-                b + (kk * BLOCK_K + ks)[:, None].to(tl.int64) * N + cols[None, :],
-                mask=k_ok[:, None] & (cols < N)[None, :],
-                other=0.0,
-            )
+            b_t = _load_b(b, cols, kk * BLOCK_K + ks, N, K)
         acc = _dot(a_t, b_t, acc)
     return acc
 
