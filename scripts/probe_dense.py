@@ -8,47 +8,15 @@ eager and as a CUDA graph, and the same for GEMM+RS / GEMM+AR.
 from __future__ import annotations
 
 import argparse
-import statistics
+import functools
 
 import torch
 import torch.distributed as dist
 
 import interlace
+from interlace.bench.timing import graph_of, median_ms
 from interlace.ops._gemm import matmul
 from interlace.testing import World
-
-
-def _ms(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        dist.barrier()
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
-
-
-def _graph(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    dist.barrier()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
 
 
 def body(group, shapes):
@@ -60,40 +28,42 @@ def _probe(group, op, m, n, k):
     w, dev = group.world_size, group.device
     torch.manual_seed(group.rank)
     res = {"op": op, "M": m, "N": n, "K": k}
+    ms = functools.partial(median_ms, group, warmup=3)
+    graph = functools.partial(graph_of, group)
     if op == "ag":
         a_shard = torch.randn(m // w, k, device=dev, dtype=torch.bfloat16)
         full = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         b = torch.randn(k, n, device=dev, dtype=torch.bfloat16) * 0.05
-        res["cublas"] = _ms(lambda: torch.matmul(full, b))
-        res["plain"] = _ms(lambda: matmul(full, b))
+        res["cublas"] = ms(lambda: torch.matmul(full, b))
+        res["plain"] = ms(lambda: matmul(full, b))
         ctx = interlace.AGGemm(group, m, n, k, strategy="fused")
         out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
         plan = ctx._plan(m // w, n, pull=False)
         ctx.pad.buffer.local.fill_(1)  # every arrival flag raised: the consumer alone
-        res["consumer"] = _ms(lambda: ctx._gemm(plan, a_shard, b, None, out, m // w))
+        res["consumer"] = ms(lambda: ctx._gemm(plan, a_shard, b, None, out, m // w))
         ctx.pad.buffer.local.zero_()
         torch.cuda.synchronize()
         dist.barrier()
-        res["op_eager"] = _ms(lambda: ctx(a_shard, b, out=out))
-        g = _graph(lambda: ctx(a_shard, b, out=out))
-        res["op_graph"] = _ms(g.replay)
-        res["comm_nccl"] = _ms(lambda: dist.all_gather_into_tensor(full, a_shard))
+        res["op_eager"] = ms(lambda: ctx(a_shard, b, out=out))
+        g = graph(lambda: ctx(a_shard, b, out=out))
+        res["op_graph"] = ms(g.replay)
+        res["comm_nccl"] = ms(lambda: dist.all_gather_into_tensor(full, a_shard))
     else:
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         b = torch.randn(k, n, device=dev, dtype=torch.bfloat16) * 0.05
-        res["cublas"] = _ms(lambda: torch.matmul(a, b))
-        res["plain"] = _ms(lambda: matmul(a, b))
+        res["cublas"] = ms(lambda: torch.matmul(a, b))
+        res["plain"] = ms(lambda: matmul(a, b))
         cls = interlace.GemmRS if op == "rs" else interlace.GemmAR
         ctx = cls(group, m, n, k, strategy="fused")
-        res["op_eager"] = _ms(lambda: ctx(a, b))
-        g = _graph(lambda: ctx(a, b))
-        res["op_graph"] = _ms(g.replay)
+        res["op_eager"] = ms(lambda: ctx(a, b))
+        g = graph(lambda: ctx(a, b))
+        res["op_graph"] = ms(g.replay)
         c = torch.matmul(a, b)
         if op == "rs":
             o = torch.empty(m // w, n, device=dev, dtype=torch.bfloat16)
-            res["comm_nccl"] = _ms(lambda: dist.reduce_scatter_tensor(o, c))
+            res["comm_nccl"] = ms(lambda: dist.reduce_scatter_tensor(o, c))
         else:
-            res["comm_nccl"] = _ms(lambda: dist.all_reduce(c))
+            res["comm_nccl"] = ms(lambda: dist.all_reduce(c))
     ctx.check()
     ctx.close()
     torch.cuda.empty_cache()

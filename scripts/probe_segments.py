@@ -7,27 +7,15 @@ a separate tensor (``store_own``, as AG+GEMM does), and with a wait on a raised 
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
+from interlace.bench.timing import median_ms
 from interlace.ops import _gemm
 from interlace.ops._gemm import Segment
 
 
-def _ms(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+def _ms(fn):
+    return median_ms(None, fn, warmup=3)
 
 
 def variants(m, n, k, w, dev):

@@ -17,6 +17,7 @@ import statistics
 
 import torch
 
+from interlace.bench.timing import pipelined_median_ms
 from interlace.ops._gemm import GemmConfig, matmul
 
 MODELS = {"llama-7b": (4096, 11008), "llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}
@@ -32,18 +33,9 @@ def shapes(worlds):
     return seen
 
 
-def time_ms(fn, iters=30):
-    for _ in range(5):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    torch.cuda.synchronize()
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+def time_ms(fn):
+    """Back-to-back calls, as in a training loop (one GPU: no barrier)."""
+    return pipelined_median_ms(None, fn, iters=30, warmup=5)
 
 
 CANDIDATES = [

@@ -1,5 +1,8 @@
 """The one timing protocol (DESIGN.md, "Measuring"): CUDA events around each call, warm-up
-first, median over the runs of a rank, and the caller takes the max over ranks."""
+first, median over the runs of a rank, and the caller takes the max over ranks.
+
+``group=None`` times one process on its own (single-GPU scripts): the same protocol
+without the host barrier."""
 
 from __future__ import annotations
 
@@ -10,6 +13,14 @@ import torch
 import torch.distributed as dist
 
 
+def _align(group) -> None:
+    """Device idle and, with a group, every rank past a host barrier."""
+    torch.cuda.synchronize()
+    if group is not None:
+        dist.barrier(group=group.process_group, device_ids=[group.device.index])
+        torch.cuda.synchronize()
+
+
 def median_ms(group, fn, iters: int = 20, warmup: int = 5) -> float:
     """Median time of ``fn()`` in ms on this rank, each run started with all ranks aligned
     (device idle, host barrier) and timed with CUDA events, as a user's eager call."""
@@ -18,9 +29,7 @@ def median_ms(group, fn, iters: int = 20, warmup: int = 5) -> float:
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for start, end in zip(starts, ends):
-        torch.cuda.synchronize()
-        dist.barrier(group=group.process_group, device_ids=[group.device.index])
-        torch.cuda.synchronize()
+        _align(group)
         start.record()
         fn()
         end.record()
@@ -36,9 +45,7 @@ def pipelined_median_ms(group, fn, iters: int = 20, warmup: int = 5) -> float:
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    torch.cuda.synchronize()
-    dist.barrier(group=group.process_group, device_ids=[group.device.index])
-    torch.cuda.synchronize()
+    _align(group)
     for start, end in zip(starts, ends):
         start.record()
         fn()
