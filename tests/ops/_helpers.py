@@ -48,6 +48,26 @@ def reduced_rows(x, group):
     return reduced(x, group)[group.rank * rows : (group.rank + 1) * rows]
 
 
+def check_graph_replays(ctx, a, b, gen, reference, tol, replays=3):
+    """Capture ``c = ctx(a, b)`` in a CUDA graph (after one eager call), then replay it on
+    fresh random ``a`` with ``c`` poisoned: every result is within ``tol`` of
+    ``reference(a)``, and ``ctx.check()`` passes afterwards."""
+    ctx(a, b)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c = ctx(a, b)
+    for _ in range(replays):
+        a.copy_(rand(gen, *a.shape, dtype=a.dtype, device=a.device))
+        c.fill_(float("nan"))
+        dist.barrier()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(c, reference(a)) < tol
+    ctx.check()
+
+
 def expect_error(exc, text, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` raises ``exc`` with ``text`` in its message."""
     try:

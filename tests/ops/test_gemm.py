@@ -12,7 +12,16 @@ import torch.distributed as dist
 
 import interlace
 from interlace.errors import InterlaceTypeError, InterlaceValueError
-from tests.ops._helpers import expect_error, gathered, nans, rand, reduced, rel_err, sync
+from tests.ops._helpers import (
+    check_graph_replays,
+    expect_error,
+    gathered,
+    nans,
+    rand,
+    reduced,
+    rel_err,
+    sync,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = 1e-2
@@ -182,26 +191,15 @@ def _graph_body(group, op):
         ctx = cls(group, max_m=w * m_loc, n=n, k=k, strategy="fused")
         a = rand(gen, w * m_loc, k, dtype=dtype, device=dev)
     b = rand(gen, k, n, dtype=dtype, device=dev, scale=0.2)
+
+    def reference(a):
+        if op == "ag":
+            return gathered(a, group).float() @ b.float()
+        full = reduced(a.float() @ b.float(), group)
+        return full[group.rank * m_loc : (group.rank + 1) * m_loc] if op == "rs" else full
+
     try:
-        ctx(a, b)
-        torch.cuda.synchronize()
-        dist.barrier()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            c = ctx(a, b)
-        for _ in range(3):
-            a.copy_(rand(gen, *a.shape, dtype=dtype, device=dev))
-            c.fill_(float("nan"))
-            dist.barrier()
-            graph.replay()
-            torch.cuda.synchronize()
-            if op == "ag":
-                ref = gathered(a, group).float() @ b.float()
-            else:
-                full = reduced(a.float() @ b.float(), group)
-                ref = full[group.rank * m_loc : (group.rank + 1) * m_loc] if op == "rs" else full
-            assert rel_err(c, ref) < TOL
-        ctx.check()
+        check_graph_replays(ctx, a, b, gen, reference, TOL)
     finally:
         ctx.close()
     return True

@@ -27,7 +27,7 @@ from interlace.ops.signal_reorder import (
     tile_coords,
     wave_groups,
 )
-from tests.ops._helpers import expect_error, nans, rand, rel_err, sync
+from tests.ops._helpers import check_graph_replays, expect_error, nans, rand, rel_err, sync
 
 CLASSES = {"ar": SignalReorderGemmAR, "rs": SignalReorderGemmRS, "a2a": SignalReorderGemmA2A}
 OP_NAMES = {"ar": "all_reduce", "rs": "reduce_scatter", "a2a": "all_to_all"}
@@ -281,20 +281,7 @@ def _graph_body(group, op):
     b = rand(gen, k, n, dtype=dtype, device=dev, scale=0.2)
     try:
         assert len(ctx.partition_for(w * m_loc)) > 1
-        ctx(a, b)
-        torch.cuda.synchronize()
-        dist.barrier()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            c = ctx(a, b)
-        for _ in range(3):
-            a.copy_(rand(gen, *a.shape, dtype=dtype, device=dev))
-            c.fill_(float("nan"))
-            dist.barrier()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert rel_err(c, _reference(group, op, a, b, None)) < TOL
-        ctx.check()
+        check_graph_replays(ctx, a, b, gen, lambda a: _reference(group, op, a, b, None), TOL)
     finally:
         ctx.close()
     return True
