@@ -234,6 +234,25 @@ def check_gemm_operands(op: str, a, b, bias=None) -> None:
         raise InterlaceTypeError(f"{op}: bias has dtype {bias.dtype}, expected {a.dtype}")
 
 
+def check_gemm_call(ctx, a, b, bias) -> None:
+    """The operands of a call on the GEMM context ``ctx`` (an ``OpContext`` with ``k`` and
+    ``n``): ``check_gemm_operands``, each a tensor of the context's dtype and device, ``a``
+    with ``k`` columns and ``b`` with at most ``n``."""
+    check_gemm_operands(ctx.op_name, a, b, bias)
+    for name, t in (("a", a), ("b", b)):
+        ctx._check_tensor(name, t)
+    if bias is not None:
+        ctx._check_tensor("bias", bias)
+    if a.shape[1] != ctx.k:
+        raise InterlaceValueError(
+            f"{ctx.op_name}: a has {a.shape[1]} columns, the context was built for k = {ctx.k}"
+        )
+    if b.shape[1] > ctx.n:
+        raise InterlaceValueError(
+            f"{ctx.op_name}: b has {b.shape[1]} columns, more than the context's n = {ctx.n}"
+        )
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, out=None, cfg: GemmConfig | None = None):
     """``a @ b (+ bias)`` with the persistent segment GEMM (one segment, no signals): the
     plain kernel that the overlapped ops are built on, benchmarked against cuBLAS."""

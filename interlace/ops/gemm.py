@@ -133,20 +133,7 @@ class _OverlappedGemm(OpContext):
 
     def _check_call(self, a, b, bias, a_rows_max: int):
         self._begin()
-        _gemm.check_gemm_operands(self.op_name, a, b, bias)
-        for name, t in (("a", a), ("b", b)):
-            self._check_tensor(name, t)
-        if bias is not None:
-            self._check_tensor("bias", bias)
-        if a.shape[1] != self.k:
-            raise InterlaceValueError(
-                f"{self.op_name}: a has {a.shape[1]} columns, the context was built for "
-                f"k = {self.k}"
-            )
-        if b.shape[1] > self.n:
-            raise InterlaceValueError(
-                f"{self.op_name}: b has {b.shape[1]} columns, more than the context's n = {self.n}"
-            )
+        _gemm.check_gemm_call(self, a, b, bias)
         if a.shape[0] > a_rows_max or a.shape[0] == 0:
             raise InterlaceValueError(
                 f"{self.op_name}: a has {a.shape[0]} rows; this context takes 1 to "

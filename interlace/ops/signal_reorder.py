@@ -457,21 +457,8 @@ class SignalReorderGemm(OpContext):
     # ------------------------------------------------------------------ the call
     def _check_call(self, a, b, bias, norm_weight) -> tuple[int, int]:
         self._begin()
-        _gemm.check_gemm_operands(self.op_name, a, b, bias)
-        for name, t in (("a", a), ("b", b)):
-            self._check_tensor(name, t)
-        if bias is not None:
-            self._check_tensor("bias", bias)
+        _gemm.check_gemm_call(self, a, b, bias)
         m, n = a.shape[0], b.shape[1]
-        if a.shape[1] != self.k:
-            raise InterlaceValueError(
-                f"{self.op_name}: a has {a.shape[1]} columns, the context was built for "
-                f"k = {self.k}"
-            )
-        if n > self.n:
-            raise InterlaceValueError(
-                f"{self.op_name}: b has {n} columns, more than the context's n = {self.n}"
-            )
         if not 1 <= m <= self.max_m:
             raise InterlaceValueError(
                 f"{self.op_name}: a has {m} rows; this context takes 1 to {self.max_m}"
