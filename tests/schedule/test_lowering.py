@@ -268,15 +268,23 @@ _PLAN_CASES = dict(
 )
 
 
+def _plan_or_none(plan_fn, s, rank, block_m, limit):
+    """``plan_fn``'s plan with the keyword ``limit`` (``max_waits``, ``max_notifies``) at 8,
+    or None where the plan needs more and the ScheduleError says so."""
+    try:
+        return plan_fn(s, rank, block_m, **{limit: 8})
+    except ScheduleError as e:
+        assert f"{limit}=8" in str(e)
+        return None
+
+
 @settings(max_examples=60, deadline=None)
 @given(name=st.sampled_from(sorted(AG)), **_PLAN_CASES)
 def test_consumer_plan_properties(name, mode, w, rows, split, block_m, data):
     s = AG[name](w, rows, split, mode=mode)
     rank = data.draw(st.integers(0, w - 1))
-    try:
-        p = consumer_plan(s, rank, block_m, max_waits=8)
-    except ScheduleError as e:
-        assert "max_waits=8" in str(e)
+    p = _plan_or_none(consumer_plan, s, rank, block_m, "max_waits")
+    if p is None:
         return
     _check_consumer(s, rank, block_m, p)
     if mode == "pull":
@@ -291,12 +299,9 @@ def test_consumer_plan_properties(name, mode, w, rows, split, block_m, data):
 def test_producer_plan_properties(name, mode, w, rows, split, block_m, data):
     s = RS[name](w, rows, split, mode=mode)
     rank = data.draw(st.integers(0, w - 1))
-    try:
-        p = producer_plan(s, rank, block_m, max_notifies=8)
-    except ScheduleError as e:
-        assert "max_notifies=8" in str(e)
-        return
-    _check_producer(s, rank, block_m, p)
+    p = _plan_or_none(producer_plan, s, rank, block_m, "max_notifies")
+    if p is not None:
+        _check_producer(s, rank, block_m, p)
 
 
 def test_chunk_order_and_aligned_chunks():
