@@ -221,6 +221,8 @@ def _predictor_record(ctx, mdl, model, m, n, k, dtype_name, a, b, limit, iters, 
              "measured_ms": _r(r["measured_ms"])} for r in rows
         ],
         "mean_abs_err": _r(tune.mean_abs_error(rows)),
+        # t_ms: what following the predictor gives (DESIGN.md: every record has one)
+        "t_ms": _r(chosen["measured_ms"]),
         "best_predicted": chosen["partition"], "t_best_predicted_ms": _r(chosen["measured_ms"]),
         "best_measured": best["partition"], "t_best_measured_ms": _r(best["measured_ms"]),
         "gap": _r(chosen["measured_ms"] / best["measured_ms"] - 1),
