@@ -76,12 +76,32 @@ def op_class(op: str):
 
 
 def strategies_of(op: str, wanted=None) -> list[str]:
-    """The op's strategies (``cls.STRATEGIES``), restricted to ``wanted`` when given."""
+    """The op's strategies (``cls.STRATEGIES``), restricted to ``wanted`` when given.
+    ``wanted`` may hold variants, ``"fused:split=4"`` or ``"sm_pull:comm_sms=8"`` (a
+    strategy and context options: the ablation); they are kept when their strategy is the
+    op's."""
     cls = op_class(op)
     if cls is None:
         return []
     have = list(getattr(cls, "STRATEGIES", ("auto",)))
-    return [s for s in have if wanted is None or s in wanted]
+    if wanted is None:
+        return have
+    return [s for s in wanted if split_variant(s)[0] in have]
+
+
+def split_variant(strategy: str) -> tuple[str, dict]:
+    """``"sm_pull:split=2+comm_sms=8"`` -> ``("sm_pull", {"split": 2, "comm_sms": 8})``."""
+    name, _, opts = strategy.partition(":")
+    options = {}
+    for item in filter(None, opts.split("+")):
+        key, _, value = item.partition("=")
+        if key not in VARIANT_OPTIONS or not value.isdigit():
+            raise ValueError(f"strategy variant {strategy!r}: options are {VARIANT_OPTIONS}=<int>")
+        options[key] = int(value)
+    return name, options
+
+
+VARIANT_OPTIONS = ("split", "comm_sms")
 
 
 # ----------------------------------------------------------------------------- records
@@ -252,7 +272,8 @@ def _graph_ms(group, fn, iters: int, warmup: int):
 def _check_strategy(group, cls, shape, strategy, dtype, cases):
     """Build the context and check it on each ``(a, b, ref, poison_out)`` case; returns the
     open context, the worst relative error and the strategy the last call ran."""
-    ctx = cls(group, shape.M, shape.N, shape.K, dtype=dtype, strategy=strategy)
+    name, options = split_variant(strategy)
+    ctx = cls(group, shape.M, shape.N, shape.K, dtype=dtype, strategy=name, **options)
     worst = 0.0
     try:
         for a, b, ref, poison in cases:

@@ -200,3 +200,20 @@ def test_cli_dense_cpu(capsys):
                "gemm_ar", "--strategies", "none"])  # fmt: skip
     assert rc == 0
     assert "match their references" in capsys.readouterr().out
+
+
+def test_strategy_variants_for_the_ablation():
+    from interlace.bench.dense import split_variant, strategies_of
+
+    assert split_variant("fused") == ("fused", {})
+    assert split_variant("sm_pull:comm_sms=8+split=2") == ("sm_pull", {"comm_sms": 8, "split": 2})
+    with pytest.raises(ValueError, match="options are"):
+        split_variant("fused:warps=4")
+    with pytest.raises(ValueError, match="options are"):
+        split_variant("fused:split=x")
+    # variants are kept for the ops whose strategy they name
+    assert strategies_of("ag_gemm", ["fused:split=4", "sm_pull:comm_sms=8", "signal_reorder"]) == [
+        "fused:split=4",
+        "sm_pull:comm_sms=8",
+    ]
+    assert strategies_of("gemm_rs", ["sm_pull:comm_sms=8", "fused:split=1"]) == ["fused:split=1"]
