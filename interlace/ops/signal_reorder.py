@@ -48,7 +48,6 @@ collective, in order.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -151,16 +150,6 @@ class Layout:
     @property
     def send_numel(self) -> int:
         return self.n_tiles * self.parts * self.unit
-
-    @property
-    def recv_numel(self) -> int:
-        return {"all_reduce": 0, "reduce_scatter": self.n_tiles * self.unit}.get(
-            self.op, self.send_numel
-        )
-
-    @property
-    def out_rows(self) -> int:
-        return self.m // self.world if self.op == "reduce_scatter" else self.m
 
     def group_bytes(self, count: int, itemsize: int) -> int:
         """Bytes each rank hands to the collective for a group of ``count`` tiles."""
@@ -600,16 +589,6 @@ class SignalReorderGemmA2A(SignalReorderGemm):
 
     op_name = "gemm_a2a"
     collective = "all_to_all"
-
-
-@functools.cache
-def context_class(op: str):
-    """The context class of ``op`` (one of ``OPS``)."""
-    classes = {c.collective: c for c in (SignalReorderGemmAR, SignalReorderGemmRS,
-                                         SignalReorderGemmA2A)}  # fmt: skip
-    if op not in classes:
-        raise InterlaceValueError(f"signal_reorder: op must be one of {OPS}, got {op!r}")
-    return classes[op]
 
 
 __all__ = [
