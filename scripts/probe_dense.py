@@ -39,9 +39,13 @@ def _probe(group, op, m, n, k):
         ctx = interlace.AGGemm(group, m, n, k, strategy="fused")
         out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
         plan = ctx._plan(m // w, n, pull=False)
-        ctx.pad.buffer.local.fill_(1)  # every arrival flag raised: the consumer alone
-        res["consumer"] = ms(lambda: ctx._gemm(plan, a_shard, b, None, out, m // w))
-        ctx.pad.buffer.local.zero_()
+        flags = ctx.pad.local("arrival")
+
+        def consumer():  # every arrival flag raised (the GEMM zeroes them as it ends)
+            flags.fill_(1)
+            ctx._gemm(plan, a_shard, b, None, out, m // w)
+
+        res["consumer"] = ms(consumer)
         torch.cuda.synchronize()
         dist.barrier()
         res["op_eager"] = ms(lambda: ctx(a_shard, b, out=out))

@@ -32,7 +32,15 @@ import os
 import triton
 import triton.language as tl
 
-from ..language.primitives import guard, guard_coord, notify, signal_base
+from ..language.primitives import (
+    barrier_all,
+    bulk_stores_done,
+    guard,
+    guard_coord,
+    last_program_clears,
+    notify,
+    signal_base,
+)
 from ..language.tile import consumer_tile_wait
 
 KIND_STORE = tl.constexpr(0)
@@ -152,27 +160,48 @@ def _add_bias(acc, bias, col, N, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, 
 
 # Integers equal to 1 would be specialised into constants (rank 1, one segment, ...):
 # keep the ones the kernel does arithmetic on as runtime values.
-@triton.jit(do_not_specialize=["rank", "n_seg", "recv_rows", "own_rows", "max_spins"])
+@triton.jit(
+    do_not_specialize=[
+        "rank", "n_seg", "recv_rows", "own_rows", "max_spins", "bar_slot", "go_slot",
+        "clear_first", "clear_count",
+    ]
+)  # fmt: skip
 def gemm_segments_kernel(
     a, b, c, bias, M, N, K,
     a_own, own_rows,
     seg, n_seg,
     recv, recv_table, recv_rows, out_table,
     sig, sig_table, err, rank, max_spins,
+    bar_slot, go_slot, clear_first, clear_count,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, WORLD: tl.constexpr,
     USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_PUSH: tl.constexpr, BROADCAST: tl.constexpr, HAS_OWN_A: tl.constexpr,
-    SUBTILE: tl.constexpr = False,
+    SUBTILE: tl.constexpr = False, ENTRY_BARRIER: tl.constexpr = False,
+    EXIT_CLEAR: tl.constexpr = False,
 ):  # fmt: skip
     """See the module docstring. ``a_own`` ([own_rows, K]) is read by ``KIND_STORE_OWN``;
     ``recv`` ([WORLD, recv_rows, N], symmetric, table ``recv_table``) receives partials;
     ``out_table`` is the all-reduce output's pointer table (``BROADCAST``).
 
+    Call-to-call synchronisation without extra launches:
+
+    * ``ENTRY_BARRIER``: program 0 first runs the device barrier over all ranks (slots
+      from ``bar_slot``), then raises local slot ``go_slot``; segments that write into
+      peers wait for ``go_slot`` (their table entry names it), so no peer is written
+      before it has entered this call, while every program computes from the start.
+    * ``EXIT_CLEAR``: the last program to finish zeroes the ``clear_count`` local slots
+      from ``clear_first`` (they must include ``go_slot`` and the arrival counter
+      ``go_slot + 1``): every signal this launch waited on is zero for the next one.
+
     There is one main loop for every kind: only the epilogue branches. (A second
     instantiation of the pipelined loop, e.g. one per A source, cost 35 % on an H200.)"""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
+    if ENTRY_BARRIER:
+        if pid == 0:
+            barrier_all(sig_table, bar_slot, rank, WORLD, err, max_spins)
+            notify(sig + go_slot, 1)
     tiles_n = tl.cdiv(N, BLOCK_N)
     out_ty = c.dtype.element_ty
     b_desc = None
@@ -214,19 +243,6 @@ def gemm_segments_kernel(
             c_row0 = row0
             if HAS_PUSH and not BROADCAST:
                 c_row0 = tl.where(kind == KIND_REDUCE, out_row0, row0)
-            a_desc = None
-            c_desc = None
-            if USE_TMA:
-                a_desc = tl.make_tensor_descriptor(
-                    a_src, shape=[a_rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
-                )
-                # Bounded by the segment's rows: a tile overhanging the segment end never
-                # writes rows of the next segment. Stored in halves (``SUBTILE``, and
-                # always with pushes), the epilogue needs half the shared memory.
-                c_desc = tl.make_tensor_descriptor(
-                    c + c_row0.to(tl.int64) * N, shape=[rows, N], strides=[N, 1],
-                    block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE or HAS_PUSH else BLOCK_N],
-                )  # fmt: skip
             push_dst = c
             owner_sig = sig
             if HAS_PUSH:
@@ -234,6 +250,25 @@ def gemm_segments_kernel(
                 push_dst = _peer_ptr(recv, recv_table, rank, owner)
                 push_dst += (rank.to(tl.int64) * recv_rows + out_row0) * N
                 owner_sig = signal_base(sig_table, owner) + notify_slot
+            a_desc = None
+            c_desc = None
+            if USE_TMA:
+                a_desc = tl.make_tensor_descriptor(
+                    a_src, shape=[a_rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
+                )
+                # Where this segment's tiles go: ``c`` or, for a push, the owner's receive
+                # rows (a TMA store to a peer: asynchronous, so the program goes on to its
+                # next tile while the tile crosses NVLink). Bounded by the segment's rows:
+                # a tile overhanging the segment end never writes rows of the next segment.
+                # Stored in halves (``SUBTILE``, and always with pushes), the epilogue
+                # needs half the shared memory.
+                out_base = c + c_row0.to(tl.int64) * N
+                if HAS_PUSH:
+                    out_base = tl.where(kind == KIND_PUSH, push_dst, out_base)
+                c_desc = tl.make_tensor_descriptor(
+                    out_base, shape=[rows, N], strides=[N, 1],
+                    block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE or HAS_PUSH else BLOCK_N],
+                )  # fmt: skip
             for g in tl.range(first, end, n_prog, flatten=True):
                 pid_m, pid_n = _tile_coords(g - tile0, seg_mt, tiles_n, GROUP_M)
                 col = pid_n * BLOCK_N
@@ -272,6 +307,8 @@ def gemm_segments_kernel(
             if HAS_PUSH:
                 mine = (end - first + n_prog - 1) // n_prog
                 if kind == KIND_PUSH:
+                    if USE_TMA:
+                        bulk_stores_done()
                     notify(owner_sig, mine, ADD=True)
                 if BROADCAST:
                     if kind == KIND_REDUCE:
@@ -290,6 +327,8 @@ def gemm_segments_kernel(
                 if fin > 0:
                     slot = tl.load(row_of + SEG_FINAL_SLOT)
                     consumer_tile_wait(sig, slot, 1, fin, err, rank, max_spins)
+    if EXIT_CLEAR:
+        last_program_clears(sig, go_slot + 1, clear_first, clear_count)
 
 
 @triton.jit
@@ -336,19 +375,22 @@ def _scatter_epilogue(
         part_base = recv + (p * recv_rows + out_row0 + tile_row).to(tl.int64) * N
         part = tl.load(part_base + in_tile, mask=ok & (p != rank), other=0.0)
         acc += part.to(tl.float32)
-    push_base = push_dst + tile_row.to(tl.int64) * N
-    tl.store(push_base + in_tile, acc.to(out_ty), mask=mask & is_push)
+    if not USE_TMA:
+        push_base = push_dst + tile_row.to(tl.int64) * N
+        tl.store(push_base + in_tile, acc.to(out_ty), mask=mask & is_push)
     acc = _add_bias(acc, bias, col, N, HALF_N, HAS_BIAS, keep)
     val = acc.to(out_ty)
     if BROADCAST:
+        if USE_TMA:  # the partial to its owner; own rows: out of bounds, no store
+            c_desc.store([tl.where(is_push, tile_row, rows), col], val)
         # every rank's all-reduce output gets the reduced tile
         for i in tl.static_range(WORLD):
             q = (rank + i) % WORLD
             dst = _peer_ptr(c, out_table, rank, q) + (row0 + tile_row).to(tl.int64) * N
             tl.store(dst + in_tile, val, mask=mask & keep)
     else:
-        if USE_TMA:
-            c_desc.store([tl.where(keep, tile_row, rows), col], val)  # rows: out of bounds
+        if USE_TMA:  # the partial to its owner, or the reduced tile into ``c``
+            c_desc.store([tile_row, col], val)
         else:
             dst = c + (c_row0 + tile_row).to(tl.int64) * N
             tl.store(dst + in_tile, val, mask=mask & keep)

@@ -1,8 +1,9 @@
-"""Device primitives for communication inside Triton kernels (stock Triton, no inline PTX).
+"""Device primitives for communication inside Triton kernels (stock Triton).
 
 Everything here is a plain ``@triton.jit`` helper built from ``tl.atomic_*`` with ``sem=``
 and ``scope=`` and ordinary loads/stores, so the same source runs compiled on a GPU and in
-Triton's interpreter on a CPU (the ``cpu`` backend).
+Triton's interpreter on a CPU (the ``cpu`` backend). The one exception is
+``bulk_stores_done`` (two PTX instructions, a no-op in the interpreter, which has no TMA).
 
 Conventions
 -----------
@@ -22,6 +23,8 @@ Conventions
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -57,6 +60,22 @@ def notify(sig, value, ADD: tl.constexpr = False):
         tl.atomic_add(sig, value, sem="release", scope="sys")
     else:
         tl.atomic_xchg(sig, value, sem="release", scope="sys")
+
+
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def bulk_stores_done():
+    """Wait until this thread's TMA (bulk tensor) stores have completed, and order their
+    writes before this thread's later ordinary memory operations. Call it before
+    ``notify`` publishes data written with ``desc.store``: Triton only waits for a TMA
+    store's shared-memory read (``wait_group.read``), not for its writes to land."""
+    if not INTERPRETED:
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
+            "=r", [], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
 
 
 #: ``slot`` values at or above this name a slot on another rank's pad: ``slot +
@@ -190,6 +209,27 @@ def barrier_all(sig_table, slot_base, rank, world, err, max_spins):
 
 
 @triton.jit
+def clear_slots(sig, first, count, BLOCK: tl.constexpr = 64):
+    """Zero ``count`` local signal slots from ``first`` (plain stores, one program)."""
+    for start in range(0, count, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(sig + first + offs, 0, mask=offs < count)
+
+
+@triton.jit
+def last_program_clears(sig, done_slot, first, count):
+    """Called by every program of a launch as its last act: the program that arrives last
+    (counted in local slot ``done_slot``, which must lie in the cleared range) zeroes the
+    ``count`` local slots from ``first``. A kernel whose programs waited on those slots
+    thus leaves them zero for the next launch, which then needs no clearing launch first
+    (and no host-side state, so CUDA-graph replays work)."""
+    tl.debug_barrier()  # every thread of this program is done
+    arrived = tl.atomic_add(sig + done_slot, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        clear_slots(sig, first, count)
+
+
+@triton.jit
 def tile_push(src_ptrs, dst_ptrs, mask):
     """Copy a tile from local memory to (usually remote) ``dst_ptrs``."""
     tl.store(dst_ptrs, tl.load(src_ptrs, mask=mask), mask=mask)
@@ -213,10 +253,7 @@ def barrier_kernel(
     previous call read without consuming: no peer can raise them again before the barrier,
     and it saves a separate memset launch per call."""
     if clear_count > 0:
-        mine = signal_base(sig_table, rank) + clear_first
-        for start in range(0, clear_count, CLEAR_BLOCK):
-            offs = start + tl.arange(0, CLEAR_BLOCK)
-            tl.store(mine + offs, 0, mask=offs < clear_count)
+        clear_slots(signal_base(sig_table, rank), clear_first, clear_count, CLEAR_BLOCK)
         tl.debug_barrier()
     barrier_all(sig_table, slot_base, rank, world, err, max_spins)
 

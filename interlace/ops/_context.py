@@ -11,7 +11,7 @@ import torch
 from ..errors import InterlaceError, InterlaceTypeError, InterlaceValueError
 from ..language.primitives import barrier_kernel
 from ..runtime import ErrorWord, Group, SignalPad, default_max_spins
-from ._launch import launch
+from ._launch import PreparedLaunch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -65,6 +65,7 @@ class OpContext:
         self.error = ErrorWord(group)
         self._closed = False
         self._buffers = []
+        self._barriers: dict = {}  # (clear_first, clear_count) -> its prepared launch
 
     # ------------------------------------------------------------------ life cycle
     def close(self) -> None:
@@ -105,10 +106,15 @@ class OpContext:
     def _barrier(self, clear_first: int = 0, clear_count: int = 0) -> None:
         """Device-side barrier over the group on the current stream; optionally zeroes
         ``clear_count`` local signal slots from ``clear_first`` before arriving."""
-        launch(
-            barrier_kernel, 1, self.pad.ptrs, self.pad.offset("barrier"), self.rank,
-            self.world_size, self.error.address, self.max_spins, clear_first, clear_count,
-        )  # fmt: skip
+        key = (clear_first, clear_count)
+        run = self._barriers.get(key)
+        if run is None:
+            args = (
+                self.pad.ptrs, self.pad.offset("barrier"), self.rank, self.world_size,
+                self.error.address, self.max_spins, clear_first, clear_count,
+            )  # fmt: skip
+            run = self._barriers[key] = PreparedLaunch(barrier_kernel, 1, args, {}, ())
+        run()
 
     def input_buffer(self, shape) -> torch.Tensor:
         """A tensor of ``shape`` that a call reads without copying: for methods that stage

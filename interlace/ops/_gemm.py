@@ -9,6 +9,7 @@ describe their chunks in arrival order (AG+GEMM) or in the order the scatter nee
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,7 +25,7 @@ from ..kernels.gemm import (
     gemm_segments_kernel,
 )
 from ._context import cdiv, sm_count
-from ._launch import launch as fast_launch
+from ._launch import PreparedLaunch
 
 KINDS = {
     "store": KIND_STORE.value,
@@ -165,32 +166,61 @@ def programs_for(tiles: int, device, backend: str, comm_sms: int = 0, single: bo
     return max(1, min(tiles, sm_count(device.index) - comm_sms))
 
 
-def launch(
-    a, b, c, segments_t, n_seg, m, n, k, cfg: GemmConfig, grid: int, *, bias=None,
-    a_own=None, own_rows=0, recv=None, recv_table=None, recv_rows=0, out_table=None,
-    sig=None, sig_table=None, err=0, rank=0, max_spins=0, world=1, push=False,
-    broadcast=False,
-):  # fmt: skip
-    """One launch of the segment GEMM on the current stream."""
-    use_tma = tma_ok(k, n, a.dtype)
-    if use_tma and a.is_cuda:
+#: the segment GEMM's parameters that change from call to call (the op's operands)
+OPERANDS = ("a", "b", "c", "bias", "a_own")
+
+
+def launcher(
+    m, n, k, cfg: GemmConfig, grid: int, segments_t, n_seg, *, dtype, device, has_bias=False,
+    own_rows=0, recv=None, recv_table=None, recv_rows=0, out_table=None, sig=None,
+    sig_table=None, err=0, rank=0, max_spins=0, world=1, push=False, broadcast=False,
+    own_a=False, bar_slot=None, go_slot=0, clear=None,
+) -> Callable:  # fmt: skip
+    """The segment GEMM of one plan, its fixed arguments bound once: call it with the
+    operands ``(a, b, c, bias, a_own)`` (``bias`` / ``a_own`` None when absent), on the
+    current stream. ``bar_slot`` (not None): program 0 runs the entry barrier on those
+    slots and raises ``go_slot``; ``clear``: ``(first, count)`` local signal slots the
+    launch zeroes as it ends (see the kernel)."""
+    use_tma = tma_ok(k, n, dtype)
+    if use_tma and torch.device(device).type == "cuda":
         _install_allocator()
-    dummy = c
     if not err:  # no waits can run; the kernel still needs a 64-bit address
-        err = _unused_error_word(c.device).data_ptr()
-    fast_launch(
-        gemm_segments_kernel, grid, a, b, c, bias if bias is not None else dummy, m, n, k,
-        a_own if a_own is not None else a, max(own_rows, 1),
-        segments_t, n_seg,
-        recv if recv is not None else dummy, recv_table if recv_table is not None else segments_t,
-        max(recv_rows, 1), out_table if out_table is not None else segments_t,
+        err = _unused_error_word(torch.device(device)).data_ptr()
+    args = (
+        None, None, None, None, m, n, k, None, max(own_rows, 1), segments_t, n_seg,
+        recv if recv is not None else segments_t,
+        recv_table if recv_table is not None else segments_t, max(recv_rows, 1),
+        out_table if out_table is not None else segments_t,
         sig if sig is not None else segments_t, sig_table if sig_table is not None else segments_t,
-        err, rank, max_spins,
+        err, rank, max_spins, bar_slot or 0, go_slot, *(clear or (0, 0)),
+    )  # fmt: skip
+    kwargs = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        WORLD=world, USE_TMA=use_tma, HAS_BIAS=bias is not None, HAS_PUSH=push,
-        BROADCAST=broadcast, HAS_OWN_A=a_own is not None, SUBTILE=cfg.subtile,
+        WORLD=world, USE_TMA=use_tma, HAS_BIAS=has_bias, HAS_PUSH=push,
+        BROADCAST=broadcast, HAS_OWN_A=own_a, SUBTILE=cfg.subtile,
+        ENTRY_BARRIER=bar_slot is not None, EXIT_CLEAR=clear is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    prepared = PreparedLaunch(gemm_segments_kernel, grid, args, kwargs, OPERANDS)
+
+    def run(a, b, c, bias=None, a_own=None):
+        # absent tensors are stand-ins the kernel never reads (``HAS_BIAS``/``HAS_OWN_A``)
+        prepared(a, b, c, c if bias is None else bias, a if a_own is None else a_own)
+
+    return run
+
+
+def launch(
+    a, b, c, segments_t, n_seg, m, n, k, cfg: GemmConfig, grid: int, *, bias=None,
+    a_own=None, **fixed,
+):  # fmt: skip
+    """One launch of the segment GEMM on the current stream (``fixed``: see
+    :func:`launcher`)."""
+    run = launcher(
+        m, n, k, cfg, grid, segments_t, n_seg, dtype=a.dtype, device=a.device,
+        has_bias=bias is not None, own_a=a_own is not None, **fixed,
+    )  # fmt: skip
+    run(a, b, c, bias, a_own)
 
 
 @functools.cache
@@ -251,6 +281,19 @@ def check_gemm_call(ctx, a, b, bias) -> None:
         raise InterlaceValueError(
             f"{ctx.op_name}: b has {b.shape[1]} columns, more than the context's n = {ctx.n}"
         )
+    check_tma_aligned(ctx.op_name, a, b)
+
+
+def check_tma_aligned(op: str, *tensors, names=("a", "b", "out")) -> None:
+    """Tensors the GEMM reads or writes through TMA descriptors (when their row strides
+    allow TMA at all) must start on a 16-byte boundary: a view that starts mid-row of a
+    larger tensor may not."""
+    for name, t in zip(names, tensors):
+        if t is not None and tma_ok(t.shape[-1], t.shape[-1], t.dtype) and t.data_ptr() % 16:
+            raise InterlaceValueError(
+                f"{op}: {name} starts at an address that is not 16-byte aligned (a view "
+                f"into a larger tensor?); pass a tensor of its own (e.g. {name}.clone())"
+            )
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, out=None, cfg: GemmConfig | None = None):

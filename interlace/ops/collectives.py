@@ -29,6 +29,7 @@ from ..kernels.collective import (
 from ..language.primitives import wait_kernel
 from ..runtime import Group, copy_and_signal, fork, join, symm_empty, use_stream
 from ._context import OpContext, cdiv, persistent_grid
+from ._launch import launch
 
 COPY_BLOCK = 4096
 REDUCE_BLOCK = 2048
@@ -97,7 +98,8 @@ class AllGather(OpContext):
                 peer = (r + i) % w
                 flat[peer * n : (peer + 1) * n].copy_(self.staging.peers[peer][:n])
         else:
-            gather_pull_kernel[persistent_grid(self.group, w * cdiv(n, COPY_BLOCK))](
+            launch(
+                gather_pull_kernel, persistent_grid(self.group, w * cdiv(n, COPY_BLOCK))[0],
                 flat, self.staging.ptrs, self.staging.local, n, r, w,
                 BLOCK=COPY_BLOCK, num_warps=8,
             )  # fmt: skip
@@ -116,7 +118,9 @@ class AllGather(OpContext):
             dst = self.gathered.peers[peer][r * n : (r + 1) * n]
             copy_and_signal(dst, src, self.pad.buffer.peers[peer], arrival + r)
         # Consume the w - 1 arrival flags (self-resetting; my own slot is never raised).
-        wait_kernel[(1,)](
+        launch(
+            wait_kernel,
+            1,
             self.pad.buffer.local,
             arrival,
             w,
@@ -195,7 +199,9 @@ class ReduceScatter(OpContext):
         else:
             self._stage(x)
             self._barrier()  # every rank's input is staged
-            reduce_pull_kernel[persistent_grid(self.group, cdiv(m, REDUCE_BLOCK))](
+            launch(
+                reduce_pull_kernel,
+                persistent_grid(self.group, cdiv(m, REDUCE_BLOCK))[0],
                 out.view(-1),
                 self.staging.ptrs,
                 self.staging.local,
@@ -247,7 +253,8 @@ class ReduceScatter(OpContext):
         with use_stream(stream):
             for lo, hi, peer, dst, signal, slot in transfers:
                 copy_and_signal(dst, src[peer, lo:hi], signal, slot)
-        reduce_arrivals_kernel[persistent_grid(self.group, cdiv(m, REDUCE_BLOCK))](
+        launch(
+                reduce_arrivals_kernel, persistent_grid(self.group, cdiv(m, REDUCE_BLOCK))[0],
             out, src[r], self.recv.local, self.max_numel, m, piece_len, n_pieces,
             self.pad.buffer.local, arrival, r, w, self.error.address,
             self.max_spins, BLOCK=REDUCE_BLOCK, num_warps=8,
@@ -291,7 +298,9 @@ class AllReduce(OpContext):
         self._stage(x)
         self._barrier()  # every rank's input is staged
         if self.method == "one_shot":
-            reduce_pull_kernel[persistent_grid(self.group, cdiv(n, REDUCE_BLOCK))](
+            launch(
+                reduce_pull_kernel,
+                persistent_grid(self.group, cdiv(n, REDUCE_BLOCK))[0],
                 flat,
                 self.staging.ptrs,
                 self.staging.local,
@@ -305,7 +314,9 @@ class AllReduce(OpContext):
         else:
             chunk = cdiv(n, w)
             lo, hi = min(n, r * chunk), min(n, (r + 1) * chunk)
-            reduce_pull_kernel[persistent_grid(self.group, cdiv(max(hi - lo, 1), REDUCE_BLOCK))](
+            launch(
+                reduce_pull_kernel,
+                persistent_grid(self.group, cdiv(max(hi - lo, 1), REDUCE_BLOCK))[0],
                 self.reduced.local[lo:],
                 self.staging.ptrs,
                 self.staging.local,

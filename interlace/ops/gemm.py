@@ -91,7 +91,9 @@ class _OverlappedGemm(OpContext):
                 f"{self.op_name}: split must be in 1..{MAX_SPLIT}, got {split}"
             )
         w = group.world_size
-        super().__init__(group, dtype, int(max_m) * int(n), self._regions(w), max_spins)
+        # "go" and "done": the GEMM's entry barrier and exit clearing (kernels.gemm)
+        regions = {**self._regions(w), "go": 1, "done": 1}
+        super().__init__(group, dtype, int(max_m) * int(n), regions, max_spins)
         self.max_m, self.n, self.k = int(max_m), int(n), int(k)
         self.strategy, self.split, self.comm_sms, self.config = strategy, split, comm_sms, config
         self.last_strategy: str | None = None
@@ -144,6 +146,17 @@ class _OverlappedGemm(OpContext):
     def _pg(self):
         return self.group.process_group
 
+    def _signal_launch_args(self) -> dict:
+        """The GEMM's signal arguments: every slot after the barrier's is the op's, and the
+        launch leaves them zero as it ends (so no call clears them first)."""
+        start, size = self.pad.regions["barrier"]
+        first = start + size
+        return dict(
+            sig=self.pad.buffer.local, err=self.error.address, rank=self.rank,
+            max_spins=self.max_spins, world=self.world_size, go_slot=self.pad.offset("go"),
+            clear=(first, self.pad.size - first),
+        )  # fmt: skip
+
 
 class AGGemm(_OverlappedGemm):
     """``all_gather(a_shard) @ b (+ bias)``: ``a_shard [m, k]`` on each rank, ``b [k, n]``
@@ -182,6 +195,7 @@ class AGGemm(_OverlappedGemm):
         self._check_call(a_shard, b, bias, self.max_m // w)
         m_loc, n = a_shard.shape[0], b.shape[1]
         out = self._check_out(out, (w * m_loc, n))
+        _gemm.check_tma_aligned(self.op_name, out, names=("out",))
         if out is None:
             out = torch.empty(w * m_loc, n, dtype=self.dtype, device=self.group.device)
         strategy = self._resolve(w * m_loc, n, self.k)
@@ -239,7 +253,7 @@ class AGGemm(_OverlappedGemm):
         table = _gemm.segment_table(segments, n, cfg, self.group.device)
         grid = _gemm.programs_for(
             _gemm.total_tiles(segments, n, cfg), self.group.device, self.group.backend,
-            comm_sms=self.comm_sms if pull else 0,
+            comm_sms=self.comm_sms if pull else 1,  # fused: one SM for the barrier
         )  # fmt: skip
         moves = schedule.transfers(sched, r)
         if pull:
@@ -253,38 +267,40 @@ class AGGemm(_OverlappedGemm):
                 comm.append(
                     (self.gathered.peers[t.dst][t.lo : t.hi], lo, hi, signal, arrival + t.signal)
                 )
-        plan = (cfg, table, len(segments), grid, comm)
+        plan = (cfg, table, len(segments), grid, comm, {})
         return self._keep_plan(key, plan)
 
     def _pull_programs(self) -> int:
         return self.comm_sms if self.group.backend == "cuda" else 2
 
     def _gemm(self, plan, a_shard, b, bias, out, m_loc):
-        cfg, table, n_seg, grid, _ = plan
-        _gemm.launch(
-            self.gathered.local, b, out, table, n_seg, self.world_size * m_loc, b.shape[1],
-            self.k, cfg, grid, bias=bias, a_own=a_shard, own_rows=m_loc,
-            sig=self.pad.buffer.local, err=self.error.address, rank=self.rank,
-            max_spins=self.max_spins,
-        )  # fmt: skip
+        cfg, table, n_seg, grid, _, launchers = plan
+        run = launchers.get(bias is not None)
+        if run is None:
+            run = launchers[bias is not None] = _gemm.launcher(
+                self.world_size * m_loc, b.shape[1], self.k, cfg, grid, table, n_seg,
+                dtype=self.dtype, device=self.group.device, has_bias=bias is not None,
+                own_a=True, own_rows=m_loc, **self._signal_launch_args(),
+            )  # fmt: skip
+        run(self.gathered.local, b, out, bias, a_shard)
 
     def _fused(self, a_shard, b, bias, out):
+        """The consumer GEMM first (on a GPU), then on the comm stream a device barrier
+        (every peer is done reading my gathered buffer of the previous call) and the
+        copies. The GEMM starts on its own shard at once; it leaves one SM free for the
+        barrier kernel, and its arrival flags were zeroed by the previous call's GEMM."""
         m_loc = a_shard.shape[0]
         plan = self._plan(m_loc, b.shape[1], pull=False)
-        arrival, size = self.pad.regions["arrival"]
-        # Every peer is done reading my gathered buffer (previous call), and my arrival
-        # flags, which that call only read, are zero again.
-        self._barrier(arrival, size)
         stream = fork(self.group)
-        # The consumer is enqueued first on a GPU: it starts on its own shard while the host
-        # still enqueues the copies. The interpreter runs a launch to completion, so there
-        # the copies must come first.
+        # The interpreter runs a launch to completion: there the copies must come first.
         consumer_first = self.group.backend == "cuda"
         if consumer_first:
             self._gemm(plan, a_shard, b, bias, out, m_loc)
+        whole = a_shard.shape[0]
         with use_stream(stream):
+            self._barrier()
             for dst, lo, hi, signal, slot in plan[4]:
-                copy_and_signal(dst, a_shard[lo:hi], signal, slot)
+                copy_and_signal(dst, a_shard if hi - lo == whole else a_shard[lo:hi], signal, slot)
         if not consumer_first:
             self._gemm(plan, a_shard, b, bias, out, m_loc)
         join(self.group, stream)
@@ -365,6 +381,7 @@ class _ScatterGemm(_OverlappedGemm):
         schedule.check(sched)
         slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
         partial, broadcast = self.pad.offset("partial"), self.pad.offset("broadcast")
+        go = self.pad.offset("go")  # pushes wait for the entry barrier
         segments = []
         for chunk, _ in schedule.chunk_order(sched, r):
             o, cid = chunk.owner, slot_of[chunk.id]
@@ -376,7 +393,8 @@ class _ScatterGemm(_OverlappedGemm):
                     Segment(
                         kind="push", notify=partial + cid * (w - 1) + src,
                         final_slot=broadcast + cid,
-                        final_expected=tiles if self.BROADCAST else 0, **common,
+                        final_expected=tiles if self.BROADCAST else 0,
+                        wait_first=go, wait_count=1, wait_expected=1, **common,
                     )
                 )  # fmt: skip
             else:
@@ -391,25 +409,25 @@ class _ScatterGemm(_OverlappedGemm):
             _gemm.total_tiles(segments, n, cfg), self.group.device, self.group.backend,
             single=True,
         )  # fmt: skip
-        plan = (cfg, table, len(segments), grid)
+        plan = (cfg, table, len(segments), grid, {})
         return self._keep_plan((m, n), plan)
 
     def _fused(self, a, b, bias, c):
-        """One device barrier (it also zeroes this rank's counters, which the previous call
-        only read) and one GEMM launch."""
+        """One GEMM launch: its program 0 runs the entry barrier, and it clears its
+        counters as it ends."""
         m, n = a.shape[0], b.shape[1]
-        cfg, table, n_seg, grid = self._plan(m, n)
-        first = self.pad.offset("partial")
-        self._barrier(first, self.pad.size - first)
-        _gemm.launch(
-            a, b, c, table, n_seg, m, n, self.k, cfg, grid, bias=bias,
-            recv=self.recv.local, recv_table=self.recv.ptrs,
-            recv_rows=self.max_m // self.world_size,
-            out_table=getattr(self, "result", self.recv).ptrs, sig=self.pad.buffer.local,
-            sig_table=self.pad.ptrs, err=self.error.address, rank=self.rank,
-            max_spins=self.max_spins, world=self.world_size, push=True,
-            broadcast=self.BROADCAST,
-        )  # fmt: skip
+        cfg, table, n_seg, grid, launchers = self._plan(m, n)
+        run = launchers.get(bias is not None)
+        if run is None:
+            run = launchers[bias is not None] = _gemm.launcher(
+                m, n, self.k, cfg, grid, table, n_seg, dtype=self.dtype,
+                device=self.group.device, has_bias=bias is not None, recv=self.recv.local,
+                recv_table=self.recv.ptrs, recv_rows=self.max_m // self.world_size,
+                out_table=getattr(self, "result", self.recv).ptrs, sig_table=self.pad.ptrs,
+                push=True, broadcast=self.BROADCAST, bar_slot=self.pad.offset("barrier"),
+                **self._signal_launch_args(),
+            )  # fmt: skip
+        run(a, b, c, bias)
 
     def close(self) -> None:
         if self._signal_reorder is not None:
@@ -437,6 +455,7 @@ class GemmRS(_ScatterGemm):
         self._rows_check(a)
         m, n = a.shape[0], b.shape[1]
         out = self._check_out(out, (m // w, n))
+        _gemm.check_tma_aligned(self.op_name, out, names=("out",))
         if out is None:
             out = torch.empty(m // w, n, dtype=self.dtype, device=self.group.device)
         strategy = self._resolve(m, n, self.k)

@@ -96,6 +96,28 @@ def join(group: Group, stream, index: int = 0) -> None:
         torch.cuda.current_stream(group.device).wait_event(event)
 
 
+class _OnStream:
+    """``torch.cuda.stream(stream)`` for a stream of the current device, with less host work
+    (it is entered on every overlapped call)."""
+
+    __slots__ = ("stream", "previous")
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __enter__(self):
+        self.previous = torch.cuda.current_stream(self.stream.device)
+        torch.cuda.set_stream(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_stream(self.previous)
+
+
 def use_stream(stream):
-    """``torch.cuda.stream(stream)``, or a no-op context on the cpu backend."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    """Make ``stream`` current inside a ``with`` block (a no-op context on the cpu backend)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    if stream.device.index != torch.cuda.current_device():
+        return torch.cuda.stream(stream)
+    return _OnStream(stream)

@@ -178,6 +178,47 @@ def test_bad_inputs_raise_on_every_rank(world):
     world.run(_bad_inputs_body)
 
 
+def _offset_view(x, elements=1):
+    """``x``'s values in a view that starts ``elements`` past a 16-byte boundary."""
+    flat = torch.empty(x.numel() + elements, dtype=x.dtype, device=x.device)
+    view = flat[elements:].view(x.shape)
+    view.copy_(x)
+    return view
+
+
+def _alignment_body(group):
+    """Operands that TMA reads must be 16-byte aligned (a clear error, on every rank, before
+    any launch); a misaligned bias (plain loads) is fine, also after aligned calls (the
+    prepared launch binds the kernel again when an operand's alignment changes)."""
+    w, dev, dtype = group.world_size, group.device, torch.bfloat16
+    m_loc, n, k = (256, 512, 256) if group.backend == "cuda" else (37, 40, 24)
+    gen = torch.Generator().manual_seed(21 + group.rank)
+    rs = interlace.GemmRS(group, max_m=w * m_loc, n=n, k=k, strategy="fused")
+    ag = interlace.AGGemm(group, max_m=w * m_loc, n=n, k=k, strategy="fused")
+    try:
+        a = rand(gen, w * m_loc, k, dtype=dtype, device=dev)
+        b = rand(torch.Generator().manual_seed(4), k, n, dtype=dtype, device=dev, scale=0.2)
+        bias = rand(torch.Generator().manual_seed(5), n, dtype=dtype, device=dev)
+        full = reduced(a.float() @ b.float(), group) + bias.float()
+        ref = full[group.rank * m_loc : (group.rank + 1) * m_loc]
+        for bias_in in (bias, bias, _offset_view(bias), bias):
+            out = rs(a, b, bias=bias_in)
+            sync(group)
+            assert rel_err(out, ref) < TOL
+        expect_error(InterlaceValueError, "16-byte", rs, _offset_view(a), b)
+        expect_error(InterlaceValueError, "16-byte", ag, _offset_view(a[:m_loc]), b)
+        out = _offset_view(torch.empty(w * m_loc, n, dtype=dtype, device=dev))
+        expect_error(InterlaceValueError, "16-byte", ag, a[:m_loc], b, out=out)
+    finally:
+        rs.close()
+        ag.close()
+    return True
+
+
+def test_tma_alignment(world):
+    world.run(_alignment_body)
+
+
 # ----------------------------------------------------------------------------- CUDA graphs
 def _graph_body(group, op):
     w, dev, dtype = group.world_size, group.device, torch.bfloat16
