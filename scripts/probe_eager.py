@@ -75,12 +75,14 @@ def body(group, out_dir):
         "rs_none": rs_none,
         "ag_nccl": lambda: dist.all_gather_into_tensor(full, a_shard),
     }
+    from triton import knobs
+
     res = {"rank": group.rank, "timelines": {}, "host_aligned_us": {}, "ms": {}}
+    res["hooks"] = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    # Host timings and the cProfile first: the torch profiler below may leave hooks set.
     for name, fn in calls.items():
-        res["ms"][name + "_eager"] = median_ms(group, fn)
-        if name.endswith("fused"):
-            g = graph_of(group, fn)
-            res["ms"][name + "_graph"] = median_ms(group, g.replay)
+        for _ in range(3):
+            fn()
         host = []
         for _ in range(20):
             _align(group)
@@ -88,6 +90,21 @@ def body(group, out_dir):
             fn()
             host.append((time.perf_counter() - t0) * 1e6)
         res["host_aligned_us"][name] = statistics.median(host)
+    prof = cProfile.Profile()
+    for _ in range(30):
+        _align(group)
+        prof.enable()
+        calls["rs_fused"]()
+        calls["ag_fused"]()
+        prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    res["cprofile"] = s.getvalue()
+    for name, fn in calls.items():
+        res["ms"][name + "_eager"] = median_ms(group, fn)
+        if name.endswith("fused"):
+            g = graph_of(group, fn)
+            res["ms"][name + "_graph"] = median_ms(group, g.replay)
         marks = [f"{name}#{i}" for i in range(3)]
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -101,16 +118,7 @@ def body(group, out_dir):
         prof.export_chrome_trace(path)
         res["timelines"][name] = _timeline(path, marks)
         os.remove(path)
-    prof = cProfile.Profile()
-    for _ in range(30):
-        _align(group)
-        prof.enable()
-        calls["rs_fused"]()
-        calls["ag_fused"]()
-        prof.disable()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-    res["cprofile"] = s.getvalue()
+    res["hooks_after_profiler"] = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     for ctx in (ag, rs, ar):
         ctx.close()
     return res
@@ -129,6 +137,9 @@ def main():
         world.close()
     for res in results:
         print(f"===== rank {res['rank']}")
+        print(
+            "triton launch hooks:", res["hooks"], "after the profiler:", res["hooks_after_profiler"]
+        )
         print("median ms:", {k: round(v, 3) for k, v in res["ms"].items()})
         host = {k: round(v) for k, v in res["host_aligned_us"].items()}
         print("host us of an aligned call:", host)

@@ -106,6 +106,10 @@ class OpContext:
     def _barrier(self, clear_first: int = 0, clear_count: int = 0) -> None:
         """Device-side barrier over the group on the current stream; optionally zeroes
         ``clear_count`` local signal slots from ``clear_first`` before arriving."""
+        self._barrier_launch(clear_first, clear_count)()
+
+    def _barrier_launch(self, clear_first: int = 0, clear_count: int = 0) -> PreparedLaunch:
+        """The barrier's prepared launch (compiled when first asked for)."""
         key = (clear_first, clear_count)
         run = self._barriers.get(key)
         if run is None:
@@ -114,7 +118,9 @@ class OpContext:
                 self.error.address, self.max_spins, clear_first, clear_count,
             )  # fmt: skip
             run = self._barriers[key] = PreparedLaunch(barrier_kernel, 1, args, {}, ())
-        run()
+            if self.group.backend == "cuda":
+                run.compile()
+        return run
 
     def input_buffer(self, shape) -> torch.Tensor:
         """A tensor of ``shape`` that a call reads without copying: for methods that stage

@@ -99,6 +99,17 @@ class PreparedLaunch:
             raise ValueError(f"operands {operands} must be positional arguments")
         self._bound = None  # (compiled, bound values, operand alignment)
 
+    def compile(self, *operands) -> None:
+        """Compile the kernel for these operands now, without launching it (a no-op in the
+        interpreter). For a kernel launched while another one already spins on the GPU
+        waiting for it: compiling then could outlast that wait's bound."""
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            return
+        args = list(self.args)
+        for i, t in zip(self._where, operands):
+            args[i] = t
+        self.kernel.warmup(*args, grid=(self.grid,), **self.kwargs)
+
     def __call__(self, *operands) -> None:
         bound = self._bound
         if bound is not None and _short_path_ok():

@@ -291,6 +291,7 @@ class AGGemm(_OverlappedGemm):
         barrier kernel, and its arrival flags were zeroed by the previous call's GEMM."""
         m_loc = a_shard.shape[0]
         plan = self._plan(m_loc, b.shape[1], pull=False)
+        barrier = self._barrier_launch()  # compiled before the GEMM starts waiting
         stream = fork(self.group)
         # The interpreter runs a launch to completion: there the copies must come first.
         consumer_first = self.group.backend == "cuda"
@@ -298,7 +299,7 @@ class AGGemm(_OverlappedGemm):
             self._gemm(plan, a_shard, b, bias, out, m_loc)
         whole = a_shard.shape[0]
         with use_stream(stream):
-            self._barrier()
+            barrier()
             for dst, lo, hi, signal, slot in plan[4]:
                 copy_and_signal(dst, a_shard if hi - lo == whole else a_shard[lo:hi], signal, slot)
         if not consumer_first:
