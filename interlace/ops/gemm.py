@@ -285,21 +285,23 @@ class AGGemm(_OverlappedGemm):
         run(self.gathered.local, b, out, bias, a_shard)
 
     def _fused(self, a_shard, b, bias, out):
-        """The consumer GEMM first (on a GPU), then on the comm stream a device barrier
-        (every peer is done reading my gathered buffer of the previous call) and the
-        copies. The GEMM starts on its own shard at once; it leaves one SM free for the
-        barrier kernel, and its arrival flags were zeroed by the previous call's GEMM."""
+        """On the comm stream a device barrier (every peer is done reading my gathered
+        buffer of the previous call), then the copies; the consumer GEMM on the caller's
+        stream does not wait for the barrier: it starts on its own shard at once. The
+        barrier is launched before the GEMM (a kernel launched behind a spinning consumer
+        is not sure to be scheduled), and the GEMM leaves it an SM. The arrival flags were
+        zeroed by the previous call's GEMM as it ended."""
         m_loc = a_shard.shape[0]
         plan = self._plan(m_loc, b.shape[1], pull=False)
-        barrier = self._barrier_launch()  # compiled before the GEMM starts waiting
         stream = fork(self.group)
+        with use_stream(stream):
+            self._barrier()
         # The interpreter runs a launch to completion: there the copies must come first.
         consumer_first = self.group.backend == "cuda"
         if consumer_first:
             self._gemm(plan, a_shard, b, bias, out, m_loc)
         whole = a_shard.shape[0]
         with use_stream(stream):
-            barrier()
             for dst, lo, hi, signal, slot in plan[4]:
                 copy_and_signal(dst, a_shard if hi - lo == whole else a_shard[lo:hi], signal, slot)
         if not consumer_first:
