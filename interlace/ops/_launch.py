@@ -37,12 +37,17 @@ except ImportError:  # pragma: no cover - other Triton versions
     _FAST = False
 
 
+def _no_hook(hook) -> bool:
+    """No launch hook is set (Triton 3.6 keeps them in a ``HookChain``, empty by default)."""
+    return hook is None or not getattr(hook, "calls", True)
+
+
 def _short_path_ok() -> bool:
     return (
         _FAST
         and os.environ.get("TRITON_INTERPRET", "0") != "1"
-        and knobs.runtime.launch_enter_hook is None
-        and knobs.runtime.launch_exit_hook is None
+        and _no_hook(knobs.runtime.launch_enter_hook)
+        and _no_hook(knobs.runtime.launch_exit_hook)
     )
 
 
