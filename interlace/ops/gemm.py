@@ -63,9 +63,9 @@ AG_TEMPLATES = {
 #: GB/s per peer pair), is under the op's floor: what overlap must save to pay for its
 #: extra host launches (eager) or its device-side synchronisation (CUDA-graph capture).
 #: The floors come from the 2 x H200 results (benchmarks/results/2026-11-22-h200-w2.json):
-#: there, eager ``fused`` beat cuBLAS + NCCL at M = 8192 for AG+GEMM, from about 170 us of
-#: estimated reduce-scatter traffic for GEMM+RS and only at the largest shape for GEMM+AR;
-#: captured, it won at M = 8192 everywhere and at M = 2048 for AG+GEMM.
+#: with the prepared launches, eager ``fused`` beat cuBLAS + NCCL at M = 8192 (estimated
+#: traffic ~170 us and up) for all three ops and lost at M = 2048; captured, it won at
+#: M = 8192 everywhere and at M = 2048 for AG+GEMM.
 EST_TFLOPS = 650.0
 EST_LINK_GBPS = 200.0
 
@@ -482,7 +482,7 @@ class GemmAR(_ScatterGemm):
 
     op_name = "gemm_ar"
     BROADCAST = True
-    MIN_OVERLAP_US = {"eager": 250.0, "graph": 100.0}
+    MIN_OVERLAP_US = {"eager": 150.0, "graph": 100.0}
 
     def __init__(self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", **kw):
         super().__init__(group, max_m, n, k, dtype, strategy, **kw)

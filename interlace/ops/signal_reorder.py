@@ -60,6 +60,7 @@ from ..language.primitives import wait_kernel
 from ..runtime import ErrorWord, Group, default_max_spins, fork, join, use_stream
 from . import _gemm
 from ._context import OpContext, cdiv, sm_count
+from ._launch import launch
 
 OPS = ("all_reduce", "reduce_scatter", "all_to_all")
 #: Most wave groups per call (the counters a context owns).
@@ -242,8 +243,9 @@ def launch_rows(src, out, weight=None, eps=1e-6, *, slots=None, layout: Layout |
         tile_n, sub_m, tiles_m, rows_per_src = min(256, _next_pow2(n)), 1, 1, rows
     tiles_n = cdiv(n, tile_n)
     nt = min(_next_pow2(tiles_n), max(1, MAX_ROW_BLOCK // tile_n))
-    reorder_rows_kernel[(rows,)](
-        src, slots if slots is not None else src, out, weight if weight is not None else out,
+    launch(
+        reorder_rows_kernel, rows, src, slots if slots is not None else src, out,
+        weight if weight is not None else out,
         n, rows_per_src, tiles_m, tiles_n, float(eps),
         SUB_M=sub_m, TILE_N=tile_n, NT=nt, REORDER=layout is not None,
         HAS_NORM=weight is not None, ONE_PASS=tiles_n <= nt,
@@ -499,8 +501,8 @@ class SignalReorderGemm(OpContext):
     def enqueue_group(self, lay: Layout, counter: int, expected: int, first: int, count: int):
         """On the current stream: wait until ``counters[counter] == expected`` and reset it
         (one program, bounded), then the collective on tiles ``[first, first + count)``."""
-        wait_kernel[(1,)](
-            self.counters, counter, 1, expected, self.error.address, self.rank,
+        launch(
+            wait_kernel, 1, self.counters, counter, 1, expected, self.error.address, self.rank,
             self.max_spins, RESET=True,
         )  # fmt: skip
         self._collective(lay, first, count)
@@ -514,8 +516,9 @@ class SignalReorderGemm(OpContext):
         # Bias once in a sum: rank 0 adds it before the reduction; all-to-all adds it on
         # every rank (each sends its own rows).
         has_bias = bias is not None and (self.rank == 0 or lay.op == "all_to_all")
-        signal_gemm_kernel[(lay.programs,)](
-            a, b, self.send, bias if has_bias else self.send, lay.m, lay.n, self.k,
+        launch(
+            signal_gemm_kernel, lay.programs, a, b, self.send,
+            bias if has_bias else self.send, lay.m, lay.n, self.k,
             lay.rows_per_rank, lay.world, plan.tile_map, lay.n_tiles, self.counters,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m, STRIPS=lay.strips, USE_TMA=plan.use_tma, HAS_BIAS=has_bias,
