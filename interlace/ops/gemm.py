@@ -65,7 +65,7 @@ AG_TEMPLATES = {
 #: The floors come from the 2 x H200 results (benchmarks/results/2026-11-22-h200-w2.json):
 #: with the prepared launches, eager ``fused`` beat cuBLAS + NCCL at M = 8192 (estimated
 #: traffic ~170 us and up) for all three ops and lost at M = 2048; captured, it won at
-#: M = 8192 everywhere and at M = 2048 for AG+GEMM.
+#: M = 8192 everywhere and at M = 2048 for all three ops but one shape.
 EST_TFLOPS = 650.0
 EST_LINK_GBPS = 200.0
 
@@ -330,7 +330,7 @@ class _ScatterGemm(_OverlappedGemm):
     pushed to their owner from the epilogue, the owner's tiles reduced in theirs."""
 
     STRATEGIES = ("auto", "fused", "signal_reorder", "none")
-    MIN_OVERLAP_US = {"eager": 150.0, "graph": 100.0}
+    MIN_OVERLAP_US = {"eager": 150.0, "graph": 30.0}
     BROADCAST = False
     # Two chunks per owner: a rank reaches its own chunk j only after every peer has
     # finished that chunk a whole chunk earlier (full-mesh order), so the owner's reduction
@@ -482,7 +482,6 @@ class GemmAR(_ScatterGemm):
 
     op_name = "gemm_ar"
     BROADCAST = True
-    MIN_OVERLAP_US = {"eager": 150.0, "graph": 100.0}
 
     def __init__(self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", **kw):
         super().__init__(group, max_m, n, k, dtype, strategy, **kw)
