@@ -72,7 +72,9 @@ def reduce_arrivals_kernel(
     fp32, consuming each block as soon as its piece from ``src`` has landed.
 
     ``recv[src]`` (stride ``slot_stride``) is written by rank ``src``'s copy engine, which
-    raises ``sig[sig_first + src * n_pieces + piece]`` when that piece has landed.
+    raises ``sig[sig_first + src * n_pieces + piece]`` when that piece has landed. Pieces
+    are ``piece_len`` elements (the last may be shorter); a block waits for every piece it
+    touches.
     """
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -85,14 +87,16 @@ def reduce_arrivals_kernel(
     for b in range(pid, n_blocks, n_prog):
         offs = b * BLOCK + offs0
         mask = offs < n
-        piece = (b * BLOCK) // piece_len
-        if piece > confirmed:
+        # the pieces this block touches (one, when pieces are block-aligned)
+        last = (tl.minimum(b * BLOCK + BLOCK, n) - 1) // piece_len
+        if last > confirmed:
             token = 1
-            for i in range(1, world):
-                src = (rank + world - i) % world
-                slot = sig_first + src * n_pieces + piece
-                token = tl.minimum(token, wait(sig + slot, 1, err, rank, slot, max_spins))
-            confirmed = piece
+            for piece in range(confirmed + 1, last + 1):
+                for i in range(1, world):
+                    src = (rank + world - i) % world
+                    slot = sig_first + src * n_pieces + piece
+                    token = tl.minimum(token, wait(sig + slot, 1, err, rank, slot, max_spins))
+            confirmed = last
         ok = guard(mask, token, 1)
         acc = tl.load(own + offs, mask=mask).to(tl.float32)
         for i in range(1, world):

@@ -178,7 +178,7 @@ def gemm_segments_kernel(
     USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_PUSH: tl.constexpr, BROADCAST: tl.constexpr, HAS_OWN_A: tl.constexpr,
     SUBTILE: tl.constexpr = False, ENTRY_BARRIER: tl.constexpr = False,
-    EXIT_CLEAR: tl.constexpr = False,
+    EXIT_CLEAR: tl.constexpr = False, NOTIFY_STORES: tl.constexpr = False,
 ):  # fmt: skip
     """See the module docstring. ``a_own`` ([own_rows, K]) is read by ``KIND_STORE_OWN``;
     ``recv`` ([WORLD, recv_rows, N], symmetric, table ``recv_table``) receives partials;
@@ -193,6 +193,9 @@ def gemm_segments_kernel(
     * ``EXIT_CLEAR``: the last program to finish zeroes the ``clear_count`` local slots
       from ``clear_first`` (they must include ``go_slot`` and the arrival counter
       ``go_slot + 1``): every signal this launch waited on is zero for the next one.
+    * ``NOTIFY_STORES`` (GEMM+RS with a copy-engine scatter): a store segment with a
+      ``SEG_NOTIFY`` slot (> 0) counts its finished tiles there (local, release), for a
+      consumer that ships the chunk; bias goes only into rows this rank owns.
 
     There is one main loop for every kind: only the epilogue branches. (A second
     instantiation of the pipelined loop, e.g. one per A source, cost 35 % on an H200.)"""
@@ -295,7 +298,10 @@ def gemm_segments_kernel(
                 else:
                     cols = col + tl.arange(0, BLOCK_N)
                     mask = (lrows < rows)[:, None] & (cols < N)[None, :]
-                    acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS)
+                    if NOTIFY_STORES:  # partial sums for other ranks: their owner adds it
+                        acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS, owner == rank)
+                    else:
+                        acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS)
                     _store_tile(
                         acc, c, c_desc, c_row0, pid_m * BLOCK_M, col, lrows, cols, N, mask,
                         out_ty, BLOCK_M, BLOCK_N, USE_TMA, SUBTILE,
@@ -315,6 +321,11 @@ def gemm_segments_kernel(
                         for i in tl.static_range(1, WORLD):
                             q = (rank + i) % WORLD
                             notify(signal_base(sig_table, q) + notify_slot, mine, ADD=True)
+            if NOTIFY_STORES:
+                if notify_slot > 0:
+                    if USE_TMA:
+                        bulk_stores_done()
+                    notify(sig + notify_slot, (end - first + n_prog - 1) // n_prog, ADD=True)
     if BROADCAST:
         # The last program also waits for every peer's broadcast of the rows it owns, so
         # the kernel ends only when the whole all-reduced output is in place on this rank.

@@ -174,13 +174,14 @@ def launcher(
     m, n, k, cfg: GemmConfig, grid: int, segments_t, n_seg, *, dtype, device, has_bias=False,
     own_rows=0, recv=None, recv_table=None, recv_rows=0, out_table=None, sig=None,
     sig_table=None, err=0, rank=0, max_spins=0, world=1, push=False, broadcast=False,
-    own_a=False, bar_slot=None, go_slot=0, clear=None,
+    own_a=False, bar_slot=None, go_slot=0, clear=None, notify_stores=False,
 ) -> Callable:  # fmt: skip
     """The segment GEMM of one plan, its fixed arguments bound once: call it with the
     operands ``(a, b, c, bias, a_own)`` (``bias`` / ``a_own`` None when absent), on the
     current stream. ``bar_slot`` (not None): program 0 runs the entry barrier on those
     slots and raises ``go_slot``; ``clear``: ``(first, count)`` local signal slots the
-    launch zeroes as it ends (see the kernel)."""
+    launch zeroes as it ends; ``notify_stores``: store segments count finished tiles in
+    their notify slot (see the kernel)."""
     use_tma = tma_ok(k, n, dtype)
     if use_tma and torch.device(device).type == "cuda":
         _install_allocator()
@@ -199,6 +200,7 @@ def launcher(
         WORLD=world, USE_TMA=use_tma, HAS_BIAS=has_bias, HAS_PUSH=push,
         BROADCAST=broadcast, HAS_OWN_A=own_a, SUBTILE=cfg.subtile,
         ENTRY_BARRIER=bar_slot is not None, EXIT_CLEAR=clear is not None,
+        NOTIFY_STORES=notify_stores,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     prepared = PreparedLaunch(gemm_segments_kernel, grid, args, kwargs, OPERANDS)

@@ -46,11 +46,14 @@ import torch.distributed as dist
 
 from .. import schedule
 from ..errors import InterlaceValueError
-from ..kernels.collective import pull_chunks_kernel
+from ..kernels.collective import pull_chunks_kernel, reduce_arrivals_kernel
+from ..language.primitives import wait_kernel
 from ..runtime import copy_and_signal, fork, join, symm_empty, use_stream
 from . import _gemm
-from ._context import OpContext
+from ._context import OpContext, cdiv, persistent_grid
 from ._gemm import GemmConfig, Segment, tiles_of
+from ._launch import launch
+from .collectives import REDUCE_BLOCK
 
 MAX_SPLIT = 8
 AG_TEMPLATES = {
@@ -355,10 +358,16 @@ class _ScatterGemm(_OverlappedGemm):
             )  # fmt: skip
         elif strategy != "none":
             self.recv = self._track(symm_empty((w, self.max_m // w, self.n), dtype, group))
+        if strategy == "ce_scatter":  # every rank's partial sums, before they are shipped
+            self.partials = torch.empty(self.max_m * self.n, dtype=dtype, device=group.device)
 
     @staticmethod
     def _regions(world):
-        return {"partial": world * MAX_SPLIT * (world - 1), "broadcast": world * MAX_SPLIT}
+        return {
+            "partial": world * MAX_SPLIT * (world - 1), "broadcast": world * MAX_SPLIT,
+            # ce_scatter: per (source, piece) arrivals; per chunk finished-tile counts
+            "arrival": world * MAX_SPLIT, "chunk_done": world * MAX_SPLIT,
+        }  # fmt: skip
 
     def _comm_bytes(self, m_total, n):
         """The reduce-scatter traffic (for all-reduce too: its floor accounts for the rest)."""
@@ -432,6 +441,107 @@ class _ScatterGemm(_OverlappedGemm):
             )  # fmt: skip
         run(a, b, c, bias)
 
+    # ------------------------------------------------------------------ ce_scatter
+    def _ce_plan(self, m: int, n: int):
+        """GEMM+RS with a copy-engine scatter: the GEMM stores every partial tile locally,
+        the chunks for other ranks first, and counts each chunk's finished tiles; per chunk,
+        a one-program wait on the comm stream, then a copy into the owner's receive rows
+        that raises the owner's arrival flag of (this rank, piece); the owner's reduction
+        kernel adds the pieces as they land."""
+        key = ("ce_scatter", m, n)
+        if (found := self._known_plan(key)) is not None:
+            return found
+        w, r = self.world_size, self.rank
+        m_loc, rows = m // w, self.max_m // w
+        cfg = _OverlappedGemm._cfg(self, m, n, self.k)  # plain stores: no epilogue room
+        sched = schedule.full_mesh_reduce_scatter(
+            w, m_loc, self.split, backend="ce", align=cfg.block_m
+        )
+        schedule.check(sched)
+        slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
+        done, arrival = self.pad.offset("chunk_done"), self.pad.offset("arrival")
+        segments = [
+            Segment(
+                row0=c.lo,
+                rows=c.rows,
+                owner=c.owner,
+                notify=done + slot_of[c.id] if c.owner != r else 0,
+            )  # fmt: skip
+            for c, _ in schedule.chunk_order(sched, r)
+        ]
+        # An owner's rows come in pieces of ``step`` rows (the last may be shorter): the
+        # reduction kernel finds a block's piece by division.
+        mine = [c for c in sched.row_order if c.owner == r]
+        step = mine[0].rows
+        if any(c.lo - r * m_loc != i * step for i, c in enumerate(mine)):
+            raise AssertionError(f"{self.op_name}: uneven chunks {[c.rows for c in mine]}")
+        copies = []
+        for t in schedule.transfers(sched, r):
+            o = t.dst
+            lo, hi = t.lo - o * m_loc, t.hi - o * m_loc  # in the owner's rows
+            dst = self.recv.peers[o].view(-1)[(r * rows + lo) * n : (r * rows + hi) * n]
+            copies.append(
+                (
+                    dst.view(hi - lo, n), t.lo, t.hi, self.pad.buffer.peers[o].view(torch.uint32),
+                    arrival + r * len(mine) + lo // step, done + slot_of[t.chunk_id],
+                    tiles_of(hi - lo, n, cfg),
+                )
+            )  # fmt: skip
+        table = _gemm.segment_table(segments, n, cfg, self.group.device)
+        grid = _gemm.programs_for(
+            _gemm.total_tiles(segments, n, cfg), self.group.device, self.group.backend,
+            comm_sms=1,  # the comm stream's wait kernels run beside the GEMM
+        )  # fmt: skip
+        plan = (cfg, table, len(segments), grid, {}, copies, step, len(mine))
+        return self._keep_plan(key, plan)
+
+    def _ce_scatter(self, a, b, bias, out):
+        m, n = a.shape[0], b.shape[1]
+        w, r = self.world_size, self.rank
+        m_loc = m // w
+        cfg, table, n_seg, grid, launchers, copies, step, pieces = self._ce_plan(m, n)
+        run = launchers.get(bias is not None)
+        if run is None:
+            run = launchers[bias is not None] = _gemm.launcher(
+                m, n, self.k, cfg, grid, table, n_seg, dtype=self.dtype,
+                device=self.group.device, has_bias=bias is not None, sig=self.pad.buffer.local,
+                err=self.error.address, rank=r, max_spins=self.max_spins, world=w,
+                notify_stores=True,
+            )  # fmt: skip
+        partials = self.partials[: m * n].view(m, n)
+        arrival, size = self.pad.regions["arrival"]
+        stream = fork(self.group)
+        # On a GPU the comm stream's waits and copies are enqueued before the GEMM (a kernel
+        # launched behind a spinning one is not sure to be scheduled); the interpreter runs
+        # a launch to completion, so there they come after it.
+        on_gpu = self.group.backend == "cuda"
+        with use_stream(stream):
+            self._barrier(arrival, size)  # peers are done with my receive rows; flags zero
+            if on_gpu:
+                self._ship(copies, partials)
+        run(a, b, partials, bias)
+        if not on_gpu:
+            with use_stream(stream):
+                self._ship(copies, partials)
+        launch(
+            reduce_arrivals_kernel,
+            persistent_grid(self.group, cdiv(m_loc * n, REDUCE_BLOCK))[0], out.view(-1),
+            partials[r * m_loc : (r + 1) * m_loc].view(-1), self.recv.local.view(-1),
+            (self.max_m // w) * n, m_loc * n, step * n, pieces, self.pad.buffer.local,
+            arrival, r, w, self.error.address, self.max_spins, BLOCK=REDUCE_BLOCK, num_warps=8,
+        )  # fmt: skip
+        join(self.group, stream)
+
+    def _ship(self, copies, partials) -> None:
+        """Per chunk: wait (bounded, one program) until the GEMM has finished its tiles, then
+        copy it to its owner and raise the owner's flag."""
+        for dst, lo, hi, signal, slot, done, tiles in copies:
+            launch(
+                wait_kernel, 1, self.pad.buffer.local, done, 1, tiles, self.error.address,
+                self.rank, self.max_spins, RESET=True,
+            )  # fmt: skip
+            copy_and_signal(dst, partials[lo:hi], signal, slot)
+
     def close(self) -> None:
         if self._signal_reorder is not None:
             self._signal_reorder.close()
@@ -451,6 +561,7 @@ class GemmRS(_ScatterGemm):
     of the sum over ranks, ``[M / world, n]``."""
 
     op_name = "gemm_rs"
+    STRATEGIES = ("auto", "fused", "ce_scatter", "signal_reorder", "none")
 
     def __call__(self, a, b, bias=None, out=None):
         w = self.world_size
@@ -469,6 +580,8 @@ class GemmRS(_ScatterGemm):
                 out += bias
         elif strategy == "signal_reorder":
             out = self._signal_reorder(a, b, bias=bias, out=out)
+        elif strategy == "ce_scatter":
+            self._ce_scatter(a, b, bias, out)
         else:
             self._fused(a, b, bias, out)
         self.last_strategy = strategy

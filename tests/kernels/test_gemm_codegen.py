@@ -29,6 +29,7 @@ VARIANTS = {
     "ag_consumer": {"HAS_OWN_A": True},
     "gemm_rs": {"HAS_PUSH": True, "SUBTILE": True},
     "gemm_ar": {"HAS_PUSH": True, "BROADCAST": True, "SUBTILE": True},
+    "gemm_rs_ce_scatter": {"NOTIFY_STORES": True, "HAS_BIAS": True},
 }
 _cache: dict[str, dict] = {}
 

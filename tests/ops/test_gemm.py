@@ -127,9 +127,9 @@ def test_gemm_ar_matches_reference(world, strategy):
     world.run(_scatter_body, "ar", strategy, "bf16", 3, None)
 
 
-@pytest.mark.parametrize("op", ["rs", "ar"])
-def test_scatter_split_and_fp16(world, op):
-    world.run(_scatter_body, op, "fused", "fp16", 1, 3)
+@pytest.mark.parametrize("op, strategy", [("rs", "fused"), ("ar", "fused"), ("rs", "ce_scatter")])
+def test_scatter_split_and_fp16(world, op, strategy):
+    world.run(_scatter_body, op, strategy, "fp16", 1, 3)
 
 
 # ----------------------------------------------------------------------------- bad inputs
@@ -220,16 +220,16 @@ def test_tma_alignment(world):
 
 
 # ----------------------------------------------------------------------------- CUDA graphs
-def _graph_body(group, op):
+def _graph_body(group, op, strategy="fused"):
     w, dev, dtype = group.world_size, group.device, torch.bfloat16
     m_loc, n, k = 384, 512, 256
     gen = torch.Generator().manual_seed(3 + group.rank)
     if op == "ag":
-        ctx = interlace.AGGemm(group, max_m=w * m_loc, n=n, k=k, strategy="fused")
+        ctx = interlace.AGGemm(group, max_m=w * m_loc, n=n, k=k, strategy=strategy)
         a = rand(gen, m_loc, k, dtype=dtype, device=dev)
     else:
         cls = interlace.GemmRS if op == "rs" else interlace.GemmAR
-        ctx = cls(group, max_m=w * m_loc, n=n, k=k, strategy="fused")
+        ctx = cls(group, max_m=w * m_loc, n=n, k=k, strategy=strategy)
         a = rand(gen, w * m_loc, k, dtype=dtype, device=dev)
     b = rand(gen, k, n, dtype=dtype, device=dev, scale=0.2)
 
@@ -247,12 +247,15 @@ def _graph_body(group, op):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+@pytest.mark.parametrize(
+    "op, strategy",
+    [("ag", "fused"), ("ag", "sm_pull"), ("rs", "fused"), ("rs", "ce_scatter"), ("ar", "fused")],
+)
 @pytest.mark.parametrize("size", [2, 4])
-def test_cuda_graph_replay(op, size):
+def test_cuda_graph_replay(op, strategy, size):
     from tests.conftest import get_world
 
-    get_world("cuda", size).run(_graph_body, op)
+    get_world("cuda", size).run(_graph_body, op, strategy)
 
 
 # ----------------------------------------------------------------------------- 8 ranks
