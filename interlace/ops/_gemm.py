@@ -9,7 +9,6 @@ describe their chunks in arrival order (AG+GEMM) or in the order the scatter nee
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -175,7 +174,7 @@ def launcher(
     own_rows=0, recv=None, recv_table=None, recv_rows=0, out_table=None, sig=None,
     sig_table=None, err=0, rank=0, max_spins=0, world=1, push=False, broadcast=False,
     own_a=False, bar_slot=None, go_slot=0, clear=None, notify_stores=False,
-) -> Callable:  # fmt: skip
+) -> GemmLaunch:  # fmt: skip
     """The segment GEMM of one plan, its fixed arguments bound once: call it with the
     operands ``(a, b, c, bias, a_own)`` (``bias`` / ``a_own`` None when absent), on the
     current stream. ``bar_slot`` (not None): program 0 runs the entry barrier on those
@@ -203,13 +202,27 @@ def launcher(
         NOTIFY_STORES=notify_stores,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    prepared = PreparedLaunch(gemm_segments_kernel, grid, args, kwargs, OPERANDS)
+    return GemmLaunch(PreparedLaunch(gemm_segments_kernel, grid, args, kwargs, OPERANDS))
 
-    def run(a, b, c, bias=None, a_own=None):
+
+class GemmLaunch:
+    """The prepared segment GEMM of one plan: ``run(a, b, c, bias=None, a_own=None)``."""
+
+    def __init__(self, prepared: PreparedLaunch):
+        self.prepared = prepared
+
+    @staticmethod
+    def _operands(a, b, c, bias, a_own):
         # absent tensors are stand-ins the kernel never reads (``HAS_BIAS``/``HAS_OWN_A``)
-        prepared(a, b, c, c if bias is None else bias, a if a_own is None else a_own)
+        return a, b, c, c if bias is None else bias, a if a_own is None else a_own
 
-    return run
+    def __call__(self, a, b, c, bias=None, a_own=None) -> None:
+        self.prepared(*self._operands(a, b, c, bias, a_own))
+
+    def compile(self, a, b, c, bias=None, a_own=None) -> None:
+        """Compile now, without launching: for a GEMM enqueued behind kernels that already
+        spin waiting for it (its first compile could outlast their bounded wait)."""
+        self.prepared.compile(*self._operands(a, b, c, bias, a_own))
 
 
 def launch(

@@ -508,6 +508,7 @@ class _ScatterGemm(_OverlappedGemm):
                 err=self.error.address, rank=r, max_spins=self.max_spins, world=w,
                 notify_stores=True,
             )  # fmt: skip
+            self._compile_ce(run, copies, a, b, bias)
         partials = self.partials[: m * n].view(m, n)
         arrival, size = self.pad.regions["arrival"]
         stream = fork(self.group)
@@ -531,6 +532,19 @@ class _ScatterGemm(_OverlappedGemm):
             arrival, r, w, self.error.address, self.max_spins, BLOCK=REDUCE_BLOCK, num_warps=8,
         )  # fmt: skip
         join(self.group, stream)
+
+    def _compile_ce(self, run, copies, a, b, bias) -> None:
+        """Compile the GEMM and the chunk waits before any of them is enqueued: the waits
+        go first and spin until the GEMM runs, and a first compile (seconds) in between
+        could outlast their bound."""
+        if self.group.backend != "cuda":
+            return
+        run.compile(a, b, self.partials[: a.shape[0] * b.shape[1]].view(a.shape[0], -1), bias)
+        for *_, done, tiles in copies:
+            wait_kernel.warmup(
+                self.pad.buffer.local, done, 1, tiles, self.error.address, self.rank,
+                self.max_spins, RESET=True, grid=(1,),
+            )  # fmt: skip
 
     def _ship(self, copies, partials) -> None:
         """Per chunk: wait (bounded, one program) until the GEMM has finished its tiles, then
