@@ -22,6 +22,12 @@ Strategies (``strategy=``):
     peers' partials in fp32 in their epilogue. No separate reduction pass, no tail.
   - GEMM+AR: the same, and the owner's epilogue writes each reduced tile into every rank's
     output (the all-gather half, spread over the whole GEMM).
+* ``ce_scatter`` (GEMM+RS): the GEMM stores every partial tile locally (chunks for other
+  ranks first) and counts each chunk's finished tiles; on the comm stream a one-program
+  wait per chunk, then the copy engine ships it to its owner and raises the owner's flag;
+  the owner's reduction kernel (fp32) adds the pieces as they land, after its GEMM. More
+  launches than ``fused`` (slower eager), less work in the GEMM's epilogue (faster as a
+  CUDA graph on 2 x H200).
 * ``sm_pull`` (AG+GEMM): ``comm_sms`` SMs pull the peers' shards with loads while the GEMM
   runs on the other SMs.
 * ``signal_reorder`` (GEMM+RS, GEMM+AR): FlashOverlap, through
@@ -77,6 +83,7 @@ class _OverlappedGemm(OpContext):
     STRATEGIES: tuple[str, ...] = ("auto", "fused", "none")
     MIN_OVERLAP_US = {"eager": 100.0, "graph": 15.0}  # see EST_TFLOPS
     default_split = 1
+    STRATEGY_SPLIT: dict[str, int] = {}  # a strategy's own default chunk split
 
     def __init__(
         self, group, max_m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
@@ -88,7 +95,9 @@ class _OverlappedGemm(OpContext):
                 f"{self.op_name}: strategy must be one of {self.STRATEGIES}, got {strategy!r}"
             )
         _gemm.check_gemm_shape(self.op_name, max_m, n, k, dtype)
-        split = self.default_split if split is None else int(split)
+        if split is None:
+            split = self.STRATEGY_SPLIT.get(strategy, self.default_split)
+        split = int(split)
         if not 1 <= split <= MAX_SPLIT:
             raise InterlaceValueError(
                 f"{self.op_name}: split must be in 1..{MAX_SPLIT}, got {split}"
@@ -576,6 +585,9 @@ class GemmRS(_ScatterGemm):
 
     op_name = "gemm_rs"
     STRATEGIES = ("auto", "fused", "ce_scatter", "signal_reorder", "none")
+    # One chunk per owner: captured, split 1 beat 2 and 4 on 5 of 6 shapes (2 x H200,
+    # history/2026-11-22-h200-w2-gemm-rs-ce-scatter.json).
+    STRATEGY_SPLIT = {"ce_scatter": 1}
 
     def __call__(self, a, b, bias=None, out=None):
         w = self.world_size
