@@ -39,6 +39,7 @@ from ..language.primitives import (
     guard_coord,
     last_program_clears,
     notify,
+    peer_ptr_aligned,
     signal_base,
 )
 from ..language.tile import consumer_tile_wait
@@ -135,17 +136,6 @@ def _mma(
             b_t = _load_b(b, cols, kk * BLOCK_K + ks, N, K)
             acc = _dot(a_t, b_t, acc)
     return acc
-
-
-@triton.jit
-def _peer_ptr(local, table, rank, peer):
-    """``local`` (a symmetric tensor of this rank) as seen on ``peer``, written so that
-    Triton still knows the 16-byte alignment of ``local``: stores through it vectorise
-    (a pointer loaded from the table has no known alignment, and 2-byte stores over
-    NVLink crawl). Symmetric allocations are at least 16-byte aligned on every rank."""
-    delta = tl.load(table + peer) - tl.load(table + rank)
-    per_16 = 128 // local.dtype.element_ty.primitive_bitwidth
-    return local + (delta // 16) * per_16
 
 
 @triton.jit
@@ -250,7 +240,7 @@ def gemm_segments_kernel(
             owner_sig = sig
             if HAS_PUSH:
                 # This rank's slot of the owner's receive buffer: recv[rank, out_row0 + r].
-                push_dst = _peer_ptr(recv, recv_table, rank, owner)
+                push_dst = peer_ptr_aligned(recv, recv_table, rank, owner)
                 push_dst += (rank.to(tl.int64) * recv_rows + out_row0) * N
                 owner_sig = signal_base(sig_table, owner) + notify_slot
             a_desc = None
@@ -397,7 +387,7 @@ def _scatter_epilogue(
         # every rank's all-reduce output gets the reduced tile
         for i in tl.static_range(WORLD):
             q = (rank + i) % WORLD
-            dst = _peer_ptr(c, out_table, rank, q) + (row0 + tile_row).to(tl.int64) * N
+            dst = peer_ptr_aligned(c, out_table, rank, q) + (row0 + tile_row).to(tl.int64) * N
             tl.store(dst + in_tile, val, mask=mask & keep)
     else:
         if USE_TMA:  # the partial to its owner, or the reduced tile into ``c``

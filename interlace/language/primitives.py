@@ -50,6 +50,17 @@ def to_peer(ptrs, table, rank, peer):
 
 
 @triton.jit
+def peer_ptr_aligned(local, table, rank, peer):
+    """``local`` (a pointer into this rank's symmetric tensor) as seen on ``peer``, written
+    so that Triton still knows the 16-byte alignment of ``local``: stores through it
+    vectorise (a pointer loaded from the table has no known alignment, and 2-byte stores
+    over NVLink crawl). Symmetric allocations are at least 16-byte aligned on every rank."""
+    delta = tl.load(table + peer) - tl.load(table + rank)
+    per_16 = 128 // local.dtype.element_ty.primitive_bitwidth
+    return local + (delta // 16) * per_16
+
+
+@triton.jit
 def notify(sig, value, ADD: tl.constexpr = False):
     """Release-store ``value`` into signal ``sig`` (or release-add it when ``ADD``).
 

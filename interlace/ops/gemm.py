@@ -28,6 +28,10 @@ Strategies (``strategy=``):
   the owner's reduction kernel (fp32) adds the pieces as they land, after its GEMM. More
   launches than ``fused`` (slower eager), less work in the GEMM's epilogue (faster as a
   CUDA graph on 2 x H200).
+* ``ring`` (GEMM+RS): TileLink's in-kernel ring, as a kernel of ``comm_sms`` programs
+  beside the GEMM: the GEMM stores partials owner by owner in ring order and counts each
+  owner's finished tiles; the ring programs add what the left neighbour sent to this
+  rank's partial and store the sum into the right neighbour, ``W - 1`` steps.
 * ``sm_pull`` (AG+GEMM): ``comm_sms`` SMs pull the peers' shards with loads while the GEMM
   runs on the other SMs.
 * ``signal_reorder`` (GEMM+RS, GEMM+AR): FlashOverlap, through
@@ -53,6 +57,7 @@ import torch.distributed as dist
 from .. import schedule
 from ..errors import InterlaceValueError
 from ..kernels.collective import pull_chunks_kernel, reduce_arrivals_kernel
+from ..kernels.ring import MAX_PROGRAMS, ring_reduce_scatter_kernel
 from ..language.primitives import wait_kernel
 from ..runtime import copy_and_signal, fork, join, symm_empty, use_stream
 from . import _gemm
@@ -62,6 +67,7 @@ from ._launch import launch
 from .collectives import REDUCE_BLOCK
 
 MAX_SPLIT = 8
+RING_MAX_PROGRAMS = MAX_PROGRAMS.value
 AG_TEMPLATES = {
     "full_mesh": schedule.full_mesh_all_gather,
     "swizzled": schedule.swizzled_all_gather,
@@ -367,8 +373,13 @@ class _ScatterGemm(_OverlappedGemm):
             )  # fmt: skip
         elif strategy != "none":
             self.recv = self._track(symm_empty((w, self.max_m // w, self.n), dtype, group))
-        if strategy == "ce_scatter":  # every rank's partial sums, before they are shipped
+        if strategy in ("ce_scatter", "ring"):  # every rank's partial sums, before they move
             self.partials = torch.empty(self.max_m * self.n, dtype=dtype, device=group.device)
+        if strategy == "ring" and not 1 <= self._ring_programs() <= RING_MAX_PROGRAMS:
+            raise InterlaceValueError(
+                f"{self.op_name}: comm_sms must be in 1..{RING_MAX_PROGRAMS} for the ring, "
+                f"got {self.comm_sms}"
+            )
 
     @staticmethod
     def _regions(world):
@@ -376,6 +387,8 @@ class _ScatterGemm(_OverlappedGemm):
             "partial": world * MAX_SPLIT * (world - 1), "broadcast": world * MAX_SPLIT,
             # ce_scatter: per (source, piece) arrivals; per chunk finished-tile counts
             "arrival": world * MAX_SPLIT, "chunk_done": world * MAX_SPLIT,
+            # ring: per (step, program) arrivals from the left neighbour
+            "ring": world * RING_MAX_PROGRAMS,
         }  # fmt: skip
 
     def _comm_bytes(self, m_total, n):
@@ -542,6 +555,74 @@ class _ScatterGemm(_OverlappedGemm):
         )  # fmt: skip
         join(self.group, stream)
 
+    # ------------------------------------------------------------------ ring
+    def _ring_programs(self) -> int:
+        return self.comm_sms if self.group.backend == "cuda" else 2
+
+    def _ring_plan(self, m: int, n: int):
+        """GEMM+RS as a ring on a few SMs beside the GEMM (TileLink's in-kernel collective,
+        here a concurrent kernel): the GEMM stores its partials owner by owner in ring
+        order and counts each owner's finished tiles; ``kernels.ring`` adds and forwards."""
+        key = ("ring", m, n)
+        if (found := self._known_plan(key)) is not None:
+            return found
+        w, r = self.world_size, self.rank
+        m_loc = m // w
+        cfg = _OverlappedGemm._cfg(self, m, n, self.k)  # plain stores: no epilogue room
+        sched = schedule.ring_reduce_scatter(w, m_loc, 1, backend="sm", align=cfg.block_m)
+        schedule.check(sched)
+        done = self.pad.offset("chunk_done")
+        segments = [
+            Segment(row0=c.lo, rows=c.rows, owner=c.owner, notify=done + c.owner)
+            for c, _ in schedule.chunk_order(sched, r)
+        ]
+        table = _gemm.segment_table(segments, n, cfg, self.group.device)
+        grid = _gemm.programs_for(
+            _gemm.total_tiles(segments, n, cfg), self.group.device, self.group.backend,
+            comm_sms=self._ring_programs(),
+        )  # fmt: skip
+        plan = (cfg, table, len(segments), grid, {}, tiles_of(m_loc, n, cfg))
+        return self._keep_plan(key, plan)
+
+    def _ring(self, a, b, bias, out):
+        m, n = a.shape[0], b.shape[1]
+        w, r = self.world_size, self.rank
+        cfg, table, n_seg, grid, launchers, tiles = self._ring_plan(m, n)
+        run = launchers.get(bias is not None)
+        if run is None:
+            run = launchers[bias is not None] = _gemm.launcher(
+                m, n, self.k, cfg, grid, table, n_seg, dtype=self.dtype,
+                device=self.group.device, has_bias=bias is not None, sig=self.pad.buffer.local,
+                err=self.error.address, rank=r, max_spins=self.max_spins, world=w,
+                notify_stores=True,
+            )  # fmt: skip
+            if self.group.backend == "cuda":  # compiled before the ring waits for it
+                run.compile(a, b, self.partials[: m * n].view(m, n), bias)
+        partials = self.partials[: m * n].view(m, n)
+        first = self.pad.offset("arrival")  # the ring's counters and after: zeroed at its end
+        ring_args = (
+            partials, out, self.recv.local, self.recv.ptrs, (self.max_m // w) * n,
+            (m // w) * n, tiles, self.pad.buffer.local, self.pad.ptrs,
+            self.pad.offset("chunk_done"), self.pad.offset("ring"), self.pad.offset("barrier"),
+            self.pad.offset("go"), first, self.pad.size - first, r, self.error.address,
+            self.max_spins,
+        )  # fmt: skip
+        stream = fork(self.group)
+        # On a GPU the ring goes first (it waits for the GEMM's chunks; a kernel launched
+        # behind a spinning one is not sure to be scheduled); the interpreter runs each
+        # launch to completion, so there the GEMM must come first.
+        on_gpu = self.group.backend == "cuda"
+        if not on_gpu:
+            run(a, b, partials, bias)
+        with use_stream(stream):
+            launch(
+                ring_reduce_scatter_kernel, self._ring_programs(), *ring_args, WORLD=w,
+                BLOCK=REDUCE_BLOCK, num_warps=8,
+            )  # fmt: skip
+        if on_gpu:
+            run(a, b, partials, bias)
+        join(self.group, stream)
+
     def _compile_ce(self, run, copies, a, b, bias) -> None:
         """Compile the GEMM and the chunk waits before any of them is enqueued: the waits
         go first and spin until the GEMM runs, and a first compile (seconds) in between
@@ -584,7 +665,7 @@ class GemmRS(_ScatterGemm):
     of the sum over ranks, ``[M / world, n]``."""
 
     op_name = "gemm_rs"
-    STRATEGIES = ("auto", "fused", "ce_scatter", "signal_reorder", "none")
+    STRATEGIES = ("auto", "fused", "ce_scatter", "ring", "signal_reorder", "none")
     # One chunk per owner: captured, split 1 beat 2 and 4 on 5 of 6 shapes (2 x H200,
     # history/2026-11-22-h200-w2-gemm-rs-ce-scatter.json).
     STRATEGY_SPLIT = {"ce_scatter": 1}
@@ -608,6 +689,8 @@ class GemmRS(_ScatterGemm):
             out = self._signal_reorder(a, b, bias=bias, out=out)
         elif strategy == "ce_scatter":
             self._ce_scatter(a, b, bias, out)
+        elif strategy == "ring":
+            self._ring(a, b, bias, out)
         else:
             self._fused(a, b, bias, out)
         self.last_strategy = strategy

@@ -6,6 +6,8 @@ capture and replay."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -86,6 +88,9 @@ def _scatter_body(group, op, strategy, dtype_name, calls, split):
     dtype, w, r = DTYPES[dtype_name], group.world_size, group.rank
     cls = {"rs": interlace.GemmRS, "ar": interlace.GemmAR}[op]
     gen = torch.Generator().manual_seed(11 + r)
+    # The ring forwards running sums in the output dtype, one rounding per hop (as NCCL's
+    # ring does): its error grows with the world size. The others round once.
+    tol = 5e-3 * (1 + math.sqrt(w - 1)) if strategy == "ring" else TOL
     for m_loc, n, k in _shapes(group):
         kw = {} if split is None else {"split": split}
         ctx = cls(group, max_m=w * m_loc, n=n, k=k, dtype=dtype, strategy=strategy, **kw)
@@ -106,7 +111,7 @@ def _scatter_body(group, op, strategy, dtype_name, calls, split):
                 sync(group)
                 assert c.shape == (rows, n)
                 err = rel_err(c, ref)
-                assert err < TOL, f"{op} {strategy} {(m, n, k)} call {i}: rel err {err:.2e}"
+                assert err < tol, f"{op} {strategy} {(m, n, k)} call {i}: rel err {err:.2e}"
                 if op == "ar" and strategy == "fused":
                     # every rank holds the same bits
                     first = c.clone()
@@ -127,7 +132,9 @@ def test_gemm_ar_matches_reference(world, strategy):
     world.run(_scatter_body, "ar", strategy, "bf16", 3, None)
 
 
-@pytest.mark.parametrize("op, strategy", [("rs", "fused"), ("ar", "fused"), ("rs", "ce_scatter")])
+@pytest.mark.parametrize(
+    "op, strategy", [("rs", "fused"), ("ar", "fused"), ("rs", "ce_scatter"), ("rs", "ring")]
+)
 def test_scatter_split_and_fp16(world, op, strategy):
     world.run(_scatter_body, op, strategy, "fp16", 1, 3)
 
@@ -249,7 +256,14 @@ def _graph_body(group, op, strategy="fused"):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "op, strategy",
-    [("ag", "fused"), ("ag", "sm_pull"), ("rs", "fused"), ("rs", "ce_scatter"), ("ar", "fused")],
+    [
+        ("ag", "fused"),
+        ("ag", "sm_pull"),
+        ("rs", "fused"),
+        ("rs", "ce_scatter"),
+        ("rs", "ring"),
+        ("ar", "fused"),
+    ],  # fmt: skip
 )
 @pytest.mark.parametrize("size", [2, 4])
 def test_cuda_graph_replay(op, strategy, size):
@@ -262,6 +276,7 @@ def test_cuda_graph_replay(op, strategy, size):
 def _eight_rank_body(group):
     _ag_body(group, "fused", "bf16", 1)
     _scatter_body(group, "rs", "fused", "bf16", 1, None)
+    _scatter_body(group, "rs", "ring", "bf16", 1, None)
     _scatter_body(group, "ar", "fused", "bf16", 1, None)
     return True
 
