@@ -56,18 +56,14 @@ import torch.distributed as dist
 
 from .. import schedule
 from ..errors import InterlaceValueError
-from ..kernels.collective import pull_chunks_kernel, reduce_arrivals_kernel
-from ..kernels.ring import MAX_PROGRAMS, ring_reduce_scatter_kernel
-from ..language.primitives import wait_kernel
+from ..kernels.collective import pull_chunks_kernel
 from ..runtime import copy_and_signal, fork, join, symm_empty, use_stream
 from . import _gemm
-from ._context import OpContext, cdiv, persistent_grid
+from ._context import OpContext
 from ._gemm import GemmConfig, Segment, tiles_of
-from ._launch import launch
-from .collectives import REDUCE_BLOCK
+from ._rs_variants import RING_MAX_PROGRAMS, ScatterVariants
 
 MAX_SPLIT = 8
-RING_MAX_PROGRAMS = MAX_PROGRAMS.value
 AG_TEMPLATES = {
     "full_mesh": schedule.full_mesh_all_gather,
     "swizzled": schedule.swizzled_all_gather,
@@ -134,8 +130,12 @@ class _OverlappedGemm(OpContext):
         floor = self.MIN_OVERLAP_US["graph" if self._capturing() else "eager"]
         return "fused" if min(t_gemm, t_comm) >= floor else "none"
 
-    def _cfg(self, m: int, n: int, k: int) -> GemmConfig:
+    def _store_cfg(self, m: int, n: int, k: int) -> GemmConfig:
+        """The tile config for an epilogue of plain stores."""
         return self.config or _gemm.gemm_config(m, n, k, self.group.backend)
+
+    def _cfg(self, m: int, n: int, k: int) -> GemmConfig:
+        return self._store_cfg(m, n, k)
 
     def _capturing(self) -> bool:
         return self.group.backend == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -343,7 +343,7 @@ class AGGemm(_OverlappedGemm):
         self._barrier()  # nobody still pulls from my staged shard
 
 
-class _ScatterGemm(_OverlappedGemm):
+class _ScatterGemm(ScatterVariants, _OverlappedGemm):
     """Shared by GEMM+RS and GEMM+AR: the row chunks in rank-rotated order, partial tiles
     pushed to their owner from the epilogue, the owner's tiles reduced in theirs."""
 
@@ -462,189 +462,6 @@ class _ScatterGemm(_OverlappedGemm):
                 **self._signal_launch_args(),
             )  # fmt: skip
         run(a, b, c, bias)
-
-    # ------------------------------------------------------------------ ce_scatter
-    def _ce_plan(self, m: int, n: int):
-        """GEMM+RS with a copy-engine scatter: the GEMM stores every partial tile locally,
-        the chunks for other ranks first, and counts each chunk's finished tiles; per chunk,
-        a one-program wait on the comm stream, then a copy into the owner's receive rows
-        that raises the owner's arrival flag of (this rank, piece); the owner's reduction
-        kernel adds the pieces as they land."""
-        key = ("ce_scatter", m, n)
-        if (found := self._known_plan(key)) is not None:
-            return found
-        w, r = self.world_size, self.rank
-        m_loc, rows = m // w, self.max_m // w
-        cfg = _OverlappedGemm._cfg(self, m, n, self.k)  # plain stores: no epilogue room
-        sched = schedule.full_mesh_reduce_scatter(
-            w, m_loc, self.split, backend="ce", align=cfg.block_m
-        )
-        schedule.check(sched)
-        slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
-        done, arrival = self.pad.offset("chunk_done"), self.pad.offset("arrival")
-        segments = [
-            Segment(
-                row0=c.lo,
-                rows=c.rows,
-                owner=c.owner,
-                notify=done + slot_of[c.id] if c.owner != r else 0,
-            )  # fmt: skip
-            for c, _ in schedule.chunk_order(sched, r)
-        ]
-        # An owner's rows come in pieces of ``step`` rows (the last may be shorter): the
-        # reduction kernel finds a block's piece by division.
-        mine = [c for c in sched.row_order if c.owner == r]
-        step = mine[0].rows
-        if any(c.lo - r * m_loc != i * step for i, c in enumerate(mine)):
-            raise AssertionError(f"{self.op_name}: uneven chunks {[c.rows for c in mine]}")
-        copies = []
-        for t in schedule.transfers(sched, r):
-            o = t.dst
-            lo, hi = t.lo - o * m_loc, t.hi - o * m_loc  # in the owner's rows
-            dst = self.recv.peers[o].view(-1)[(r * rows + lo) * n : (r * rows + hi) * n]
-            copies.append(
-                (
-                    dst.view(hi - lo, n), t.lo, t.hi, self.pad.buffer.peers[o].view(torch.uint32),
-                    arrival + r * len(mine) + lo // step, done + slot_of[t.chunk_id],
-                    tiles_of(hi - lo, n, cfg),
-                )
-            )  # fmt: skip
-        table = _gemm.segment_table(segments, n, cfg, self.group.device)
-        grid = _gemm.programs_for(
-            _gemm.total_tiles(segments, n, cfg), self.group.device, self.group.backend,
-            comm_sms=1,  # the comm stream's wait kernels run beside the GEMM
-        )  # fmt: skip
-        plan = (cfg, table, len(segments), grid, {}, copies, step, len(mine))
-        return self._keep_plan(key, plan)
-
-    def _ce_scatter(self, a, b, bias, out):
-        m, n = a.shape[0], b.shape[1]
-        w, r = self.world_size, self.rank
-        m_loc = m // w
-        cfg, table, n_seg, grid, launchers, copies, step, pieces = self._ce_plan(m, n)
-        run = launchers.get(bias is not None)
-        if run is None:
-            run = launchers[bias is not None] = _gemm.launcher(
-                m, n, self.k, cfg, grid, table, n_seg, dtype=self.dtype,
-                device=self.group.device, has_bias=bias is not None, sig=self.pad.buffer.local,
-                err=self.error.address, rank=r, max_spins=self.max_spins, world=w,
-                notify_stores=True,
-            )  # fmt: skip
-            self._compile_ce(run, copies, a, b, bias)
-        partials = self.partials[: m * n].view(m, n)
-        arrival, size = self.pad.regions["arrival"]
-        stream = fork(self.group)
-        # On a GPU the comm stream's waits and copies are enqueued before the GEMM (a kernel
-        # launched behind a spinning one is not sure to be scheduled); the interpreter runs
-        # a launch to completion, so there they come after it.
-        on_gpu = self.group.backend == "cuda"
-        with use_stream(stream):
-            self._barrier(arrival, size)  # peers are done with my receive rows; flags zero
-            if on_gpu:
-                self._ship(copies, partials)
-        run(a, b, partials, bias)
-        if not on_gpu:
-            with use_stream(stream):
-                self._ship(copies, partials)
-        launch(
-            reduce_arrivals_kernel,
-            persistent_grid(self.group, cdiv(m_loc * n, REDUCE_BLOCK))[0], out.view(-1),
-            partials[r * m_loc : (r + 1) * m_loc].view(-1), self.recv.local.view(-1),
-            (self.max_m // w) * n, m_loc * n, step * n, pieces, self.pad.buffer.local,
-            arrival, r, w, self.error.address, self.max_spins, BLOCK=REDUCE_BLOCK, num_warps=8,
-        )  # fmt: skip
-        join(self.group, stream)
-
-    # ------------------------------------------------------------------ ring
-    def _ring_programs(self) -> int:
-        return self.comm_sms if self.group.backend == "cuda" else 2
-
-    def _ring_plan(self, m: int, n: int):
-        """GEMM+RS as a ring on a few SMs beside the GEMM (TileLink's in-kernel collective,
-        here a concurrent kernel): the GEMM stores its partials owner by owner in ring
-        order and counts each owner's finished tiles; ``kernels.ring`` adds and forwards."""
-        key = ("ring", m, n)
-        if (found := self._known_plan(key)) is not None:
-            return found
-        w, r = self.world_size, self.rank
-        m_loc = m // w
-        cfg = _OverlappedGemm._cfg(self, m, n, self.k)  # plain stores: no epilogue room
-        sched = schedule.ring_reduce_scatter(w, m_loc, 1, backend="sm", align=cfg.block_m)
-        schedule.check(sched)
-        done = self.pad.offset("chunk_done")
-        segments = [
-            Segment(row0=c.lo, rows=c.rows, owner=c.owner, notify=done + c.owner)
-            for c, _ in schedule.chunk_order(sched, r)
-        ]
-        table = _gemm.segment_table(segments, n, cfg, self.group.device)
-        grid = _gemm.programs_for(
-            _gemm.total_tiles(segments, n, cfg), self.group.device, self.group.backend,
-            comm_sms=self._ring_programs(),
-        )  # fmt: skip
-        plan = (cfg, table, len(segments), grid, {}, tiles_of(m_loc, n, cfg))
-        return self._keep_plan(key, plan)
-
-    def _ring(self, a, b, bias, out):
-        m, n = a.shape[0], b.shape[1]
-        w, r = self.world_size, self.rank
-        cfg, table, n_seg, grid, launchers, tiles = self._ring_plan(m, n)
-        run = launchers.get(bias is not None)
-        if run is None:
-            run = launchers[bias is not None] = _gemm.launcher(
-                m, n, self.k, cfg, grid, table, n_seg, dtype=self.dtype,
-                device=self.group.device, has_bias=bias is not None, sig=self.pad.buffer.local,
-                err=self.error.address, rank=r, max_spins=self.max_spins, world=w,
-                notify_stores=True,
-            )  # fmt: skip
-            if self.group.backend == "cuda":  # compiled before the ring waits for it
-                run.compile(a, b, self.partials[: m * n].view(m, n), bias)
-        partials = self.partials[: m * n].view(m, n)
-        first = self.pad.offset("arrival")  # the ring's counters and after: zeroed at its end
-        ring_args = (
-            partials, out, self.recv.local, self.recv.ptrs, (self.max_m // w) * n,
-            (m // w) * n, tiles, self.pad.buffer.local, self.pad.ptrs,
-            self.pad.offset("chunk_done"), self.pad.offset("ring"), self.pad.offset("barrier"),
-            self.pad.offset("go"), first, self.pad.size - first, r, self.error.address,
-            self.max_spins,
-        )  # fmt: skip
-        stream = fork(self.group)
-        # On a GPU the ring goes first (it waits for the GEMM's chunks; a kernel launched
-        # behind a spinning one is not sure to be scheduled); the interpreter runs each
-        # launch to completion, so there the GEMM must come first.
-        on_gpu = self.group.backend == "cuda"
-        if not on_gpu:
-            run(a, b, partials, bias)
-        with use_stream(stream):
-            launch(
-                ring_reduce_scatter_kernel, self._ring_programs(), *ring_args, WORLD=w,
-                BLOCK=REDUCE_BLOCK, num_warps=8,
-            )  # fmt: skip
-        if on_gpu:
-            run(a, b, partials, bias)
-        join(self.group, stream)
-
-    def _compile_ce(self, run, copies, a, b, bias) -> None:
-        """Compile the GEMM and the chunk waits before any of them is enqueued: the waits
-        go first and spin until the GEMM runs, and a first compile (seconds) in between
-        could outlast their bound."""
-        if self.group.backend != "cuda":
-            return
-        run.compile(a, b, self.partials[: a.shape[0] * b.shape[1]].view(a.shape[0], -1), bias)
-        for *_, done, tiles in copies:
-            wait_kernel.warmup(
-                self.pad.buffer.local, done, 1, tiles, self.error.address, self.rank,
-                self.max_spins, RESET=True, grid=(1,),
-            )  # fmt: skip
-
-    def _ship(self, copies, partials) -> None:
-        """Per chunk: wait (bounded, one program) until the GEMM has finished its tiles, then
-        copy it to its owner and raise the owner's flag."""
-        for dst, lo, hi, signal, slot, done, tiles in copies:
-            launch(
-                wait_kernel, 1, self.pad.buffer.local, done, 1, tiles, self.error.address,
-                self.rank, self.max_spins, RESET=True,
-            )  # fmt: skip
-            copy_and_signal(dst, partials[lo:hi], signal, slot)
 
     def close(self) -> None:
         if self._signal_reorder is not None:
