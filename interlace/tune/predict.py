@@ -285,10 +285,20 @@ def monotone(times: list[float]) -> list[float]:
     return out
 
 
+#: GPU clock cycles the comm stream idles before a timed collective (~200 µs on an H200):
+#: the host has enqueued the collective by then, so its launch latency, which the
+#: recurrence models apart (``host_ms``), stays out of the curve.
+HOLD_CYCLES = 400_000
+
+
 def _loaded_comm_ms(ctx, plan, a, b, nbytes, iters, warmup) -> float:
     """Median time of the collective on the comm stream while the signalling GEMM runs on
-    the current one (events on the comm stream; the GEMM's counters are cleared after)."""
+    the current one (events on the comm stream; the GEMM's counters are cleared after).
+    The start event waits behind a short device-side sleep, so the time is the
+    collective's own, not the host's enqueue latency (without it, the curve measured on
+    2 x H200 read 0.09 ms for 64 KB, and the predictor then favoured a single group)."""
     group = ctx.group
+    hold = getattr(torch.cuda, "_sleep", None)
     times = []
     for i in range(warmup + iters):
         torch.cuda.synchronize()
@@ -297,6 +307,8 @@ def _loaded_comm_ms(ctx, plan, a, b, nbytes, iters, warmup) -> float:
         ctx.launch_gemm(plan, a, b)
         with use_stream(stream):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if hold is not None:
+                hold(HOLD_CYCLES)
             start.record()
             ctx.comm_only(nbytes)
             end.record()
