@@ -1,8 +1,9 @@
-"""GEMM+RS's copy-engine scatter (``ce_scatter``) and ring (``ring``) strategies: the
-methods they add to the GEMM+RS context (``ops.gemm._ScatterGemm``, which mixes this class
-in). Both run the segment GEMM with plain stores of every partial tile into a local
-buffer (``self.partials``) and per-chunk finished-tile counters; they differ in what moves
-the chunks: the copy engine plus one reduction kernel, or a ring of a few SMs."""
+"""The copy-engine scatter (``ce_scatter``: GEMM+RS, and GEMM+AR with a copy-engine
+gather after it) and the ring (``ring``, GEMM+RS): the methods they add to the GEMM+RS /
+GEMM+AR context (``ops.gemm._ScatterGemm``, which mixes this class in). Both run the
+segment GEMM with plain stores of every partial tile into a local buffer
+(``self.partials``) and per-chunk finished-tile counters; they differ in what moves the
+chunks: the copy engine plus one reduction kernel, or a ring of a few SMs."""
 
 from __future__ import annotations
 
@@ -79,7 +80,14 @@ class ScatterVariants:
         plan = (cfg, table, len(segments), grid, {}, copies, step, len(mine))
         return self._keep_plan(key, plan)
 
-    def _ce_scatter(self, a, b, bias, out):
+    def _ce_all_reduce(self, a, b, bias, result):
+        """GEMM+AR ``ce_scatter``: the reduce-scatter above into this rank's rows of the
+        symmetric ``result``, then the copy engine ships them into every peer's ``result``
+        and a one-program wait on the caller's stream consumes the peers' flags."""
+        m_loc = a.shape[0] // self.world_size
+        self._ce_scatter(a, b, bias, result[self.rank * m_loc : (self.rank + 1) * m_loc], True)
+
+    def _ce_scatter(self, a, b, bias, out, gather: bool = False):
         m, n = a.shape[0], b.shape[1]
         w, r = self.world_size, self.rank
         m_loc = m // w
@@ -115,6 +123,19 @@ class ScatterVariants:
             (self.max_m // w) * n, m_loc * n, step * n, pieces, self.pad.buffer.local,
             arrival, r, w, self.error.address, self.max_spins, BLOCK=REDUCE_BLOCK, num_warps=8,
         )  # fmt: skip
+        if gather:
+            first = self.pad.offset("gathered")
+            fork(self.group)  # the comm stream waits for the reduction
+            with use_stream(stream):
+                for p in range(1, w):
+                    peer = (r + p) % w
+                    dst = self.result.peers[peer].view(-1)[r * m_loc * n : (r + 1) * m_loc * n]
+                    signal = self.pad.buffer.peers[peer].view(torch.uint32)
+                    copy_and_signal(dst.view(m_loc, n), out, signal, first + r)
+            launch(
+                wait_kernel, 1, self.pad.buffer.local, first, w, 1, self.error.address, r,
+                self.max_spins, skip=r, RESET=True,
+            )  # fmt: skip
         join(self.group, stream)
 
     # ------------------------------------------------------------------ ring

@@ -389,6 +389,8 @@ class _ScatterGemm(ScatterVariants, _OverlappedGemm):
             "arrival": world * MAX_SPLIT, "chunk_done": world * MAX_SPLIT,
             # ring: per (step, program) arrivals from the left neighbour
             "ring": world * RING_MAX_PROGRAMS,
+            # GEMM+AR ce_scatter: a peer's reduced rows have landed
+            "gathered": world,
         }  # fmt: skip
 
     def _comm_bytes(self, m_total, n):
@@ -521,6 +523,8 @@ class GemmAR(_ScatterGemm):
 
     op_name = "gemm_ar"
     BROADCAST = True
+    STRATEGIES = ("auto", "fused", "ce_scatter", "signal_reorder", "none")
+    STRATEGY_SPLIT = {"ce_scatter": 1}
 
     def __init__(self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", **kw):
         super().__init__(group, max_m, n, k, dtype, strategy, **kw)
@@ -542,7 +546,10 @@ class GemmAR(_ScatterGemm):
             result = self._signal_reorder(a, b, bias=bias, out=out)
         else:
             result = self.result.local.view(-1)[: m * n].view(m, n)
-            self._fused(a, b, bias, result)
+            if strategy == "ce_scatter":
+                self._ce_all_reduce(a, b, bias, result)
+            else:
+                self._fused(a, b, bias, result)
             if out is not None:
                 result = out.copy_(result)
         self.last_strategy = strategy
