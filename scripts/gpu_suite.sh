@@ -4,7 +4,8 @@
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu_suite.sh [bench args]
 # Environment: SUITE=collectives|dense|p2p_ring|signal_reorder|all (default all: every one),
 # TESTS=0 skips the GPU tests,
-# TEST_TIMEOUT / BENCH_TIMEOUT in seconds, PROBE=1 adds the host-overhead probe.
+# TEST_TIMEOUT / BENCH_TIMEOUT in seconds, PROBE=1 adds the host-overhead probe,
+# STRATEGIES: the dense strategies (default: all but signal_reorder, which has its own run).
 # Extra arguments go to `python -m interlace bench`, e.g. --models llama3-8b --ms 8192.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
@@ -31,7 +32,8 @@ MAIN_SUITE=$SUITE
 case "$SUITE" in p2p_ring|signal_reorder) MAIN_SUITE="" ;; esac
 bench_rc=skipped
 if [ -n "$MAIN_SUITE" ]; then
-    timeout -k 10 "$BENCH_TIMEOUT" python3 -m interlace bench --suite "$MAIN_SUITE" --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
+    timeout -k 10 "$BENCH_TIMEOUT" python3 -m interlace bench --suite "$MAIN_SUITE" --out "$OUT" \
+        --strategies "${STRATEGIES:-auto,fused,ce_scatter,ring,sm_pull,none}" "$@" > "$OUT/bench.log" 2>&1
     bench_rc=$?
 fi
 # The two strategies with their own runners (sliced layers; wave-group search).
