@@ -92,15 +92,9 @@ class ScatterVariants:
         w, r = self.world_size, self.rank
         m_loc = m // w
         cfg, table, n_seg, grid, launchers, copies, step, pieces = self._ce_plan(m, n)
-        run = launchers.get(bias is not None)
-        if run is None:
-            run = launchers[bias is not None] = _gemm.launcher(
-                m, n, self.k, cfg, grid, table, n_seg, dtype=self.dtype,
-                device=self.group.device, has_bias=bias is not None, sig=self.pad.buffer.local,
-                err=self.error.address, rank=r, max_spins=self.max_spins, world=w,
-                notify_stores=True,
-            )  # fmt: skip
-            self._compile_ce(run, copies, a, b, bias)
+        run = self._partials_gemm(launchers, m, n, cfg, grid, table, n_seg, a, b, bias)
+        if "waits" not in launchers:  # the plan's first call
+            launchers["waits"] = self._compile_waits(copies)
         partials = self.partials[: m * n].view(m, n)
         arrival, size = self.pad.regions["arrival"]
         stream = fork(self.group)
@@ -171,16 +165,7 @@ class ScatterVariants:
         m, n = a.shape[0], b.shape[1]
         w, r = self.world_size, self.rank
         cfg, table, n_seg, grid, launchers, tiles = self._ring_plan(m, n)
-        run = launchers.get(bias is not None)
-        if run is None:
-            run = launchers[bias is not None] = _gemm.launcher(
-                m, n, self.k, cfg, grid, table, n_seg, dtype=self.dtype,
-                device=self.group.device, has_bias=bias is not None, sig=self.pad.buffer.local,
-                err=self.error.address, rank=r, max_spins=self.max_spins, world=w,
-                notify_stores=True,
-            )  # fmt: skip
-            if self.group.backend == "cuda":  # compiled before the ring waits for it
-                run.compile(a, b, self.partials[: m * n].view(m, n), bias)
+        run = self._partials_gemm(launchers, m, n, cfg, grid, table, n_seg, a, b, bias)
         partials = self.partials[: m * n].view(m, n)
         first = self.pad.offset("arrival")  # the ring's counters and after: zeroed at its end
         ring_args = (
@@ -206,18 +191,33 @@ class ScatterVariants:
             run(a, b, partials, bias)
         join(self.group, stream)
 
-    def _compile_ce(self, run, copies, a, b, bias) -> None:
-        """Compile the GEMM and the chunk waits before any of them is enqueued: the waits
-        go first and spin until the GEMM runs, and a first compile (seconds) in between
-        could outlast their bound."""
+    def _partials_gemm(self, launchers, m, n, cfg, grid, table, n_seg, a, b, bias):
+        """The plan's GEMM that stores partials and counts finished tiles per chunk
+        (prepared once per bias / no bias). Compiled before its first launch on a GPU: the
+        kernels that wait for it are enqueued first, and a first compile (seconds) between
+        them and the GEMM could outlast their bounded wait."""
+        run = launchers.get(bias is not None)
+        if run is None:
+            run = launchers[bias is not None] = _gemm.launcher(
+                m, n, self.k, cfg, grid, table, n_seg, dtype=self.dtype,
+                device=self.group.device, has_bias=bias is not None, sig=self.pad.buffer.local,
+                err=self.error.address, rank=self.rank, max_spins=self.max_spins,
+                world=self.world_size, notify_stores=True,
+            )  # fmt: skip
+            if self.group.backend == "cuda":
+                run.compile(a, b, self.partials[: m * n].view(m, n), bias)
+        return run
+
+    def _compile_waits(self, copies) -> bool:
+        """Compile the chunk waits (enqueued before the GEMM, see ``_partials_gemm``)."""
         if self.group.backend != "cuda":
-            return
-        run.compile(a, b, self.partials[: a.shape[0] * b.shape[1]].view(a.shape[0], -1), bias)
+            return False
         for *_, done, tiles in copies:
             wait_kernel.warmup(
                 self.pad.buffer.local, done, 1, tiles, self.error.address, self.rank,
                 self.max_spins, RESET=True, grid=(1,),
             )  # fmt: skip
+        return True
 
     def _ship(self, copies, partials) -> None:
         """Per chunk: wait (bounded, one program) until the GEMM has finished its tiles, then
