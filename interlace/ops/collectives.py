@@ -29,7 +29,7 @@ from ..kernels.collective import (
 from ..language.primitives import wait_kernel
 from ..runtime import Group, copy_and_signal, fork, join, symm_empty, use_stream
 from ._context import OpContext, cdiv, persistent_grid
-from ._launch import launch
+from ._launch import PreparedLaunch, launch
 
 COPY_BLOCK = 4096
 REDUCE_BLOCK = 2048
@@ -67,6 +67,7 @@ class AllGather(OpContext):
     ):
         self.method = _check_method(self.op_name, method, self.METHODS)
         super().__init__(group, dtype, max_numel, {"arrival": group.world_size}, max_spins)
+        self._arrival_wait = None  # ce_push: the prepared wait for the peers' arrivals
         if method == "ce_push":
             self.gathered = self._track(
                 symm_empty((self.world_size * self.max_numel,), dtype, group)
@@ -118,19 +119,12 @@ class AllGather(OpContext):
             dst = self.gathered.peers[peer][r * n : (r + 1) * n]
             copy_and_signal(dst, src, self.pad.buffer.peers[peer], arrival + r)
         # Consume the w - 1 arrival flags (self-resetting; my own slot is never raised).
-        launch(
-            wait_kernel,
-            1,
-            self.pad.buffer.local,
-            arrival,
-            w,
-            1,
-            self.error.address,
-            r,
-            self.max_spins,
-            skip=r,
-            RESET=True,
-        )
+        if self._arrival_wait is None:
+            args = (self.pad.buffer.local, arrival, w, 1, self.error.address, r, self.max_spins)
+            self._arrival_wait = PreparedLaunch(
+                wait_kernel, 1, args, {"skip": r, "RESET": True}, ()
+            )
+        self._arrival_wait()
         return self.gathered.local[: w * n]
 
 
@@ -234,12 +228,20 @@ class ReduceScatter(OpContext):
                     dst = self.recv.peers[peer][r, lo:hi]
                     signal = self.pad.buffer.peers[peer].view(torch.uint32)
                     transfers.append((lo, hi, peer, dst, signal, arrival + r * n_pieces + p))
-            self._plans[m] = (piece_len, n_pieces, transfers)
+            reduce = PreparedLaunch(
+                reduce_arrivals_kernel, persistent_grid(self.group, cdiv(m, REDUCE_BLOCK))[0],
+                (
+                    None, None, self.recv.local, self.max_numel, m, piece_len, n_pieces,
+                    self.pad.buffer.local, arrival, r, w, self.error.address, self.max_spins,
+                ),
+                {"BLOCK": REDUCE_BLOCK, "num_warps": 8}, ("out", "own"),
+            )  # fmt: skip
+            self._plans[m] = (piece_len, n_pieces, transfers, reduce)
         return self._plans[m]
 
     def _scatter_reduce(self, src: torch.Tensor, out: torch.Tensor, m: int) -> None:
         w, r = self.world_size, self.rank
-        piece_len, n_pieces, transfers = self._scatter_plan(m)
+        piece_len, n_pieces, transfers, reduce = self._scatter_plan(m)
         arrival = self.pad.offset("arrival")
         # The barrier also clears my arrival flags, which the previous call only read:
         # every peer has then finished reading its receive buffer, and its flags are zero.
@@ -253,12 +255,7 @@ class ReduceScatter(OpContext):
         with use_stream(stream):
             for lo, hi, peer, dst, signal, slot in transfers:
                 copy_and_signal(dst, src[peer, lo:hi], signal, slot)
-        launch(
-                reduce_arrivals_kernel, persistent_grid(self.group, cdiv(m, REDUCE_BLOCK))[0],
-            out, src[r], self.recv.local, self.max_numel, m, piece_len, n_pieces,
-            self.pad.buffer.local, arrival, r, w, self.error.address,
-            self.max_spins, BLOCK=REDUCE_BLOCK, num_warps=8,
-        )  # fmt: skip
+        reduce(out, src[r])
         join(self.group, stream)
 
 
