@@ -21,10 +21,20 @@ from ._launch import launch
 from .collectives import REDUCE_BLOCK
 
 RING_MAX_PROGRAMS = MAX_PROGRAMS.value
+#: Reduction programs per SM: the reduction spins on arrivals while the comm stream's
+#: one-program waits still need a place on some SM (four per SM could fill one).
+REDUCE_PER_SM = 1
 
 
 class ScatterVariants:
-    """Mixed into the GEMM+RS context; uses its pad, buffers, plans and GEMM configs."""
+    """Mixed into the GEMM+RS context; uses its pad, buffers, plans and GEMM configs.
+
+    Launch order: the partials GEMM never waits on anything, so it is enqueued first (on
+    every backend), before the kernels that spin waiting for its chunks. The other order
+    deadlocked on 2 x H200 until the waits timed out: the first launch of a kernel (here
+    the GEMM, at each new specialisation) blocked the host for as long as a kernel was
+    spinning on the device (benchmarks/NOTES.md). The GEMM's grid leaves ``comm_sms``
+    SMs free for the spinning kernels."""
 
     # ------------------------------------------------------------------ ce_scatter
     def _ce_plan(self, m: int, n: int):
@@ -98,21 +108,14 @@ class ScatterVariants:
         partials = self.partials[: m * n].view(m, n)
         arrival, size = self.pad.regions["arrival"]
         stream = fork(self.group)
-        # On a GPU the comm stream's waits and copies are enqueued before the GEMM (a kernel
-        # launched behind a spinning one is not sure to be scheduled); the interpreter runs
-        # a launch to completion, so there they come after it.
-        on_gpu = self.group.backend == "cuda"
+        run(a, b, partials, bias)
         with use_stream(stream):
             self._barrier(arrival, size)  # peers are done with my receive rows; flags zero
-            if on_gpu:
-                self._ship(copies, partials)
-        run(a, b, partials, bias)
-        if not on_gpu:
-            with use_stream(stream):
-                self._ship(copies, partials)
+            self._ship(copies, partials)
         launch(
             reduce_arrivals_kernel,
-            persistent_grid(self.group, cdiv(m_loc * n, REDUCE_BLOCK))[0], out.view(-1),
+            persistent_grid(self.group, cdiv(m_loc * n, REDUCE_BLOCK), per_sm=REDUCE_PER_SM)[0],
+            out.view(-1),
             partials[r * m_loc : (r + 1) * m_loc].view(-1), self.recv.local.view(-1),
             (self.max_m // w) * n, m_loc * n, step * n, pieces, self.pad.buffer.local,
             arrival, r, w, self.error.address, self.max_spins, BLOCK=REDUCE_BLOCK, num_warps=8,
@@ -176,26 +179,18 @@ class ScatterVariants:
             self.max_spins,
         )  # fmt: skip
         stream = fork(self.group)
-        # On a GPU the ring goes first (it waits for the GEMM's chunks; a kernel launched
-        # behind a spinning one is not sure to be scheduled); the interpreter runs each
-        # launch to completion, so there the GEMM must come first.
-        on_gpu = self.group.backend == "cuda"
-        if not on_gpu:
-            run(a, b, partials, bias)
+        run(a, b, partials, bias)
         with use_stream(stream):
             launch(
                 ring_reduce_scatter_kernel, self._ring_programs(), *ring_args, WORLD=w,
                 BLOCK=REDUCE_BLOCK, num_warps=8,
             )  # fmt: skip
-        if on_gpu:
-            run(a, b, partials, bias)
         join(self.group, stream)
 
     def _partials_gemm(self, launchers, m, n, cfg, grid, table, n_seg, a, b, bias):
         """The plan's GEMM that stores partials and counts finished tiles per chunk
-        (prepared once per bias / no bias). Compiled before its first launch on a GPU: the
-        kernels that wait for it are enqueued first, and a first compile (seconds) between
-        them and the GEMM could outlast their bounded wait."""
+        (prepared once per bias / no bias). Compiled when prepared on a GPU, so that no
+        first compile (seconds) falls between kernels that wait on each other."""
         run = launchers.get(bias is not None)
         if run is None:
             run = launchers[bias is not None] = _gemm.launcher(
@@ -209,7 +204,8 @@ class ScatterVariants:
         return run
 
     def _compile_waits(self, copies) -> bool:
-        """Compile the chunk waits (enqueued before the GEMM, see ``_partials_gemm``)."""
+        """Compile the chunk waits before the first call enqueues anything (a peer's
+        reduction already spins for the chunks they release)."""
         if self.group.backend != "cuda":
             return False
         for *_, done, tiles in copies:
