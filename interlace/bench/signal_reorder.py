@@ -215,7 +215,8 @@ def _predictor_record(ctx, mdl, model, m, n, k, dtype_name, a, b, limit, iters, 
         "op": "signal_reorder_predictor", "strategy": "signal_reorder", "model": model,
         "dtype": dtype_name, "M": m, "N": n, "K": k, "n_waves": mdl.layout.n_waves,
         "programs": mdl.layout.programs, "wave_ms": _r(mdl.wave_ms), "post_ms": _r(mdl.post_ms),
-        "gemm_ms": _r(mdl.gemm_ms), "curve": mdl.curve.to_dict(),
+        "gemm_ms": _r(mdl.gemm_ms), "host0_ms": _r(mdl.host0_ms), "host_ms": _r(mdl.host_ms),
+        "curve": mdl.curve.to_dict(),
         "partitions": [
             {"partition": r["partition"], "predicted_ms": _r(r["predicted_ms"]),
              "measured_ms": _r(r["measured_ms"])} for r in rows
