@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..language.primitives import guard, notify, remote_base, wait
+from ..language.primitives import guard, last_program_clears, notify, remote_base, wait
 
 
 @triton.jit
@@ -66,7 +66,10 @@ def reduce_arrivals_kernel(
     world,
     err,
     max_spins,
-    BLOCK: tl.constexpr,
+    done_slot=0,
+    clear_count=0,
+    BLOCK: tl.constexpr = 2048,
+    CLEAR_AT_END: tl.constexpr = False,
 ):
     """Reduce-scatter's reduction: ``out = own + sum of recv[src]`` over the other ranks, in
     fp32, consuming each block as soon as its piece from ``src`` has landed.
@@ -74,7 +77,9 @@ def reduce_arrivals_kernel(
     ``recv[src]`` (stride ``slot_stride``) is written by rank ``src``'s copy engine, which
     raises ``sig[sig_first + src * n_pieces + piece]`` when that piece has landed. Pieces
     are ``piece_len`` elements (the last may be shorter); a block waits for every piece it
-    touches.
+    touches. ``CLEAR_AT_END``: the last program to finish zeroes the ``clear_count`` slots
+    from ``sig_first`` (``done_slot``, its counter, among them), so the flags need no
+    clearing before the next call.
     """
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -104,6 +109,8 @@ def reduce_arrivals_kernel(
             vals = tl.load(recv + src.to(tl.int64) * slot_stride + offs, mask=ok)
             acc += vals.to(tl.float32)
         tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+    if CLEAR_AT_END:
+        last_program_clears(sig, done_slot, sig_first, clear_count)
 
 
 @triton.jit

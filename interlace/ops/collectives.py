@@ -14,6 +14,14 @@ the same bits). Every call is collective: all ranks call with the same shapes.
 
 Without ``out=`` a call may return a view of the context's symmetric buffer (zero copy):
 it stays valid until the next call on the same context.
+
+The copy-engine methods (``AllGather`` ``ce_push``, ``ReduceScatter`` ``ce_scatter``) need
+no device barrier in an eager call: consecutive calls alternate between two sets of
+receive buffers and flags. A rank writes a peer's set ``s`` again only two calls later,
+after that peer's call in between has consumed this rank's data, which it does after its
+own use of set ``s`` in stream order; the flags are reset by whoever consumes them. A call
+captured in a CUDA graph cannot alternate (each replay repeats it), so it uses a third set
+behind a device barrier. The cost is three receive buffers instead of one.
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ from ._launch import PreparedLaunch, launch
 
 COPY_BLOCK = 4096
 REDUCE_BLOCK = 2048
+#: Receive-buffer / flag sets of the copy-engine methods: two that eager calls alternate
+#: between, and one for calls captured in a CUDA graph (module docstring).
+BUFFER_SETS = 3
+GRAPH_SET = 2
 
 
 def _check_method(op: str, method: str, methods: tuple[str, ...]) -> str:
@@ -41,14 +53,30 @@ def _check_method(op: str, method: str, methods: tuple[str, ...]) -> str:
     return method
 
 
-class AllGather(OpContext):
+class _AlternatingSets:
+    """The buffer-set choice of the copy-engine methods (module docstring)."""
+
+    _next_set = 0
+
+    def _buffer_set(self) -> int:
+        """The set this call uses: eager calls alternate 0 and 1; a call being captured in
+        a CUDA graph uses :data:`GRAPH_SET` and must run a device barrier first."""
+        if self.group.backend == "cuda" and torch.cuda.is_current_stream_capturing():
+            return GRAPH_SET
+        s = self._next_set
+        self._next_set = 1 - s
+        return s
+
+
+class AllGather(_AlternatingSets, OpContext):
     """All-gather along dim 0 over symmetric memory.
 
     Methods:
 
     * ``ce_push`` (default): each rank's copy engine pushes its shard into every peer's
       output buffer, peer by peer in rank-rotated order, raising the peer's arrival flag
-      from the stream after each copy. The result is a view of the symmetric buffer.
+      from the stream after each copy; no device barrier when eager (module docstring).
+      The result is a view of the symmetric buffer.
     * ``ce_pull``: the shard is staged in symmetric memory and every rank's copy engine
       pulls the peers' shards, peer by peer in rank-rotated order.
     * ``sm_pull``: as ``ce_pull`` but the pulls are loads by a Triton kernel.
@@ -66,12 +94,11 @@ class AllGather(OpContext):
         max_spins=None,
     ):
         self.method = _check_method(self.op_name, method, self.METHODS)
-        super().__init__(group, dtype, max_numel, {"arrival": group.world_size}, max_spins)
-        self._arrival_wait = None  # ce_push: the prepared wait for the peers' arrivals
+        w = group.world_size
+        super().__init__(group, dtype, max_numel, {"arrival": BUFFER_SETS * w}, max_spins)
+        self._arrival_waits: dict[int, PreparedLaunch] = {}  # ce_push, per buffer set
         if method == "ce_push":
-            self.gathered = self._track(
-                symm_empty((self.world_size * self.max_numel,), dtype, group)
-            )
+            self.gathered = self._track(symm_empty((BUFFER_SETS, w * self.max_numel), dtype, group))
         else:
             self.staging = self._track(symm_empty((self.max_numel,), dtype, group))
 
@@ -110,25 +137,31 @@ class AllGather(OpContext):
     def _push(self, x: torch.Tensor, n: int) -> torch.Tensor:
         w, r = self.world_size, self.rank
         src = x.reshape(-1)
-        # The local copy first: it runs while the host is still launching the barrier.
-        self.gathered.local[r * n : (r + 1) * n].copy_(src)
-        self._barrier()  # every peer is done with the previous result in its buffer
-        arrival = self.pad.offset("arrival")
+        s = self._buffer_set()
+        first = self.pad.offset("arrival") + s * w  # this set's flags, one per source
+        if s == GRAPH_SET:
+            self._barrier()  # every peer is done with the previous replay's result
         for i in range(1, w):
             peer = (r + i) % w
-            dst = self.gathered.peers[peer][r * n : (r + 1) * n]
-            copy_and_signal(dst, src, self.pad.buffer.peers[peer], arrival + r)
+            dst = self.gathered.peers[peer][s, r * n : (r + 1) * n]
+            copy_and_signal(dst, src, self.pad.buffer.peers[peer], first + r)
+        # My own shard on the comm stream's copy engine, beside the pushes.
+        stream = fork(self.group)
+        with use_stream(stream):
+            self.gathered.local[s, r * n : (r + 1) * n].copy_(src)
         # Consume the w - 1 arrival flags (self-resetting; my own slot is never raised).
-        if self._arrival_wait is None:
-            args = (self.pad.buffer.local, arrival, w, 1, self.error.address, r, self.max_spins)
-            self._arrival_wait = PreparedLaunch(
+        wait = self._arrival_waits.get(s)
+        if wait is None:
+            args = (self.pad.buffer.local, first, w, 1, self.error.address, r, self.max_spins)
+            wait = self._arrival_waits[s] = PreparedLaunch(
                 wait_kernel, 1, args, {"skip": r, "RESET": True}, ()
             )
-        self._arrival_wait()
-        return self.gathered.local[: w * n]
+        wait()
+        join(self.group, stream)
+        return self.gathered.local[s, : w * n]
 
 
-class ReduceScatter(OpContext):
+class ReduceScatter(_AlternatingSets, OpContext):
     """Reduce-scatter (sum) along dim 0: rank ``r`` gets the sum of every rank's
     ``x[r*m : (r+1)*m]``, accumulated in fp32.
 
@@ -137,7 +170,8 @@ class ReduceScatter(OpContext):
     * ``ce_scatter`` (default): the copy engine pushes each chunk to its owner, in
       ``pieces`` parts per chunk, peer by peer in rank-rotated order, raising a flag per
       (source, piece) from the stream; a Triton kernel on the caller's stream reduces each
-      piece as soon as it has landed, overlapping the reduction with the transfers.
+      piece as soon as it has landed, overlapping the reduction with the transfers, and
+      clears the flags as it ends. No device barrier when eager (module docstring).
     * ``sm_pull``: the input is staged in symmetric memory and a Triton kernel on each rank
       loads its chunk from every peer and sums it.
     """
@@ -162,21 +196,24 @@ class ReduceScatter(OpContext):
                 f"{self.op_name}: pieces must be in 1..{self.MAX_PIECES}, got {pieces}"
             )
         w = group.world_size
-        super().__init__(group, dtype, max_numel, {"arrival": w * self.MAX_PIECES}, max_spins)
+        self._set_slots = w * self.MAX_PIECES + 1  # per set: (source, piece) flags, a counter
+        regions = {"arrival": BUFFER_SETS * self._set_slots}
+        super().__init__(group, dtype, max_numel, regions, max_spins)
         self.pieces = pieces
-        self._plans: dict[int, tuple] = {}
+        self._plans: dict[tuple[int, int], tuple] = {}
         if method == "ce_scatter":
-            self.recv = self._track(symm_empty((w, self.max_numel), dtype, group))
+            self.recv = self._track(symm_empty((BUFFER_SETS, w, self.max_numel), dtype, group))
         else:
             self.staging = self._track(symm_empty((w * self.max_numel,), dtype, group))
 
     def _pieces_for(self, m: int) -> int:
-        """Pieces per chunk: each at least 16 MB, at most 4 (measured on 2 x H200: at 64 MB
-        per rank 2 pieces beat 1 and 4; at 256 MB 4 beat 1 and 2; below, 1 wins)."""
+        """Pieces per chunk: each at least 32 MB, at most 4 (measured on 2 x H200: at 64 MB
+        per rank one piece took 0.200-0.223 ms and two 0.223-0.230; at 256 MB 4 beat 1 and
+        2). One piece also saves the comm stream's fork and join."""
         if self.pieces is not None:
             return self.pieces
         chunk_bytes = m * self.dtype.itemsize
-        return max(1, min(4, chunk_bytes // (16 << 20)))
+        return max(1, min(4, chunk_bytes // (32 << 20)))
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         self._begin()
@@ -210,42 +247,42 @@ class ReduceScatter(OpContext):
         self._end()
         return out
 
-    def _scatter_plan(self, m: int) -> tuple[int, int, list]:
-        """Piece length, piece count and every transfer (source range, peer, destination
-        view, the peer's signal pad as uint32, slot) for a per-rank output of ``m``
-        elements; built once per ``m``."""
-        if m not in self._plans:
+    def _scatter_plan(self, m: int, s: int) -> tuple[int, list, PreparedLaunch]:
+        """Piece count, every transfer (source range, peer, destination view, the peer's
+        signal pad as uint32, slot) and the prepared reduction, for a per-rank output of
+        ``m`` elements through buffer set ``s``; built once per (``m``, ``s``)."""
+        if (m, s) not in self._plans:
             w, r = self.world_size, self.rank
             pieces = self._pieces_for(m)
             piece_len = cdiv(cdiv(m, pieces), REDUCE_BLOCK) * REDUCE_BLOCK  # block-aligned
             n_pieces = cdiv(m, piece_len)
-            arrival = self.pad.offset("arrival")
+            first = self.pad.offset("arrival") + s * self._set_slots
             transfers = []
             for p in range(n_pieces):
                 lo, hi = p * piece_len, min(m, (p + 1) * piece_len)
                 for i in range(1, w):
                     peer = (r + i) % w
-                    dst = self.recv.peers[peer][r, lo:hi]
+                    dst = self.recv.peers[peer][s, r, lo:hi]
                     signal = self.pad.buffer.peers[peer].view(torch.uint32)
-                    transfers.append((lo, hi, peer, dst, signal, arrival + r * n_pieces + p))
+                    transfers.append((lo, hi, peer, dst, signal, first + r * n_pieces + p))
             reduce = PreparedLaunch(
                 reduce_arrivals_kernel, persistent_grid(self.group, cdiv(m, REDUCE_BLOCK))[0],
                 (
-                    None, None, self.recv.local, self.max_numel, m, piece_len, n_pieces,
-                    self.pad.buffer.local, arrival, r, w, self.error.address, self.max_spins,
+                    None, None, self.recv.local[s], self.max_numel, m, piece_len, n_pieces,
+                    self.pad.buffer.local, first, r, w, self.error.address, self.max_spins,
+                    first + self._set_slots - 1, self._set_slots,
                 ),
-                {"BLOCK": REDUCE_BLOCK, "num_warps": 8}, ("out", "own"),
+                {"BLOCK": REDUCE_BLOCK, "CLEAR_AT_END": True, "num_warps": 8}, ("out", "own"),
             )  # fmt: skip
-            self._plans[m] = (piece_len, n_pieces, transfers, reduce)
-        return self._plans[m]
+            self._plans[(m, s)] = (n_pieces, transfers, reduce)
+        return self._plans[(m, s)]
 
     def _scatter_reduce(self, src: torch.Tensor, out: torch.Tensor, m: int) -> None:
-        w, r = self.world_size, self.rank
-        piece_len, n_pieces, transfers, reduce = self._scatter_plan(m)
-        arrival = self.pad.offset("arrival")
-        # The barrier also clears my arrival flags, which the previous call only read:
-        # every peer has then finished reading its receive buffer, and its flags are zero.
-        self._barrier(arrival, w * self.MAX_PIECES)
+        r = self.rank
+        s = self._buffer_set()
+        n_pieces, transfers, reduce = self._scatter_plan(m, s)
+        if s == GRAPH_SET:
+            self._barrier()  # every peer is done reading the previous replay's pieces
         # The copies are enqueued before the reduction that waits for them. The other order
         # (a spinning kernel that fills every SM enqueued before its producers) deadlocked on
         # 2 x H200: the peer copies then could not start.
