@@ -4,7 +4,7 @@
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu_suite.sh [bench args]
 # Environment: SUITE=collectives|dense|p2p_ring|signal_reorder|all (default all: every one),
 # TESTS=0 skips the GPU tests,
-# TEST_TIMEOUT / BENCH_TIMEOUT in seconds, PROBE=1 adds the host-overhead probe,
+# TEST_TIMEOUT / BENCH_TIMEOUT / P2P_TIMEOUT / SR_TIMEOUT in seconds (P2P_TIMEOUT=0 skips p2p_ring), PROBE=1 adds the host-overhead probe,
 # STRATEGIES: the dense strategies (default: all but signal_reorder, which has its own run).
 # Extra arguments go to `python -m interlace bench`, e.g. --models llama3-8b --ms 8192.
 set -u
@@ -38,7 +38,7 @@ if [ -n "$MAIN_SUITE" ]; then
 fi
 # The two strategies with their own runners (sliced layers; wave-group search).
 p2p_rc=skipped; sr_rc=skipped
-if [ "$SUITE" = all ] || [ "$SUITE" = p2p_ring ]; then
+if { [ "$SUITE" = all ] && [ "${P2P_TIMEOUT:-150}" != 0 ]; } || [ "$SUITE" = p2p_ring ]; then
     timeout -k 10 "${P2P_TIMEOUT:-150}" python3 -m interlace.bench.p2p_ring --out "$OUT" > "$OUT/p2p_ring.log" 2>&1
     p2p_rc=$?
 fi

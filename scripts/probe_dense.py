@@ -39,7 +39,8 @@ def _probe(group, op, m, n, k):
         ctx = interlace.AGGemm(group, m, n, k, strategy="fused")
         out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
         plan = ctx._plan(m // w, n, pull=False)
-        flags = ctx.pad.local("arrival")
+        first, count = ctx._set_slots()
+        flags = ctx.pad.buffer.local[first : first + count - 2]  # buffer set 0's arrivals
 
         def consumer():  # every arrival flag raised (the GEMM zeroes them as it ends)
             flags.fill_(1)

@@ -36,6 +36,33 @@ def persistent_grid(
     return (max(1, min(n_items, limit)),)
 
 
+#: Buffer / flag sets of an :class:`AlternatingSets` context: two for eager calls, one
+#: for calls captured in a CUDA graph.
+BUFFER_SETS = 3
+GRAPH_SET = 2
+
+
+class AlternatingSets:
+    """Mixed into a context whose copy-engine transfers write into its peers' buffers: the
+    buffer set each call uses. Consecutive eager calls alternate between two sets, so they
+    need no device barrier: a rank writes a peer's set ``s`` again only two calls later,
+    after that peer's call in between has consumed this rank's data, which it does after
+    its own use of set ``s`` in stream order (flags are reset by whoever consumes them). A
+    call captured in a CUDA graph cannot alternate (each replay repeats it): it uses a
+    third set, behind a device barrier."""
+
+    _next_set = 0
+
+    def _buffer_set(self) -> int:
+        """The set this call uses: eager calls alternate 0 and 1; a call being captured in
+        a CUDA graph uses :data:`GRAPH_SET` and must run a device barrier first."""
+        if self.group.backend == "cuda" and torch.cuda.is_current_stream_capturing():
+            return GRAPH_SET
+        s = self._next_set
+        self._next_set = 1 - s
+        return s
+
+
 class OpContext:
     """Base of the op contexts: owns a signal pad with a ``barrier`` region plus the
     op's own regions, and an error word that bounded waits report timeouts into."""

@@ -17,11 +17,8 @@ it stays valid until the next call on the same context.
 
 The copy-engine methods (``AllGather`` ``ce_push``, ``ReduceScatter`` ``ce_scatter``) need
 no device barrier in an eager call: consecutive calls alternate between two sets of
-receive buffers and flags. A rank writes a peer's set ``s`` again only two calls later,
-after that peer's call in between has consumed this rank's data, which it does after its
-own use of set ``s`` in stream order; the flags are reset by whoever consumes them. A call
-captured in a CUDA graph cannot alternate (each replay repeats it), so it uses a third set
-behind a device barrier. The cost is three receive buffers instead of one.
+receive buffers and flags (``_context.AlternatingSets``; a call captured in a CUDA graph
+uses a third set behind a barrier). The cost is three receive buffers instead of one.
 """
 
 from __future__ import annotations
@@ -36,15 +33,11 @@ from ..kernels.collective import (
 )
 from ..language.primitives import wait_kernel
 from ..runtime import Group, copy_and_signal, fork, join, symm_empty, use_stream
-from ._context import OpContext, cdiv, persistent_grid
+from ._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext, cdiv, persistent_grid
 from ._launch import PreparedLaunch, launch
 
 COPY_BLOCK = 4096
 REDUCE_BLOCK = 2048
-#: Receive-buffer / flag sets of the copy-engine methods: two that eager calls alternate
-#: between, and one for calls captured in a CUDA graph (module docstring).
-BUFFER_SETS = 3
-GRAPH_SET = 2
 
 
 def _check_method(op: str, method: str, methods: tuple[str, ...]) -> str:
@@ -53,22 +46,7 @@ def _check_method(op: str, method: str, methods: tuple[str, ...]) -> str:
     return method
 
 
-class _AlternatingSets:
-    """The buffer-set choice of the copy-engine methods (module docstring)."""
-
-    _next_set = 0
-
-    def _buffer_set(self) -> int:
-        """The set this call uses: eager calls alternate 0 and 1; a call being captured in
-        a CUDA graph uses :data:`GRAPH_SET` and must run a device barrier first."""
-        if self.group.backend == "cuda" and torch.cuda.is_current_stream_capturing():
-            return GRAPH_SET
-        s = self._next_set
-        self._next_set = 1 - s
-        return s
-
-
-class AllGather(_AlternatingSets, OpContext):
+class AllGather(AlternatingSets, OpContext):
     """All-gather along dim 0 over symmetric memory.
 
     Methods:
@@ -161,7 +139,7 @@ class AllGather(_AlternatingSets, OpContext):
         return self.gathered.local[s, : w * n]
 
 
-class ReduceScatter(_AlternatingSets, OpContext):
+class ReduceScatter(AlternatingSets, OpContext):
     """Reduce-scatter (sum) along dim 0: rank ``r`` gets the sum of every rank's
     ``x[r*m : (r+1)*m]``, accumulated in fp32.
 

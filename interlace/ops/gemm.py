@@ -59,7 +59,7 @@ from ..errors import InterlaceValueError
 from ..kernels.collective import pull_chunks_kernel
 from ..runtime import copy_and_signal, fork, join, symm_empty, use_stream
 from . import _gemm
-from ._context import OpContext
+from ._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext
 from ._gemm import GemmConfig, Segment, tiles_of
 from ._rs_variants import RING_MAX_PROGRAMS, ScatterVariants
 
@@ -176,7 +176,7 @@ class _OverlappedGemm(OpContext):
         )  # fmt: skip
 
 
-class AGGemm(_OverlappedGemm):
+class AGGemm(AlternatingSets, _OverlappedGemm):
     """``all_gather(a_shard) @ b (+ bias)``: ``a_shard [m, k]`` on each rank, ``b [k, n]``
     (the rank's column shard of the weight); result ``[world * m, n]``."""
 
@@ -199,11 +199,30 @@ class AGGemm(_OverlappedGemm):
                 f"the world size {self.world_size}"
             )
         if strategy != "none":
-            self.gathered = self._track(symm_empty((self.max_m, self.k), dtype, group))
+            # fused (and auto): the alternating buffer sets (``AlternatingSets``)
+            sets = 1 if strategy == "sm_pull" else BUFFER_SETS
+            self.gathered = self._track(symm_empty((sets, self.max_m, self.k), dtype, group))
 
     @staticmethod
     def _regions(world):
-        return {"arrival": world * MAX_SPLIT}
+        # per buffer set: the arrival flags, then the GEMM's "go" and "done" slots
+        return {"arrival": BUFFER_SETS * (world * MAX_SPLIT + 2)}
+
+    def _set_slots(self) -> tuple[int, int]:
+        """(first, count): the signal slots of one buffer set (see ``_regions``)."""
+        count = self.world_size * MAX_SPLIT + 2
+        return self.pad.offset("arrival"), count
+
+    def _signal_launch_args(self, s: int = 0) -> dict:
+        """The GEMM's signal arguments for buffer set ``s``: it clears that set's slots as
+        it ends, and only those (a peer may already be filling the other eager set)."""
+        first, count = self._set_slots()
+        first += s * count
+        return dict(
+            sig=self.pad.buffer.local, err=self.error.address, rank=self.rank,
+            max_spins=self.max_spins, world=self.world_size, go_slot=first + count - 2,
+            clear=(first, count),
+        )  # fmt: skip
 
     def _comm_bytes(self, m_total, n):
         return m_total * self.k * self.dtype.itemsize * (self.world_size - 1) // self.world_size
@@ -237,10 +256,11 @@ class AGGemm(_OverlappedGemm):
         else:
             torch.addmm(bias, gathered, b, out=out)
 
-    def _plan(self, m_loc: int, n: int, pull: bool):
+    def _plan(self, m_loc: int, n: int, pull: bool, s: int = 0):
         """Segments in arrival order, and the transfers this rank issues (push) or the
-        chunk table of the pull kernel; lowered from a checked schedule, once per shape."""
-        key = (m_loc, n, pull)
+        chunk table of the pull kernel, for buffer set ``s``; lowered from a checked
+        schedule, once per shape and set."""
+        key = (m_loc, n, pull, s)
         if (found := self._known_plan(key)) is not None:
             return found
         w, r = self.world_size, self.rank
@@ -250,7 +270,8 @@ class AGGemm(_OverlappedGemm):
             backend="sm" if pull else "ce", align=cfg.block_m,
         )  # fmt: skip
         schedule.check(sched)
-        arrival = self.pad.offset("arrival")
+        first, count = self._set_slots()
+        arrival = first + s * count
         expected = self._pull_programs() if pull else 1
         segments = []
         for chunk, slot in schedule.chunk_order(sched, r):
@@ -283,59 +304,57 @@ class AGGemm(_OverlappedGemm):
                 lo, hi = t.lo - r * m_loc, t.hi - r * m_loc
                 signal = self.pad.buffer.peers[t.dst].view(torch.uint32)
                 comm.append(
-                    (self.gathered.peers[t.dst][t.lo : t.hi], lo, hi, signal, arrival + t.signal)
+                    (self.gathered.peers[t.dst][s, t.lo : t.hi], lo, hi, signal, arrival + t.signal)
                 )
-        plan = (cfg, table, len(segments), grid, comm, {})
+        plan = (cfg, table, len(segments), grid, comm, {}, s)
         return self._keep_plan(key, plan)
 
     def _pull_programs(self) -> int:
         return self.comm_sms if self.group.backend == "cuda" else 2
 
     def _gemm(self, plan, a_shard, b, bias, out, m_loc):
-        cfg, table, n_seg, grid, _, launchers = plan
+        cfg, table, n_seg, grid, _, launchers, s = plan
         run = launchers.get(bias is not None)
         if run is None:
             run = launchers[bias is not None] = _gemm.launcher(
                 self.world_size * m_loc, b.shape[1], self.k, cfg, grid, table, n_seg,
                 dtype=self.dtype, device=self.group.device, has_bias=bias is not None,
-                own_a=True, own_rows=m_loc, **self._signal_launch_args(),
+                own_a=True, own_rows=m_loc, **self._signal_launch_args(s),
             )  # fmt: skip
-        run(self.gathered.local, b, out, bias, a_shard)
+        run(self.gathered.local[s], b, out, bias, a_shard)
 
     def _fused(self, a_shard, b, bias, out):
-        """On the comm stream a device barrier (every peer is done reading my gathered
-        buffer of the previous call), then the copies; the consumer GEMM on the caller's
-        stream does not wait for the barrier: it starts on its own shard at once. The
-        barrier is launched before the GEMM (a kernel launched behind a spinning consumer
-        is not sure to be scheduled), and the GEMM leaves it an SM. The arrival flags were
-        zeroed by the previous call's GEMM as it ended."""
+        """On the comm stream the copies of this rank's shard into its peers' buffers (of
+        this call's buffer set: no device barrier when eager, ``AlternatingSets``), then the
+        consumer GEMM on the caller's stream: it starts on its own shard at once and waits
+        per chunk for the peers' copies. Copies first: they are the critical path, and the
+        interpreter (which runs a launch to completion) needs them first too. The GEMM
+        zeroes its set's flags as it ends and leaves an SM free for a captured call's
+        barrier."""
         m_loc = a_shard.shape[0]
-        plan = self._plan(m_loc, b.shape[1], pull=False)
+        s = self._buffer_set()
+        plan = self._plan(m_loc, b.shape[1], pull=False, s=s)
+        whole = a_shard.shape[0]
         stream = fork(self.group)
         with use_stream(stream):
-            self._barrier()
-        # The interpreter runs a launch to completion: there the copies must come first.
-        consumer_first = self.group.backend == "cuda"
-        if consumer_first:
-            self._gemm(plan, a_shard, b, bias, out, m_loc)
-        whole = a_shard.shape[0]
-        with use_stream(stream):
+            if s == GRAPH_SET:
+                self._barrier()  # every peer is done with the previous replay's rows
             for dst, lo, hi, signal, slot in plan[4]:
                 copy_and_signal(dst, a_shard if hi - lo == whole else a_shard[lo:hi], signal, slot)
-        if not consumer_first:
-            self._gemm(plan, a_shard, b, bias, out, m_loc)
+        self._gemm(plan, a_shard, b, bias, out, m_loc)
         join(self.group, stream)
 
     def _sm_pull(self, a_shard, b, bias, out):
         r, m_loc = self.rank, a_shard.shape[0]
         plan = self._plan(m_loc, b.shape[1], pull=True)
-        arrival, size = self.pad.regions["arrival"]
-        self.gathered.local[r * m_loc : (r + 1) * m_loc].copy_(a_shard)
-        self._barrier(arrival, size)  # every shard is staged; my flags are zero
+        first, count = self._set_slots()  # set 0: one set, barriers around each call
+        gathered = self.gathered.local[0]
+        gathered[r * m_loc : (r + 1) * m_loc].copy_(a_shard)
+        self._barrier(first, count)  # every shard is staged; my flags are zero
         stream = fork(self.group)
         with use_stream(stream):
             pull_chunks_kernel[(self._pull_programs(),)](
-                self.gathered.local, self.gathered.ptrs, plan[4], plan[4].shape[0], self.k,
+                gathered, self.gathered.ptrs, plan[4], plan[4].shape[0], self.k,
                 self.pad.buffer.local, BLOCK_M=32, BLOCK_K=256,
             )  # fmt: skip
         self._gemm(plan, a_shard, b, bias, out, m_loc)

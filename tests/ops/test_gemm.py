@@ -7,6 +7,7 @@ capture and replay."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -81,6 +82,38 @@ def test_ag_gemm_fp16(world):
 @pytest.mark.parametrize("strategy", ["fused", "sm_pull"])
 def test_ag_gemm_swizzled_split(world, strategy):
     world.run(_ag_body, strategy, "bf16", 2, schedule="swizzled", split=3)
+
+
+def _ag_back_to_back_body(group, calls):
+    """Fused AG+GEMM calls issued with no synchronisation while ranks fall out of step
+    (device sleeps / host sleeps): eager calls alternate buffer sets and run no barrier, so
+    a rank that runs ahead must still never overwrite rows a peer's GEMM has not read."""
+    w, r, dev = group.world_size, group.rank, group.device
+    m_loc, n, k = _shapes(group)[0]
+    gen = torch.Generator().manual_seed(21 + r)
+    b = rand(torch.Generator().manual_seed(5), k, n, dtype=torch.bfloat16, device=dev, scale=0.2)
+    shards = [rand(gen, m_loc, k, dtype=torch.bfloat16, device=dev) for _ in range(calls)]
+    outs = [nans(w * m_loc, n, dtype=torch.bfloat16, device=dev) for _ in range(calls)]
+    ctx = interlace.AGGemm(group, max_m=w * m_loc, n=n, k=k, strategy="fused")
+    try:
+        for i in range(calls):
+            if (i + r) % 3 == 0:
+                if group.backend == "cuda":
+                    torch.cuda._sleep(200_000 * (1 + (i * (r + 1)) % 4))
+                else:
+                    time.sleep(0.05)
+            ctx(shards[i], b, out=outs[i])
+        sync(group)
+        for i in range(calls):
+            ref = gathered(shards[i], group).float() @ b.float()
+            assert rel_err(outs[i], ref) < TOL, f"call {i}"
+    finally:
+        ctx.close()
+    return True
+
+
+def test_ag_gemm_back_to_back_ranks_out_of_step(world):
+    world.run(_ag_back_to_back_body, 8)
 
 
 # ----------------------------------------------------------------------------- GEMM + RS / AR
