@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..language.primitives import guard, last_program_clears, notify, remote_base, wait
+from ..language.primitives import consume, guard, last_program_clears, notify, remote_base, wait
 
 
 @triton.jit
@@ -31,6 +31,27 @@ def gather_pull_kernel(out, src_table, like, n, rank, world, BLOCK: tl.constexpr
         src = remote_base(src_table, peer, like)
         vals = tl.load(src + offs, mask=mask)
         tl.store(out + peer.to(tl.int64) * n + offs, vals, mask=mask)
+
+
+@triton.jit
+def copy_and_consume_kernel(
+    dst, src, n, sig, first, count, skip, err, rank, max_spins, BLOCK: tl.constexpr
+):
+    """``dst[:n] = src[:n]`` on SMs while program 0 consumes the local signals ``first ..
+    first + count - 1`` except ``first + skip`` (each must reach 1): an all-gather's own
+    shard copied beside the copy engine's transfers, and the wait for the peers' shards,
+    in one launch."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    offs0 = tl.arange(0, BLOCK)
+    for blk in range(pid, tl.cdiv(n, BLOCK), n_prog):
+        offs = blk * BLOCK + offs0
+        mask = offs < n
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+    if pid == 0:
+        for i in range(count):
+            if i != skip:
+                consume(sig + first + i, 1, err, rank, first + i, max_spins)
 
 
 @triton.jit

@@ -27,11 +27,11 @@ import torch
 
 from ..errors import InterlaceValueError
 from ..kernels.collective import (
+    copy_and_consume_kernel,
     gather_pull_kernel,
     reduce_arrivals_kernel,
     reduce_pull_kernel,
 )
-from ..language.primitives import wait_kernel
 from ..runtime import Group, copy_and_signal, fork, join, symm_empty, use_stream
 from ._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext, cdiv, persistent_grid
 from ._launch import PreparedLaunch, launch
@@ -74,7 +74,8 @@ class AllGather(AlternatingSets, OpContext):
         self.method = _check_method(self.op_name, method, self.METHODS)
         w = group.world_size
         super().__init__(group, dtype, max_numel, {"arrival": BUFFER_SETS * w}, max_spins)
-        self._arrival_waits: dict[int, PreparedLaunch] = {}  # ce_push, per buffer set
+        # ce_push: the prepared own-shard copy and arrival wait, per (buffer set, numel)
+        self._arrival_waits: dict[tuple[int, int], PreparedLaunch] = {}
         if method == "ce_push":
             self.gathered = self._track(symm_empty((BUFFER_SETS, w * self.max_numel), dtype, group))
         else:
@@ -123,19 +124,20 @@ class AllGather(AlternatingSets, OpContext):
             peer = (r + i) % w
             dst = self.gathered.peers[peer][s, r * n : (r + 1) * n]
             copy_and_signal(dst, src, self.pad.buffer.peers[peer], first + r)
-        # My own shard on the comm stream's copy engine, beside the pushes.
-        stream = fork(self.group)
-        with use_stream(stream):
-            self.gathered.local[s, r * n : (r + 1) * n].copy_(src)
-        # Consume the w - 1 arrival flags (self-resetting; my own slot is never raised).
-        wait = self._arrival_waits.get(s)
-        if wait is None:
-            args = (self.pad.buffer.local, first, w, 1, self.error.address, r, self.max_spins)
-            wait = self._arrival_waits[s] = PreparedLaunch(
-                wait_kernel, 1, args, {"skip": r, "RESET": True}, ()
-            )
-        wait()
-        join(self.group, stream)
+        # One launch: my own shard copied by SMs beside the copy engine's pushes, and the
+        # w - 1 arrival flags consumed (self-resetting; my own slot is never raised).
+        copy_wait = self._arrival_waits.get((s, n))
+        if copy_wait is None:
+            args = (
+                self.gathered.local[s, r * n :], None, n, self.pad.buffer.local, first, w, r,
+                self.error.address, r, self.max_spins,
+            )  # fmt: skip
+            grid = persistent_grid(self.group, cdiv(n, COPY_BLOCK))[0]
+            copy_wait = self._arrival_waits[(s, n)] = PreparedLaunch(
+                copy_and_consume_kernel, grid, args, {"BLOCK": COPY_BLOCK, "num_warps": 8},
+                ("src",),
+            )  # fmt: skip
+        copy_wait(src)
         return self.gathered.local[s, : w * n]
 
 
