@@ -173,6 +173,32 @@ def test_scatter_split_and_fp16(world, op, strategy):
     world.run(_scatter_body, op, strategy, "fp16", 1, 3)
 
 
+# ----------------------------------------------------------------------------- auto
+def _auto_choice_body(group):
+    """``auto`` falls back to cuBLAS + NCCL when the estimated overlap is below the op's
+    floor, and overlaps above it (a function of the shape only: every rank agrees)."""
+    w, choices = group.world_size, {}
+    for name, cls, k, n in (
+        ("ag", interlace.AGGemm, 4096, 11008 // w),
+        ("rs", interlace.GemmRS, 11008 // w, 4096),
+        ("ar", interlace.GemmAR, 11008 // w, 4096),
+    ):
+        ctx = cls(group, max_m=8 * w, n=n, k=k, strategy="auto")
+        try:
+            choices[name] = [ctx._resolve(m, n, k) for m in (16, 2048, 8192)]
+        finally:
+            ctx.close()
+    return choices
+
+
+def test_auto_falls_back_below_the_floor(world):
+    for choices in world.run(_auto_choice_body):
+        for op, picks in choices.items():
+            assert picks[0] == "none" and picks[2] == "fused", (op, picks)
+        if world.world_size == 2:  # LLaMA-7B at M 2048: AG+GEMM overlaps, RS / AR do not
+            assert choices["ag"][1] == "fused" and choices["rs"][1] == "none", choices
+
+
 # ----------------------------------------------------------------------------- bad inputs
 def _bad_inputs_body(group):
     w, dev = group.world_size, group.device
