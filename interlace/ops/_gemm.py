@@ -144,13 +144,27 @@ def tma_ok(k: int, n: int, dtype: torch.dtype) -> bool:
     return (k * dtype.itemsize) % 16 == 0 and (n * dtype.itemsize) % 16 == 0
 
 
+#: Scratch for device-side tensor descriptors, per (device, stream, size): launches on one
+#: stream run one after another, so they can share it.
+_SCRATCH: dict[tuple[int, int, int], torch.Tensor] = {}
+
+
 @functools.cache
 def _install_allocator() -> None:
-    """Device-side tensor descriptors need a scratch allocator (Triton asks once per
-    launch for a few hundred bytes per program)."""
+    """Device-side tensor descriptors need a scratch allocator: Triton asks on every launch
+    for a few hundred bytes per program. Reused per (device, stream, size) instead of a
+    ``torch.empty`` per launch (host time on every eager call); a launch being captured
+    in a CUDA graph gets its own, from the graph's memory pool."""
 
     def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, device="cuda", dtype=torch.int8)
+        device = torch.cuda.current_device()
+        if torch.cuda.is_current_stream_capturing():
+            return torch.empty(size, device=device, dtype=torch.int8)
+        key = (device, stream, size)
+        buf = _SCRATCH.get(key)
+        if buf is None:
+            buf = _SCRATCH[key] = torch.empty(size, device=device, dtype=torch.int8)
+        return buf
 
     triton.set_allocator(alloc)
 
