@@ -53,3 +53,32 @@ def test_prepared_launch_substitutes_operands():
     from tests.conftest import get_world
 
     get_world("cpu", 2).run(_prepared_body)
+
+
+def test_tma_scratch_is_reused_per_stream_and_fresh_under_capture(monkeypatch):
+    """The scratch allocator hands one buffer per (device, stream, size) to eager launches
+    (launches on one stream run in order) and a new one to a launch being captured."""
+    from interlace.ops import _gemm
+
+    set_to = {}
+    monkeypatch.setattr(triton, "set_allocator", lambda fn: set_to.setdefault("fn", fn))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    capturing = {"now": False}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
+    real_empty = torch.empty
+    monkeypatch.setattr(
+        torch, "empty", lambda size, device=None, dtype=None: real_empty(size, dtype=dtype)
+    )
+    monkeypatch.setattr(_gemm, "_SCRATCH", {})
+    _gemm._install_allocator.cache_clear()
+    try:
+        _gemm._install_allocator()
+        alloc = set_to["fn"]
+        first = alloc(256, 128, 11)
+        assert alloc(256, 128, 11) is first  # same stream, same size: reused
+        assert alloc(256, 128, 12) is not first  # another stream
+        assert alloc(512, 128, 11) is not first  # another size
+        capturing["now"] = True
+        assert alloc(256, 128, 11) is not first  # a captured launch gets its own
+    finally:
+        _gemm._install_allocator.cache_clear()
