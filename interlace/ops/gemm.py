@@ -108,9 +108,7 @@ class _OverlappedGemm(OpContext):
                 f"{self.op_name}: split must be in 1..{MAX_SPLIT}, got {split}"
             )
         w = group.world_size
-        # "go" and "done": the GEMM's entry barrier and exit clearing (kernels.gemm)
-        regions = {**self._regions(w), "go": 1, "done": 1}
-        super().__init__(group, dtype, int(max_m) * int(n), regions, max_spins)
+        super().__init__(group, dtype, int(max_m) * int(n), self._regions(w), max_spins)
         self.max_m, self.n, self.k = int(max_m), int(n), int(k)
         self.strategy, self.split, self.comm_sms, self.config = strategy, split, comm_sms, config
         self.last_strategy: str | None = None
@@ -166,17 +164,6 @@ class _OverlappedGemm(OpContext):
     @property
     def _pg(self):
         return self.group.process_group
-
-    def _signal_launch_args(self) -> dict:
-        """The GEMM's signal arguments: every slot after the barrier's is the op's, and the
-        launch leaves them zero as it ends (so no call clears them first)."""
-        start, size = self.pad.regions["barrier"]
-        first = start + size
-        return dict(
-            sig=self.pad.buffer.local, err=self.error.address, rank=self.rank,
-            max_spins=self.max_spins, world=self.world_size, go_slot=self.pad.offset("go"),
-            clear=(first, self.pad.size - first),
-        )  # fmt: skip
 
 
 class AGGemm(AlternatingSets, _OverlappedGemm):
@@ -420,7 +407,20 @@ class _ScatterGemm(ScatterVariants, _OverlappedGemm):
             "ring": world * RING_MAX_PROGRAMS,
             # GEMM+AR ce_scatter: a peer's reduced rows have landed
             "gathered": world,
+            # "go" and "done": the GEMM's entry barrier and exit clearing (kernels.gemm)
+            "go": 1, "done": 1,
         }  # fmt: skip
+
+    def _signal_launch_args(self) -> dict:
+        """The GEMM's signal arguments: every slot after the barrier's is the op's, and the
+        launch leaves them zero as it ends (so no call clears them first)."""
+        start, size = self.pad.regions["barrier"]
+        first = start + size
+        return dict(
+            sig=self.pad.buffer.local, err=self.error.address, rank=self.rank,
+            max_spins=self.max_spins, world=self.world_size, go_slot=self.pad.offset("go"),
+            clear=(first, self.pad.size - first),
+        )  # fmt: skip
 
     def _comm_bytes(self, m_total, n):
         """The reduce-scatter traffic (for all-reduce too: its floor accounts for the rest)."""
