@@ -110,15 +110,20 @@ class ScatterVariants:
         stream = fork(self.group)
         run(a, b, partials, bias)
         with use_stream(stream):
-            self._barrier(arrival, size)  # peers are done with my receive rows; flags zero
+            self._barrier()  # peers are done with my receive rows
             self._ship(copies, partials)
+        # The reduction zeroes the arrival flags as it ends (its last slot counts finished
+        # programs): the barrier above could not clear them in time, since nothing orders
+        # it before this kernel (a CUDA-graph replay started the reduction first and read
+        # the previous replay's flags).
         launch(
             reduce_arrivals_kernel,
             persistent_grid(self.group, cdiv(m_loc * n, REDUCE_BLOCK), per_sm=REDUCE_PER_SM)[0],
             out.view(-1),
             partials[r * m_loc : (r + 1) * m_loc].view(-1), self.recv.local.view(-1),
             (self.max_m // w) * n, m_loc * n, step * n, pieces, self.pad.buffer.local,
-            arrival, r, w, self.error.address, self.max_spins, BLOCK=REDUCE_BLOCK, num_warps=8,
+            arrival, r, w, self.error.address, self.max_spins, arrival + size - 1, size,
+            BLOCK=REDUCE_BLOCK, CLEAR_AT_END=True, num_warps=8,
         )  # fmt: skip
         if gather:
             first = self.pad.offset("gathered")
