@@ -1,0 +1,112 @@
+"""Where does GEMM+RS ``fused`` lose device time against cuBLAS? On 2+ GPUs, each kernel
+replayed as a CUDA graph (no host time), for the public GEMM+RS shapes at M 8192:
+
+* ``cublas``: ``torch.matmul``.
+* ``plain``: the segment GEMM, one store segment, its own tile config.
+* ``plain_room``: the same with the fused op's config (``with_epilogue_room``).
+* ``push_path_store``: the fused kernel's code path (``HAS_PUSH``) with store segments only.
+* ``reduce_only``: every tile a reduce tile (adds a partial from the local receive
+  buffer, no waits).
+* ``push_local`` / ``push_peer``: every tile pushed by TMA into this rank's / the next
+  rank's receive buffer (no waits).
+* ``rs_fused`` / ``rs_ce_scatter``: the ops as they run.
+
+    python scripts/probe_epilogue.py [--world-size 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import interlace
+from interlace.bench.timing import graph_of, max_over_ranks, median_ms
+from interlace.ops import _gemm
+from interlace.ops._gemm import Segment
+from interlace.testing import World
+
+SHAPES = {"llama-7b": (8192, 4096, 11008), "llama3-8b": (8192, 4096, 14336)}
+SHAPES["llama3-70b"] = (8192, 8192, 28672)
+
+
+def _graph_ms(group, fn):
+    graph = graph_of(group, fn)
+    t = median_ms(group, graph.replay)
+    del graph
+    return t
+
+
+def shape_row(group, m, n, inter):
+    w, r, dev = group.world_size, group.rank, group.device
+    k = inter // w
+    torch.manual_seed(r)
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=dev, dtype=torch.bfloat16) * 0.05
+    c = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(m // w, n, device=dev, dtype=torch.bfloat16)
+    t = {"cublas": _graph_ms(group, lambda: torch.matmul(a, b, out=c))}
+    base = _gemm.gemm_config(m, n, k)
+    room = _gemm.with_epilogue_room(base)
+    for name, cfg in (("plain", base), ("plain_room", room)):
+        t[name] = _graph_ms(group, lambda cfg=cfg: _gemm.matmul(a, b, out=c, cfg=cfg))
+    # the synthetic epilogues borrow a fused context's receive buffer and signals
+    ctx = interlace.GemmRS(group, m, n, k, strategy="fused")
+    m_loc = m // w
+    peer = (r + 1) % w
+    note = ctx.pad.offset("partial")
+
+    def segs(kind, owner):
+        return [
+            Segment(row0=i * m_loc, rows=m_loc, kind=kind, owner=owner, out_row0=0, notify=note)
+            for i in range(w)
+        ]
+
+    for name, kind, owner in (
+        ("push_path_store", "store", r),
+        ("reduce_only", "reduce", r),
+        ("push_local", "push", r),
+        ("push_peer", "push", peer),
+    ):
+        s = segs(kind, owner)
+        table = _gemm.segment_table(s, n, room, dev)
+        grid = _gemm.programs_for(_gemm.total_tiles(s, n, room), dev, "cuda", single=True)
+        run = _gemm.launcher(
+            m, n, k, room, grid, table, len(s), dtype=a.dtype, device=dev,
+            recv=ctx.recv.local, recv_table=ctx.recv.ptrs, recv_rows=m_loc,
+            out_table=ctx.recv.ptrs, sig_table=ctx.pad.ptrs, sig=ctx.pad.buffer.local,
+            err=ctx.error.address, rank=r, max_spins=ctx.max_spins, world=w, push=True,
+        )  # fmt: skip
+        dst = c if kind == "store" else out
+        t[name] = _graph_ms(group, lambda run=run, dst=dst: run(a, b, dst))
+    ctx.close()
+    for strategy in ("fused", "ce_scatter"):
+        op = interlace.GemmRS(group, m, n, k, strategy=strategy)
+        t["rs_" + strategy] = _graph_ms(group, lambda op=op: op(a, b, out=out))
+        op.check()
+        op.close()
+    return max_over_ranks(group, t)
+
+
+def body(group):
+    return {name: shape_row(group, *shape) for name, shape in SHAPES.items()}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--world-size", type=int, default=2)
+    args = p.parse_args()
+    world = World(args.world_size, "cuda", timeout=500)
+    try:
+        rows = world.run(body)[0]
+    finally:
+        world.close()
+    cols = list(next(iter(rows.values())))
+    print("GEMM+RS epilogue probe, graph replay ms (max over ranks), M 8192")
+    print(f"{'model':12s}" + "".join(f"{c:>16s}" for c in cols))
+    for name, t in rows.items():
+        print(f"{name:12s}" + "".join(f"{t[c]:16.3f}" for c in cols))
+
+
+if __name__ == "__main__":
+    main()
