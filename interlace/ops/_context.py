@@ -56,7 +56,7 @@ class AlternatingSets:
     def _buffer_set(self) -> int:
         """The set this call uses: eager calls alternate 0 and 1; a call being captured in
         a CUDA graph uses :data:`GRAPH_SET` and must run a device barrier first."""
-        if self.group.backend == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self._capturing():
             return GRAPH_SET
         s = self._next_set
         self._next_set = 1 - s
@@ -120,10 +120,18 @@ class OpContext:
         self.error.raise_if_set(self.op_name, self.pad.describe)
 
     def _begin(self) -> None:
+        """Start of every call: raise if closed or if an earlier call's wait timed out
+        (non-blocking), and note whether this call is being captured in a CUDA graph."""
         if self._closed:
             raise InterlaceError(f"{self.op_name}: the context was closed")
-        # Non-blocking: reports a timeout recorded by an earlier call's kernels.
         self.error.raise_if_set(self.op_name, self.pad.describe)
+        self._capture = self.group.backend == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
+
+    _capture = False
+
+    def _capturing(self) -> bool:
+        """This call is being captured in a CUDA graph (as noted by ``_begin``)."""
+        return self._capture
 
     def _end(self) -> None:
         if self.group.backend == "cpu":  # everything already ran: report now

@@ -12,7 +12,6 @@ import functools
 from dataclasses import dataclass, replace
 
 import torch
-import triton
 
 from ..errors import InterlaceTypeError, InterlaceValueError
 from ..kernels.gemm import (
@@ -24,7 +23,7 @@ from ..kernels.gemm import (
     gemm_segments_kernel,
 )
 from ._context import cdiv, sm_count
-from ._launch import PreparedLaunch
+from ._launch import PreparedLaunch, install_scratch_allocator
 
 KINDS = {
     "store": KIND_STORE.value,
@@ -144,31 +143,6 @@ def tma_ok(k: int, n: int, dtype: torch.dtype) -> bool:
     return (k * dtype.itemsize) % 16 == 0 and (n * dtype.itemsize) % 16 == 0
 
 
-#: Scratch for device-side tensor descriptors, per (device, stream, size): launches on one
-#: stream run one after another, so they can share it.
-_SCRATCH: dict[tuple[int, int, int], torch.Tensor] = {}
-
-
-@functools.cache
-def _install_allocator() -> None:
-    """Device-side tensor descriptors need a scratch allocator: Triton asks on every launch
-    for a few hundred bytes per program. Reused per (device, stream, size) instead of a
-    ``torch.empty`` per launch (host time on every eager call); a launch being captured
-    in a CUDA graph gets its own, from the graph's memory pool."""
-
-    def alloc(size: int, alignment: int, stream):
-        device = torch.cuda.current_device()
-        if torch.cuda.is_current_stream_capturing():
-            return torch.empty(size, device=device, dtype=torch.int8)
-        key = (device, stream, size)
-        buf = _SCRATCH.get(key)
-        if buf is None:
-            buf = _SCRATCH[key] = torch.empty(size, device=device, dtype=torch.int8)
-        return buf
-
-    triton.set_allocator(alloc)
-
-
 def programs_for(tiles: int, device, backend: str, comm_sms: int = 0, single: bool = False):
     """Persistent grid: at most one program per SM left after ``comm_sms`` (all programs
     must be resident at once: they wait on each other across ranks)."""
@@ -197,7 +171,7 @@ def launcher(
     their notify slot (see the kernel)."""
     use_tma = tma_ok(k, n, dtype)
     if use_tma and torch.device(device).type == "cuda":
-        _install_allocator()
+        install_scratch_allocator()
     if not err:  # no waits can run; the kernel still needs a 64-bit address
         err = _unused_error_word(torch.device(device)).data_ptr()
     args = (
@@ -311,6 +285,42 @@ def check_gemm_call(ctx, a, b, bias) -> None:
             f"{ctx.op_name}: b has {b.shape[1]} columns, more than the context's n = {ctx.n}"
         )
     check_tma_aligned(ctx.op_name, a, b)
+
+
+def operands_fit(ctx, a, b, bias, a_rows_max: int) -> bool:
+    """True when ``check_gemm_call`` (and the row bound) would accept these operands,
+    judged in one expression; False means "run the full checks", which raise the clear
+    error. (On an idle H200 host the full checks cost 14-35 µs of an eager call.)"""
+    dtype, device = ctx.dtype, ctx.group.device
+    try:
+        return (
+            a.dtype is dtype
+            and b.dtype is dtype
+            and a.dim() == 2
+            and b.dim() == 2
+            and 0 < a.shape[0] <= a_rows_max
+            and a.shape[1] == ctx.k
+            and b.shape[0] == ctx.k
+            and 0 < b.shape[1] <= ctx.n
+            and a.is_contiguous()
+            and b.is_contiguous()
+            and a.device == device
+            and b.device == device
+            and a.data_ptr() % 16 == 0
+            and b.data_ptr() % 16 == 0
+            and (
+                bias is None
+                or (
+                    bias.dtype is dtype
+                    and bias.dim() == 1
+                    and bias.shape[0] == b.shape[1]
+                    and bias.is_contiguous()
+                    and bias.device == device
+                )
+            )
+        )
+    except (AttributeError, TypeError):
+        return False
 
 
 def check_tma_aligned(op: str, *tensors, names=("a", "b", "out")) -> None:

@@ -9,10 +9,15 @@ as long as its GPU work (DESIGN.md). Two shorter paths:
 * :func:`launch` keeps the binding and the lookup (Triton's own, so specialisation stays
   exact) and skips the rest once the kernel is compiled.
 * :class:`PreparedLaunch` binds once: an op's kernel sees the same arguments on every call
-  but for a few tensors (its operands), so later calls substitute those tensors into the
-  bound argument list and call the compiled kernel directly. It re-binds when an operand's
-  16-byte alignment (the only thing Triton specialises a tensor on, besides its dtype, which
-  the op fixes) differs from the bound one.
+  but for a few tensors (its operands), so later calls substitute those tensors' addresses
+  into the bound argument list (the fixed tensors already turned into addresses) and call
+  the compiled kernel's C launcher directly, with the scratch its device-side tensor
+  descriptors need. It re-binds when an operand's 16-byte alignment (the only thing Triton
+  specialises a tensor on, besides its dtype, which the op fixes) or the current device
+  differs from the bound one. On an idle 2 x H200 host, Triton's own launcher wrapper
+  (scratch allocation through the allocator hook, per-tensor ``data_ptr`` calls and pointer
+  checks) cost 15-35 µs of a 50-120 µs eager GEMM+RS call
+  (``scripts/probe_host_timeline.py``).
 
 The first launch of every specialisation, launches with Triton's launch hooks set
 (profilers), and the interpreter all take Triton's full path.
@@ -23,8 +28,10 @@ Tested against Triton 3.6's internals (``JITFunction.device_caches``,
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 
 try:  # Triton internals: any mismatch means the full launch path, always
@@ -70,6 +77,36 @@ def _bind(kernel, args, kwargs):
     return compiled, bound
 
 
+#: Scratch for device-side tensor descriptors, per (device, stream, size): launches on one
+#: stream run one after another, so they can share it.
+_SCRATCH: dict[tuple[int, int, int], torch.Tensor] = {}
+
+
+def scratch(size: int, stream: int, device: int, capturing: bool) -> torch.Tensor:
+    """``size`` bytes of descriptor scratch for a launch on ``stream``: reused per (device,
+    stream, size) instead of a ``torch.empty`` per launch; a launch being captured in a
+    CUDA graph gets its own, from the graph's memory pool."""
+    if capturing:
+        return torch.empty(size, device=device, dtype=torch.int8)
+    key = (device, stream, size)
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        buf = _SCRATCH[key] = torch.empty(size, device=device, dtype=torch.int8)
+    return buf
+
+
+@functools.cache
+def install_scratch_allocator() -> None:
+    """Device-side tensor descriptors need a scratch allocator: Triton's launch asks for a
+    few hundred bytes per program (:func:`scratch`)."""
+
+    def alloc(size: int, alignment: int, stream):
+        capturing = torch.cuda.is_current_stream_capturing()
+        return scratch(size, stream, torch.cuda.current_device(), capturing)
+
+    triton.set_allocator(alloc)
+
+
 def _run(compiled, grid: int, values) -> None:
     stream = driver.active.get_current_stream(driver.active.get_current_device())
     compiled.run(
@@ -88,8 +125,33 @@ def launch(kernel, grid: int, *args, **kwargs) -> None:
     _run(compiled, grid, bound.values())
 
 
-def _aligned(t) -> bool:
-    return t.data_ptr() % 16 == 0
+def _hooks_clear() -> bool:
+    """No Triton launch hook is set (a profiler may set them at any time)."""
+    runtime = knobs.runtime
+    return _no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook)
+
+
+def _direct_launch(compiled, grid: int, values: list, where: list[int], operands):
+    """What a later call needs to launch ``compiled`` through its C launcher directly:
+    ``(launch, function, cooperative, pdl, scratch bytes, metadata, device, argument
+    template, operand alignment)``. Every fixed tensor argument is replaced by its address
+    (the caller keeps the tensors alive) and the operands' places are left empty, so that
+    no reference to this call's operands is kept. None where the compiled launcher is not
+    laid out as Triton 3.6's ``CudaLauncher`` or needs profiling scratch."""
+    run = compiled.run
+    needed = ("launch", "global_scratch_size", "num_ctas", "launch_cooperative_grid")
+    if not all(hasattr(run, a) for a in (*needed, "launch_pdl", "profile_scratch_size")):
+        return None
+    if run.profile_scratch_size or compiled.function is None:
+        return None
+    template = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
+    for i in where:
+        template[i] = None
+    return (
+        run.launch, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+        grid * run.num_ctas * run.global_scratch_size, compiled.packed_metadata,
+        torch.cuda.current_device(), template, [t.data_ptr() % 16 == 0 for t in operands],
+    )  # fmt: skip
 
 
 class PreparedLaunch:
@@ -102,7 +164,7 @@ class PreparedLaunch:
         self._where = [names.index(name) for name in operands]
         if any(i >= len(args) for i in self._where):
             raise ValueError(f"operands {operands} must be positional arguments")
-        self._bound = None  # (compiled, bound values, operand alignment)
+        self._direct = None  # see ``_direct_launch``
 
     def compile(self, *operands) -> None:
         """Compile the kernel for these operands now, without launching it (a no-op in the
@@ -116,14 +178,24 @@ class PreparedLaunch:
         self.kernel.warmup(*args, grid=(self.grid,), **self.kwargs)
 
     def __call__(self, *operands) -> None:
-        bound = self._bound
-        if bound is not None and _short_path_ok():
-            compiled, values, aligned = bound
-            if tuple(_aligned(t) for t in operands) == aligned:
-                values = list(values)
-                for i, t in zip(self._where, operands):
-                    values[i] = t
-                _run(compiled, self.grid, values)
+        direct = self._direct
+        if direct is not None and _hooks_clear():
+            launch_c, function, coop, pdl, scratch_size, meta, device, template, aligned = direct
+            ptrs = [t.data_ptr() for t in operands]
+            if [p % 16 == 0 for p in ptrs] == aligned and torch._C._cuda_getDevice() == device:
+                values = template.copy()
+                for i, p in zip(self._where, ptrs):
+                    values[i] = p
+                stream = torch._C._cuda_getCurrentRawStream(device)
+                buf = None
+                if scratch_size:
+                    capturing = torch._C._cuda_isCurrentStreamCapturing()
+                    buf = scratch(scratch_size, stream, device, capturing)
+                grid = self.grid
+                launch_c(
+                    grid, 1, 1, stream, function, coop, pdl, buf, None, meta, None, None, None,
+                    *values,
+                )  # fmt: skip
                 return
         args = list(self.args)
         for i, t in zip(self._where, operands):
@@ -137,8 +209,4 @@ class PreparedLaunch:
         _run(compiled, self.grid, values)
         if list(bound_args) != list(self.kernel.arg_names):  # not the layout assumed here
             return
-        # keep no reference to this call's operands
-        template = list(values)
-        for i in self._where:
-            template[i] = None
-        self._bound = (compiled, template, tuple(_aligned(t) for t in operands))
+        self._direct = _direct_launch(compiled, self.grid, values, self._where, operands)

@@ -138,9 +138,6 @@ class _OverlappedGemm(OpContext):
     def _cfg(self, m: int, n: int, k: int) -> GemmConfig:
         return self._store_cfg(m, n, k)
 
-    def _capturing(self) -> bool:
-        return self.group.backend == "cuda" and torch.cuda.is_current_stream_capturing()
-
     def _known_plan(self, key):
         """The plan for ``key``: an eager call never uses one built inside a capture (its
         device tables are only filled when the graph replays)."""
@@ -154,6 +151,8 @@ class _OverlappedGemm(OpContext):
 
     def _check_call(self, a, b, bias, a_rows_max: int):
         self._begin()
+        if _gemm.operands_fit(self, a, b, bias, a_rows_max):
+            return  # the common case, in one expression (eager calls pay for every check)
         _gemm.check_gemm_call(self, a, b, bias)
         if a.shape[0] > a_rows_max or a.shape[0] == 0:
             raise InterlaceValueError(
@@ -296,14 +295,14 @@ class AGGemm(AlternatingSets, _OverlappedGemm):
                 comm.append(
                     (self.gathered.peers[t.dst][s, t.lo : t.hi], lo, hi, signal, arrival + t.signal)
                 )
-        plan = (cfg, table, len(segments), grid, comm, {}, s)
+        plan = (cfg, table, len(segments), grid, comm, {}, s, self.gathered.local[s])
         return self._keep_plan(key, plan)
 
     def _pull_programs(self) -> int:
         return self.comm_sms if self.group.backend == "cuda" else 2
 
     def _gemm(self, plan, a_shard, b, bias, out, m_loc):
-        cfg, table, n_seg, grid, _, launchers, s = plan
+        cfg, table, n_seg, grid, _, launchers, s, gathered = plan
         run = launchers.get(bias is not None)
         if run is None:
             run = launchers[bias is not None] = _gemm.launcher(
@@ -311,7 +310,7 @@ class AGGemm(AlternatingSets, _OverlappedGemm):
                 dtype=self.dtype, device=self.group.device, has_bias=bias is not None,
                 own_a=True, own_rows=m_loc, **self._signal_launch_args(s),
             )  # fmt: skip
-        run(self.gathered.local[s], b, out, bias, a_shard)
+        run(gathered, b, out, bias, a_shard)
 
     def _fused(self, a_shard, b, bias, out):
         """The consumer GEMM on the caller's stream, and on the comm stream the copies of
@@ -332,11 +331,12 @@ class AGGemm(AlternatingSets, _OverlappedGemm):
         stream = fork(self.group)
         if consumer_first:
             self._gemm(plan, a_shard, b, bias, out, m_loc)
-        with use_stream(stream):
-            if s == GRAPH_SET:
+        if s == GRAPH_SET:
+            with use_stream(stream):
                 self._barrier()  # every peer is done with the previous replay's rows
-            for dst, lo, hi, signal, slot in plan[4]:
-                copy_and_signal(dst, a_shard if hi - lo == whole else a_shard[lo:hi], signal, slot)
+        for dst, lo, hi, signal, slot in plan[4]:
+            src = a_shard if hi - lo == whole else a_shard[lo:hi]
+            copy_and_signal(dst, src, signal, slot, stream=stream)
         if not consumer_first:
             self._gemm(plan, a_shard, b, bias, out, m_loc)
         join(self.group, stream)
@@ -401,8 +401,9 @@ class _ScatterGemm(ScatterVariants, _OverlappedGemm):
     def _regions(world):
         return {
             "partial": world * MAX_SPLIT * (world - 1), "broadcast": world * MAX_SPLIT,
-            # ce_scatter: per (source, piece) arrivals; per chunk finished-tile counts
-            "arrival": world * MAX_SPLIT, "chunk_done": world * MAX_SPLIT,
+            # ce_scatter: per (source, piece) arrivals and the reduction's finished-program
+            # counter (its last slot); per chunk finished-tile counts
+            "arrival": world * MAX_SPLIT + 1, "chunk_done": world * MAX_SPLIT,
             # ring: per (step, program) arrivals from the left neighbour
             "ring": world * RING_MAX_PROGRAMS,
             # GEMM+AR ce_scatter: a peer's reduced rows have landed
@@ -560,6 +561,14 @@ class GemmAR(_ScatterGemm):
         if strategy != "none":
             self.result = self._track(symm_empty((self.max_m, self.n), dtype, group))
 
+    def _result_view(self, m: int, n: int) -> torch.Tensor:
+        """The ``[m, n]`` view of the symmetric result buffer (made once per shape)."""
+        views = self.__dict__.setdefault("_result_views", {})
+        view = views.get((m, n))
+        if view is None:
+            view = views[(m, n)] = self.result.local.view(-1)[: m * n].view(m, n)
+        return view
+
     def __call__(self, a, b, bias=None, out=None):
         self._check_call(a, b, bias, self.max_m)
         self._rows_check(a)
@@ -574,7 +583,7 @@ class GemmAR(_ScatterGemm):
         elif strategy == "signal_reorder":
             result = self._signal_reorder(a, b, bias=bias, out=out)
         else:
-            result = self.result.local.view(-1)[: m * n].view(m, n)
+            result = self._result_view(m, n)
             if strategy == "ce_scatter":
                 self._ce_all_reduce(a, b, bias, result)
             else:

@@ -60,7 +60,7 @@ from ..language.primitives import wait_kernel
 from ..runtime import ErrorWord, Group, default_max_spins, fork, join, use_stream
 from . import _gemm
 from ._context import OpContext, cdiv, sm_count
-from ._launch import launch
+from ._launch import install_scratch_allocator, launch
 
 OPS = ("all_reduce", "reduce_scatter", "all_to_all")
 #: Most wave groups per call (the counters a context owns).
@@ -512,7 +512,7 @@ class SignalReorderGemm(OpContext):
         the wait kernels reset them)."""
         lay, cfg = plan.layout, plan.cfg
         if plan.use_tma and a.is_cuda:
-            _gemm._install_allocator()
+            install_scratch_allocator()
         # Bias once in a sum: rank 0 adds it before the reduction; all-to-all adds it on
         # every rank (each sends its own rows).
         has_bias = bias is not None and (self.rank == 0 or lay.op == "all_to_all")

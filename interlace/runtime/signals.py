@@ -86,10 +86,11 @@ class ErrorWord:
         pinned = group.backend == "cuda"
         self.tensor = torch.zeros(4, dtype=torch.int32, pin_memory=pinned)
         self.address = self.tensor.data_ptr()
+        self._state = ctypes.c_int32.from_address(self.address)  # read on every call
 
     def raise_if_set(self, op: str, describe=str) -> None:
         """Raise :class:`WaitTimeoutError` if a kernel recorded a timeout (no device sync)."""
-        if ctypes.c_int32.from_address(self.address).value == 0:  # the common case, ~0.1 us
+        if self._state.value == 0:  # the common case
             return
         state, rank, slot, seen = (int(v) for v in self.tensor.tolist())
         self.tensor.zero_()

@@ -15,6 +15,7 @@ import contextlib
 
 import torch
 
+from . import driver
 from .group import Group
 
 _comm_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
@@ -50,6 +51,10 @@ def stream_write_value32(signal: torch.Tensor, index: int, value: int) -> None:
     if signal.device.type != "cuda":
         signal[index] = value  # in-order host store: the copy before it has landed
         return
+    if driver.enabled():
+        address = signal.data_ptr() + index * signal.element_size()
+        driver.write_value32(address, value, driver.current_stream(signal.device.index))
+        return
     if _stream_write is None:
         _stream_write = _resolve_stream_write()
     if signal.dtype != torch.uint32:
@@ -58,12 +63,34 @@ def stream_write_value32(signal: torch.Tensor, index: int, value: int) -> None:
 
 
 def copy_and_signal(
-    dst: torch.Tensor, src: torch.Tensor, signal=None, index: int = 0, value: int = 1
-):
-    """``dst.copy_(src)`` on the current stream, then (optionally) ``signal[index] = value``."""
-    dst.copy_(src)
+    dst: torch.Tensor, src: torch.Tensor, signal=None, index: int = 0, value: int = 1,
+    stream=None,
+):  # fmt: skip
+    """``dst.copy_(src)`` on ``stream`` (default: the current stream), then (optionally)
+    ``signal[index] = value`` on the same stream."""
+    if not _raw_copy_ok(dst, src):
+        with use_stream(stream):
+            dst.copy_(src)
+            if signal is not None:
+                stream_write_value32(signal, index, value)
+        return
+    handle = driver.current_stream(dst.device.index) if stream is None else stream.cuda_stream
+    driver.copy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), handle)
     if signal is not None:
-        stream_write_value32(signal, index, value)
+        driver.write_value32(signal.data_ptr() + index * signal.element_size(), value, handle)
+
+
+def _raw_copy_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """``dst.copy_(src)`` is one flat device-to-device copy the driver can enqueue."""
+    return (
+        dst.device.type == "cuda"
+        and src.device == dst.device
+        and src.dtype == dst.dtype
+        and src.shape == dst.shape
+        and src.is_contiguous()
+        and dst.is_contiguous()
+        and driver.enabled()
+    )
 
 
 _events: dict[tuple, torch.cuda.Event] = {}
@@ -74,7 +101,9 @@ def _event(kind: str, device: torch.device, index: int) -> torch.cuda.Event:
     create one per call. Reuse is safe: a wait binds to the record made before it."""
     key = (kind, device.index, index)
     if key not in _events:
-        _events[key] = torch.cuda.Event()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))  # creates its CUDA event now
+        _events[key] = event
     return _events[key]
 
 
@@ -83,8 +112,12 @@ def fork(group: Group, index: int = 0):
     stream = comm_stream(group, index)
     if stream is not None:
         event = _event("fork", group.device, index)
-        event.record(torch.cuda.current_stream(group.device))
-        stream.wait_event(event)
+        if driver.enabled():
+            driver.record(event.cuda_event, driver.current_stream(group.device.index))
+            driver.wait(stream.cuda_stream, event.cuda_event)
+        else:
+            event.record(torch.cuda.current_stream(group.device))
+            stream.wait_event(event)
     return stream
 
 
@@ -92,8 +125,12 @@ def join(group: Group, stream, index: int = 0) -> None:
     """Make the current stream wait for everything enqueued on ``stream`` so far."""
     if stream is not None:
         event = _event("join", group.device, index)
-        event.record(stream)
-        torch.cuda.current_stream(group.device).wait_event(event)
+        if driver.enabled():
+            driver.record(event.cuda_event, stream.cuda_stream)
+            driver.wait(driver.current_stream(group.device.index), event.cuda_event)
+        else:
+            event.record(stream)
+            torch.cuda.current_stream(group.device).wait_event(event)
 
 
 class _OnStream:

@@ -58,7 +58,7 @@ def test_prepared_launch_substitutes_operands():
 def test_tma_scratch_is_reused_per_stream_and_fresh_under_capture(monkeypatch):
     """The scratch allocator hands one buffer per (device, stream, size) to eager launches
     (launches on one stream run in order) and a new one to a launch being captured."""
-    from interlace.ops import _gemm
+    from interlace.ops import _launch
 
     set_to = {}
     monkeypatch.setattr(triton, "set_allocator", lambda fn: set_to.setdefault("fn", fn))
@@ -69,10 +69,10 @@ def test_tma_scratch_is_reused_per_stream_and_fresh_under_capture(monkeypatch):
     monkeypatch.setattr(
         torch, "empty", lambda size, device=None, dtype=None: real_empty(size, dtype=dtype)
     )
-    monkeypatch.setattr(_gemm, "_SCRATCH", {})
-    _gemm._install_allocator.cache_clear()
+    monkeypatch.setattr(_launch, "_SCRATCH", {})
+    _launch.install_scratch_allocator.cache_clear()
     try:
-        _gemm._install_allocator()
+        _launch.install_scratch_allocator()
         alloc = set_to["fn"]
         first = alloc(256, 128, 11)
         assert alloc(256, 128, 11) is first  # same stream, same size: reused
@@ -81,4 +81,4 @@ def test_tma_scratch_is_reused_per_stream_and_fresh_under_capture(monkeypatch):
         capturing["now"] = True
         assert alloc(256, 128, 11) is not first  # a captured launch gets its own
     finally:
-        _gemm._install_allocator.cache_clear()
+        _launch.install_scratch_allocator.cache_clear()
