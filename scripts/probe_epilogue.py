@@ -9,6 +9,9 @@ replayed as a CUDA graph (no host time), for the public GEMM+RS shapes at M 8192
   buffer, no waits).
 * ``push_local`` / ``push_peer``: every tile pushed by TMA into this rank's / the next
   rank's receive buffer (no waits).
+* ``layout_nowait``: the fused op's segments (peers' rows pushed first, in two chunks per
+  owner, then this rank's rows reduced), without its waits or entry barrier: what the
+  fused kernel's work costs without its synchronisation.
 * ``rs_fused`` / ``rs_ce_scatter``: the ops as they run.
 
     python scripts/probe_epilogue.py [--world-size 2]
@@ -62,13 +65,23 @@ def shape_row(group, m, n, inter):
             for i in range(w)
         ]
 
+    half = m_loc // 2
+    layout = []
+    for o in [(r + i) % w for i in range(1, w)] + [r]:
+        for j in range(2):
+            row0 = o * m_loc + j * half
+            kind = "reduce" if o == r else "push"
+            layout.append(
+                Segment(row0=row0, rows=half, kind=kind, owner=o, out_row0=j * half, notify=note)
+            )
     for name, kind, owner in (
         ("push_path_store", "store", r),
         ("reduce_only", "reduce", r),
         ("push_local", "push", r),
         ("push_peer", "push", peer),
+        ("layout_nowait", None, None),
     ):
-        s = segs(kind, owner)
+        s = segs(kind, owner) if kind else layout
         table = _gemm.segment_table(s, n, room, dev)
         grid = _gemm.programs_for(_gemm.total_tiles(s, n, room), dev, "cuda", single=True)
         run = _gemm.launcher(
@@ -77,7 +90,7 @@ def shape_row(group, m, n, inter):
             out_table=ctx.recv.ptrs, sig_table=ctx.pad.ptrs, sig=ctx.pad.buffer.local,
             err=ctx.error.address, rank=r, max_spins=ctx.max_spins, world=w, push=True,
         )  # fmt: skip
-        dst = c if kind == "store" else out
+        dst = c if kind == "store" else out  # reduce / push: this rank's rows
         t[name] = _graph_ms(group, lambda run=run, dst=dst: run(a, b, dst))
     ctx.close()
     for strategy in ("fused", "ce_scatter"):

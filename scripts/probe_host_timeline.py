@@ -57,7 +57,9 @@ def _instrument():
     _wrap(gemm_ops._ScatterGemm, "_fused", "rs._fused")
     _wrap(_gemm.GemmLaunch, "__call__", "GemmLaunch")
     _wrap(_launch.PreparedLaunch, "__call__", "PreparedLaunch")
-    _wrap(_launch, "_short_path_ok")
+    for name in ("_short_path_ok", "_hooks_clear", "scratch"):
+        if hasattr(_launch, name):
+            _wrap(_launch, name)
     _wrap(_launch, "_run", "_run(triton launcher)")
 
 
