@@ -79,7 +79,10 @@ AG_TEMPLATES = {
 #: M = 8192 everywhere and at M = 2048 for all three ops but one shape. Session 3 (copies
 #: without a barrier, GEMM launched first): eager AG+GEMM ``fused`` beat cuBLAS + NCCL at
 #: M = 2048 on 6 of 6 (shape, run) pairs (estimated traffic 40-70 us), so its eager floor
-#: is 30 us; GEMM+RS / GEMM+AR ``fused`` won only 4 of 6 there and keep theirs.
+#: is 30 us; GEMM+RS / GEMM+AR ``fused`` won only 4 of 6 there and kept 150 us. Session 4
+#: (host path through driver calls and direct launches: ~35 us per GEMM+RS / AR call, was
+#: 50-120): at M = 2048 eager GEMM+RS ``fused`` beat cuBLAS + NCCL on 3 of 3 shapes and
+#: GEMM+AR on 2 of 3 (the third a tie, 0.286 vs 0.289 ms), so their eager floor is 30 us.
 EST_TFLOPS = 650.0
 EST_LINK_GBPS = 200.0
 
@@ -88,6 +91,7 @@ class _OverlappedGemm(OpContext):
     STRATEGIES: tuple[str, ...] = ("auto", "fused", "none")
     MIN_OVERLAP_US = {"eager": 30.0, "graph": 15.0}  # see EST_TFLOPS
     default_split = 1
+    WORLD_SPLIT: dict[int, int] = {}  # a world size's own default split
     STRATEGY_SPLIT: dict[str, int] = {}  # a strategy's own default chunk split
 
     def __init__(
@@ -101,7 +105,9 @@ class _OverlappedGemm(OpContext):
             )
         _gemm.check_gemm_shape(self.op_name, max_m, n, k, dtype)
         if split is None:
-            split = self.STRATEGY_SPLIT.get(strategy, self.default_split)
+            split = self.STRATEGY_SPLIT.get(
+                strategy, self.WORLD_SPLIT.get(group.world_size, self.default_split)
+            )
         split = int(split)
         if not 1 <= split <= MAX_SPLIT:
             raise InterlaceValueError(
@@ -364,7 +370,7 @@ class _ScatterGemm(ScatterVariants, _OverlappedGemm):
     pushed to their owner from the epilogue, the owner's tiles reduced in theirs."""
 
     STRATEGIES = ("auto", "fused", "signal_reorder", "none")
-    MIN_OVERLAP_US = {"eager": 150.0, "graph": 30.0}
+    MIN_OVERLAP_US = {"eager": 30.0, "graph": 30.0}
     BROADCAST = False
     # Two chunks per owner: a rank reaches its own chunk j only after every peer has
     # finished that chunk a whole chunk earlier (full-mesh order), so the owner's reduction
@@ -518,6 +524,10 @@ class GemmRS(_ScatterGemm):
     # One chunk per owner: captured, split 1 beat 2 and 4 on 5 of 6 shapes (2 x H200,
     # history/2026-11-22-h200-w2-gemm-rs-ce-scatter.json).
     STRATEGY_SPLIT = {"ce_scatter": 1}
+    # With two ranks one chunk per owner beat two for ``fused`` eager on 3 of 3 shapes at
+    # M = 8192 (2 x H200, session 4: T / bound 1.18 / 1.15 / 1.04 against 1.25 / 1.21 /
+    # 1.16); GEMM+AR showed no difference and keeps two.
+    WORLD_SPLIT = {2: 1}
 
     def __call__(self, a, b, bias=None, out=None):
         w = self.world_size

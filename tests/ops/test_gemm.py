@@ -195,8 +195,8 @@ def test_auto_falls_back_below_the_floor(world):
     for choices in world.run(_auto_choice_body):
         for op, picks in choices.items():
             assert picks[0] == "none" and picks[2] == "fused", (op, picks)
-        if world.world_size == 2:  # LLaMA-7B at M 2048: AG+GEMM overlaps, RS / AR do not
-            assert choices["ag"][1] == "fused" and choices["rs"][1] == "none", choices
+        if world.world_size == 2:  # LLaMA-7B at M 2048: every op overlaps (eager floor 30 us)
+            assert all(picks[1] == "fused" for picks in choices.values()), choices
 
 
 # ----------------------------------------------------------------------------- bad inputs
