@@ -27,7 +27,11 @@ Two layouts (``STRIPS``):
   rounded up to a power of two; strips ``k >= world`` hold no rows and are not stored.
 
 The epilogue uses plain stores (no TMA store): the release that follows must publish them,
-and a bulk async store is not ordered by it. Padding rows and columns of a tile hold zeros
+and a bulk async store is not ordered by it. Measured on 2 x H200
+(``scripts/probe_signal_gemm.py``), this GEMM is 10-28 % slower than cuBLAS with its
+signals and without them alike; one release per (program, group) after the group's tiles
+(a group loop around the tile loop), with TMA stores for the all-reduce layout, was no
+faster (session 4, ``benchmarks/NOTES.md``). Padding rows and columns of a tile hold zeros
 (or the bias) and are stored too: the collectives treat them like any element and the
 un-reorder never reads them.
 """
@@ -85,11 +89,12 @@ def signal_gemm_kernel(
     tile_map, n_tiles, counters,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, STRIPS: tl.constexpr, USE_TMA: tl.constexpr,
-    HAS_BIAS: tl.constexpr, LANES: tl.constexpr,
+    HAS_BIAS: tl.constexpr, LANES: tl.constexpr, SIGNAL: tl.constexpr,
 ):  # fmt: skip
     """See the module docstring. ``a [M, K]``, ``b [K, N]``, ``buf`` the reordered output
     (flat), ``counters`` int32, one per wave group; ``LANES`` = the launch's threads
-    (``32 * num_warps``): each raises the counter once per tile."""
+    (``32 * num_warps``): each raises the counter once per tile. ``SIGNAL=False`` leaves the
+    counters alone (``scripts/probe_signal_gemm.py``: what the signals cost)."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     SUB_M: tl.constexpr = BLOCK_M // STRIPS
@@ -139,5 +144,6 @@ def signal_gemm_kernel(
             tl.store(ptrs, acc.to(out_ty), mask=(strip < world)[:, None])
         # Every thread releases its own stores (no CTA barrier: one in the loop stops
         # Triton 3.6 from pipelining it); the group is done at tiles * LANES.
-        lanes = tl.zeros([LANES], dtype=tl.int32)
-        tl.atomic_add(counters + group + lanes, 1, sem="release", scope="gpu")
+        if SIGNAL:
+            lanes = tl.zeros([LANES], dtype=tl.int32)
+            tl.atomic_add(counters + group + lanes, 1, sem="release", scope="gpu")

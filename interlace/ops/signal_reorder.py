@@ -507,9 +507,9 @@ class SignalReorderGemm(OpContext):
         )  # fmt: skip
         self._collective(lay, first, count)
 
-    def launch_gemm(self, plan: Plan, a, b, bias=None) -> None:
+    def launch_gemm(self, plan: Plan, a, b, bias=None, signal: bool = True) -> None:
         """The signalling GEMM alone, on the current stream (it raises the counters; only
-        the wait kernels reset them)."""
+        the wait kernels reset them). ``signal=False``: no counters (probes only)."""
         lay, cfg = plan.layout, plan.cfg
         if plan.use_tma and a.is_cuda:
             install_scratch_allocator()
@@ -522,7 +522,8 @@ class SignalReorderGemm(OpContext):
             lay.rows_per_rank, lay.world, plan.tile_map, lay.n_tiles, self.counters,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m, STRIPS=lay.strips, USE_TMA=plan.use_tma, HAS_BIAS=has_bias,
-            LANES=plan.lanes, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            LANES=plan.lanes, SIGNAL=signal, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def _collective(self, lay: Layout, first: int, count: int) -> None:

@@ -313,7 +313,7 @@ def test_signal_gemm_is_software_pipelined(strips):
     sig.update(a="*bf16", b="*bf16", buf="*bf16", bias="*bf16", tile_map="*i32",
                counters="*i32")  # fmt: skip
     consts = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, STRIPS=strips, USE_TMA=True,
-                  HAS_BIAS=False, LANES=256)  # fmt: skip
+                  HAS_BIAS=False, LANES=256, SIGNAL=True)  # fmt: skip
     for name in consts:
         sig.pop(name)
     out = compile_for_hopper(kernel, sig, consts, aligned=("a", "b", "buf", "N", "K",
