@@ -20,8 +20,8 @@ import time
 
 import torch
 import torch.distributed as dist
+from _probe import llama3_8b_fused
 
-import interlace
 from interlace.bench.timing import _align, graph_of, median_ms
 from interlace.testing import World
 
@@ -51,15 +51,10 @@ def _timeline(trace_path: str, marks: list[str]) -> list[list[str]]:
 
 def body(group, out_dir):
     w, dev = group.world_size, group.device
-    torch.manual_seed(group.rank)
-    m, h, inter = 8192, 4096, 14336  # LLaMA-3-8B, M 8192
-    a_shard = torch.randn(m // w, h, device=dev, dtype=torch.bfloat16)
-    b_ag = torch.randn(h, inter // w, device=dev, dtype=torch.bfloat16) * 0.05
-    a = torch.randn(m, inter // w, device=dev, dtype=torch.bfloat16)
-    b_rs = torch.randn(inter // w, h, device=dev, dtype=torch.bfloat16) * 0.05
-    ag = interlace.AGGemm(group, m, inter // w, h, strategy="fused")
-    rs = interlace.GemmRS(group, m, h, inter // w, strategy="fused")
-    ar = interlace.GemmAR(group, m, h, inter // w, strategy="fused")
+    m, h, inter = 8192, 4096, 14336  # LLaMA-3-8B, M 8192 (as ``llama3_8b_fused``)
+    operands, contexts = llama3_8b_fused(group)
+    a_shard, b_ag, a, b_rs = operands.values()
+    ag, rs, ar = contexts.values()
     ag_out = torch.empty(m, inter // w, device=dev, dtype=torch.bfloat16)
     rs_out = torch.empty(m // w, h, device=dev, dtype=torch.bfloat16)
     full = torch.empty(m, h, device=dev, dtype=torch.bfloat16)

@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 
 import torch
+from _probe import print_table, run_on_world
 
 import interlace
 from interlace.bench.timing import graph_of, max_over_ranks, median_ms
 from interlace.ops import _gemm
 from interlace.ops._gemm import Segment
-from interlace.testing import World
 
 SHAPES = {"llama-7b": (8192, 4096, 11008), "llama3-8b": (8192, 4096, 14336)}
 SHAPES["llama3-70b"] = (8192, 8192, 28672)
@@ -109,16 +109,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--world-size", type=int, default=2)
     args = p.parse_args()
-    world = World(args.world_size, "cuda", timeout=500)
-    try:
-        rows = world.run(body)[0]
-    finally:
-        world.close()
-    cols = list(next(iter(rows.values())))
-    print("GEMM+RS epilogue probe, graph replay ms (max over ranks), M 8192")
-    print(f"{'model':12s}" + "".join(f"{c:>16s}" for c in cols))
-    for name, t in rows.items():
-        print(f"{name:12s}" + "".join(f"{t[c]:16.3f}" for c in cols))
+    rows = run_on_world(body, args.world_size)[0]
+    print_table("GEMM+RS epilogue probe, graph replay ms (max over ranks), M 8192", rows)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ import statistics
 import time
 
 import torch
+from _probe import llama3_8b_fused, run_on_world
 
-import interlace
 from interlace.bench.timing import _align
 from interlace.ops import _context, _gemm, _launch
 from interlace.ops import gemm as gemm_ops
-from interlace.testing import World
 
 STAMPS: list[tuple[str, int, int]] = []
 
@@ -107,16 +106,9 @@ def _host_us(fn, group, aligned: bool, iters=20):
 
 def body(group):
     _instrument()
-    w, dev = group.world_size, group.device
-    torch.manual_seed(group.rank)
-    m, h, inter = 8192, 4096, 14336  # LLaMA-3-8B
-    a_shard = torch.randn(m // w, h, device=dev, dtype=torch.bfloat16)
-    b_ag = torch.randn(h, inter // w, device=dev, dtype=torch.bfloat16) * 0.05
-    a = torch.randn(m, inter // w, device=dev, dtype=torch.bfloat16)
-    b_rs = torch.randn(inter // w, h, device=dev, dtype=torch.bfloat16) * 0.05
-    ag = interlace.AGGemm(group, m, inter // w, h, strategy="fused")
-    rs = interlace.GemmRS(group, m, h, inter // w, strategy="fused")
-    ar = interlace.GemmAR(group, m, h, inter // w, strategy="fused")
+    operands, contexts = llama3_8b_fused(group)
+    a_shard, b_ag, a, b_rs = operands.values()
+    ag, rs, ar = contexts.values()
     calls = {
         "ag_fused": lambda: ag(a_shard, b_ag),
         "rs_fused": lambda: rs(a, b_rs),
@@ -144,11 +136,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--world-size", type=int, default=2)
     args = p.parse_args()
-    world = World(args.world_size, "cuda", timeout=500)
-    try:
-        results = world.run(body)
-    finally:
-        world.close()
+    results = run_on_world(body, args.world_size)
     for res in results:
         print(f"===== rank {res['rank']}")
         for name, op in res["ops"].items():

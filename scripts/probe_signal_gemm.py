@@ -10,11 +10,11 @@ groups (all waves but the last, then the last).
 from __future__ import annotations
 
 import torch
+from _probe import print_table, run_on_world
 
 import interlace
 from interlace.bench.timing import max_over_ranks, pipelined_median_ms
 from interlace.ops import _gemm
-from interlace.testing import World
 
 SHAPES = {"llama-7b": (8192, 4096, 11008), "llama3-8b": (8192, 4096, 14336)}
 SHAPES["llama3-70b"] = (8192, 8192, 28672)
@@ -44,16 +44,9 @@ def body(group):
 
 
 def main():
-    world = World(2, "cuda", timeout=400)
-    try:
-        rows = world.run(body)[0]
-    finally:
-        world.close()
-    cols = list(next(iter(rows.values())))
-    print("signalling GEMM probe, ms (median back to back, max over ranks), M 8192")
-    print(f"{'model':12s}" + "".join(f"{c:>20s}" for c in cols))
-    for name, t in rows.items():
-        print(f"{name:12s}" + "".join(f"{t[c]:20.3f}" for c in cols))
+    rows = run_on_world(body, 2, timeout=400)[0]
+    title = "signalling GEMM probe, ms (median back to back, max over ranks), M 8192"
+    print_table(title, rows, width=14)
 
 
 if __name__ == "__main__":
