@@ -49,13 +49,14 @@ def _no_hook(hook) -> bool:
     return hook is None or not getattr(hook, "calls", True)
 
 
+def _hooks_clear() -> bool:
+    """No Triton launch hook is set (a profiler may set them at any time)."""
+    runtime = knobs.runtime
+    return _no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook)
+
+
 def _short_path_ok() -> bool:
-    return (
-        _FAST
-        and os.environ.get("TRITON_INTERPRET", "0") != "1"
-        and _no_hook(knobs.runtime.launch_enter_hook)
-        and _no_hook(knobs.runtime.launch_exit_hook)
-    )
+    return _FAST and os.environ.get("TRITON_INTERPRET", "0") != "1" and _hooks_clear()
 
 
 def _bind(kernel, args, kwargs):
@@ -123,12 +124,6 @@ def launch(kernel, grid: int, *args, **kwargs) -> None:
         return
     compiled, bound = found
     _run(compiled, grid, bound.values())
-
-
-def _hooks_clear() -> bool:
-    """No Triton launch hook is set (a profiler may set them at any time)."""
-    runtime = knobs.runtime
-    return _no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook)
 
 
 def _direct_launch(compiled, grid: int, values: list, where: list[int], operands):

@@ -570,13 +570,13 @@ class GemmAR(_ScatterGemm):
         super().__init__(group, max_m, n, k, dtype, strategy, **kw)
         if strategy != "none":
             self.result = self._track(symm_empty((self.max_m, self.n), dtype, group))
+        self._result_views: dict[tuple[int, int], torch.Tensor] = {}
 
     def _result_view(self, m: int, n: int) -> torch.Tensor:
         """The ``[m, n]`` view of the symmetric result buffer (made once per shape)."""
-        views = self.__dict__.setdefault("_result_views", {})
-        view = views.get((m, n))
+        view = self._result_views.get((m, n))
         if view is None:
-            view = views[(m, n)] = self.result.local.view(-1)[: m * n].view(m, n)
+            view = self._result_views[(m, n)] = self.result.local.view(-1)[: m * n].view(m, n)
         return view
 
     def __call__(self, a, b, bias=None, out=None):
