@@ -57,7 +57,15 @@ import torch.distributed as dist
 from .. import schedule
 from ..errors import InterlaceValueError
 from ..kernels.collective import pull_chunks_kernel
-from ..runtime import copy_and_signal, fork, join, symm_empty, use_stream
+from ..runtime import (
+    copy_and_signal,
+    fork,
+    fork_from_mark,
+    fork_mark,
+    join,
+    symm_empty,
+    use_stream,
+)
 from . import _gemm
 from ._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext
 from ._gemm import GemmConfig, Segment, tiles_of
@@ -325,18 +333,19 @@ class AGGemm(AlternatingSets, _OverlappedGemm):
         starts on its own shard at once, so the host time before its launch is all an
         eager call exposes (a profiled eager call on 2 x H200, copies first: the GEMM began
         165 us after the call, 80 us after the copy), and it waits per chunk for the peers'
-        copies; the fork comes before it, or the
-        copies would wait for it. The interpreter runs a launch to completion, so there the
-        copies come first. The GEMM zeroes its set's flags as it ends and leaves an SM free
-        for a captured call's barrier."""
+        copies. The comm stream's fork point is recorded before the GEMM (or the copies
+        would wait for it) and its wait enqueued after the launch. The interpreter runs a
+        launch to completion, so there the copies come first. The GEMM zeroes its set's
+        flags as it ends and leaves an SM free for a captured call's barrier."""
         m_loc = a_shard.shape[0]
         s = self._buffer_set()
         plan = self._plan(m_loc, b.shape[1], pull=False, s=s)
         whole = a_shard.shape[0]
         consumer_first = self.group.backend == "cuda"
-        stream = fork(self.group)
+        fork_mark(self.group)  # the copies may start once the inputs are ready
         if consumer_first:
             self._gemm(plan, a_shard, b, bias, out, m_loc)
+        stream = fork_from_mark(self.group)
         if s == GRAPH_SET:
             with use_stream(stream):
                 self._barrier()  # every peer is done with the previous replay's rows

@@ -2,7 +2,16 @@
 
 from .group import Group, interpreter_enabled
 from .signals import ErrorWord, SignalPad, default_max_spins
-from .streams import comm_stream, copy_and_signal, fork, join, stream_write_value32, use_stream
+from .streams import (
+    comm_stream,
+    copy_and_signal,
+    fork,
+    fork_from_mark,
+    fork_mark,
+    join,
+    stream_write_value32,
+    use_stream,
+)
 from .symmetric import SymmetricTensor, symm_empty, symm_zeros
 
 __all__ = [
@@ -14,6 +23,8 @@ __all__ = [
     "copy_and_signal",
     "default_max_spins",
     "fork",
+    "fork_from_mark",
+    "fork_mark",
     "interpreter_enabled",
     "join",
     "stream_write_value32",

@@ -107,30 +107,51 @@ def _event(kind: str, device: torch.device, index: int) -> torch.cuda.Event:
     return _events[key]
 
 
-def fork(group: Group, index: int = 0):
-    """The comm stream, made to wait for the current stream's work so far (``None`` on cpu)."""
+def _record(event: torch.cuda.Event, stream) -> None:
+    """``event.record(stream)`` (``stream``: a torch stream)."""
+    if driver.enabled():
+        driver.record(event.cuda_event, stream.cuda_stream)
+    else:
+        event.record(stream)
+
+
+def _wait(stream, event: torch.cuda.Event) -> None:
+    """``stream.wait_event(event)``: binds to the last record of ``event`` made so far."""
+    if driver.enabled():
+        driver.wait(stream.cuda_stream, event.cuda_event)
+    else:
+        stream.wait_event(event)
+
+
+def fork_mark(group: Group, index: int = 0) -> None:
+    """Record the current stream's work so far for :func:`fork_from_mark` (a no-op on
+    cpu): an op can then launch its first kernel before it spends host time on the comm
+    stream's wait."""
+    if group.backend == "cuda":
+        _record(_event("fork", group.device, index), torch.cuda.current_stream(group.device))
+
+
+def fork_from_mark(group: Group, index: int = 0):
+    """The comm stream, made to wait for the current stream's work up to the last
+    :func:`fork_mark` (``None`` on cpu)."""
     stream = comm_stream(group, index)
     if stream is not None:
-        event = _event("fork", group.device, index)
-        if driver.enabled():
-            driver.record(event.cuda_event, driver.current_stream(group.device.index))
-            driver.wait(stream.cuda_stream, event.cuda_event)
-        else:
-            event.record(torch.cuda.current_stream(group.device))
-            stream.wait_event(event)
+        _wait(stream, _event("fork", group.device, index))
     return stream
+
+
+def fork(group: Group, index: int = 0):
+    """The comm stream, made to wait for the current stream's work so far (``None`` on cpu)."""
+    fork_mark(group, index)
+    return fork_from_mark(group, index)
 
 
 def join(group: Group, stream, index: int = 0) -> None:
     """Make the current stream wait for everything enqueued on ``stream`` so far."""
     if stream is not None:
         event = _event("join", group.device, index)
-        if driver.enabled():
-            driver.record(event.cuda_event, stream.cuda_stream)
-            driver.wait(driver.current_stream(group.device.index), event.cuda_event)
-        else:
-            event.record(stream)
-            torch.cuda.current_stream(group.device).wait_event(event)
+        _record(event, stream)
+        _wait(torch.cuda.current_stream(group.device), event)
 
 
 class _OnStream:
