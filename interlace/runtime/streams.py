@@ -52,8 +52,7 @@ def stream_write_value32(signal: torch.Tensor, index: int, value: int) -> None:
         signal[index] = value  # in-order host store: the copy before it has landed
         return
     if driver.enabled():
-        address = signal.data_ptr() + index * signal.element_size()
-        driver.write_value32(address, value, driver.current_stream(signal.device.index))
+        _driver_write(signal, index, value, driver.current_stream(signal.device.index))
         return
     if _stream_write is None:
         _stream_write = _resolve_stream_write()
@@ -77,7 +76,12 @@ def copy_and_signal(
     handle = driver.current_stream(dst.device.index) if stream is None else stream.cuda_stream
     driver.copy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), handle)
     if signal is not None:
-        driver.write_value32(signal.data_ptr() + index * signal.element_size(), value, handle)
+        _driver_write(signal, index, value, handle)
+
+
+def _driver_write(signal: torch.Tensor, index: int, value: int, stream: int) -> None:
+    """``signal[index] = value`` from the raw stream ``stream``, through the driver."""
+    driver.write_value32(signal.data_ptr() + index * signal.element_size(), value, stream)
 
 
 def _raw_copy_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
