@@ -153,22 +153,23 @@ def _add_bias(acc, bias, col, N, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, 
 @triton.jit(
     do_not_specialize=[
         "rank", "n_seg", "recv_rows", "own_rows", "max_spins", "bar_slot", "go_slot",
-        "clear_first", "clear_count",
+        "clear_first", "clear_count", "seg_first",
     ]
 )  # fmt: skip
 def gemm_segments_kernel(
     a, b, c, bias, M, N, K,
     a_own, own_rows,
     seg, n_seg,
-    recv, recv_table, recv_rows, out_table,
+    recv, recv_table, recv_rows, out_table, stage,
     sig, sig_table, err, rank, max_spins,
-    bar_slot, go_slot, clear_first, clear_count,
+    bar_slot, go_slot, clear_first, clear_count, seg_first,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, WORLD: tl.constexpr,
     USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_PUSH: tl.constexpr, BROADCAST: tl.constexpr, HAS_OWN_A: tl.constexpr,
     SUBTILE: tl.constexpr = False, ENTRY_BARRIER: tl.constexpr = False,
     EXIT_CLEAR: tl.constexpr = False, NOTIFY_STORES: tl.constexpr = False,
+    STAGE_PUSHES: tl.constexpr = False,
 ):  # fmt: skip
     """See the module docstring. ``a_own`` ([own_rows, K]) is read by ``KIND_STORE_OWN``;
     ``recv`` ([WORLD, recv_rows, N], symmetric, table ``recv_table``) receives partials;
@@ -186,6 +187,13 @@ def gemm_segments_kernel(
     * ``NOTIFY_STORES`` (GEMM+RS with a copy-engine scatter): a store segment with a
       ``SEG_NOTIFY`` slot (> 0) counts its finished tiles there (local, release), for a
       consumer that ships the chunk; bias goes only into rows this rank owns.
+    * ``STAGE_PUSHES`` (``ce_fused``): a push segment stores its partial tiles into this
+      rank's ``stage`` buffer (rows as in ``a``) and counts them in its local
+      ``SEG_NOTIFY`` slot; the copy engine ships the chunk to its owner, whose reduce
+      segments wait for it as for a push.
+    * ``seg_first``: the first segment whose tiles this launch computes (the interpreter
+      splits a ``ce_fused`` call in two launches); an all-reduce's final waits still scan
+      every segment.
 
     There is one main loop for every kind: only the epilogue branches. (A second
     instantiation of the pipelined loop, e.g. one per A source, cost 35 % on an H200.)"""
@@ -202,7 +210,7 @@ def gemm_segments_kernel(
         b_desc = tl.make_tensor_descriptor(
             b, shape=[K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N]
         )
-    for s in range(n_seg):
+    for s in range(seg_first, n_seg):
         row_of = seg + s * SEG_COLS
         tile0 = tl.load(row_of + SEG_TILE0)
         row0 = tl.load(row_of + SEG_ROW0)
@@ -239,10 +247,14 @@ def gemm_segments_kernel(
             push_dst = c
             owner_sig = sig
             if HAS_PUSH:
-                # This rank's slot of the owner's receive buffer: recv[rank, out_row0 + r].
-                push_dst = peer_ptr_aligned(recv, recv_table, rank, owner)
-                push_dst += (rank.to(tl.int64) * recv_rows + out_row0) * N
-                owner_sig = signal_base(sig_table, owner) + notify_slot
+                if STAGE_PUSHES:  # local staging rows and counter: the copy engine ships
+                    push_dst = stage + row0.to(tl.int64) * N
+                    owner_sig = sig + notify_slot
+                else:
+                    # This rank's slot of the owner's receive buffer: recv[rank, out_row0 + r].
+                    push_dst = peer_ptr_aligned(recv, recv_table, rank, owner)
+                    push_dst += (rank.to(tl.int64) * recv_rows + out_row0) * N
+                    owner_sig = signal_base(sig_table, owner) + notify_slot
             a_desc = None
             c_desc = None
             if USE_TMA:

@@ -82,6 +82,11 @@ def with_epilogue_room(cfg: GemmConfig, itemsize: int = 2) -> GemmConfig:
     return replace(cfg, subtile=subtile, num_stages=stages)
 
 
+#: most chunks per owner a GEMM+RS / GEMM+AR / AG+GEMM call is cut into (the signal
+#: regions are sized for it)
+MAX_SPLIT = 8
+
+
 @dataclass(frozen=True)
 class Segment:
     """One chunk of rows as the GEMM sees it (see ``kernels.gemm`` for the fields)."""
@@ -161,14 +166,17 @@ def launcher(
     m, n, k, cfg: GemmConfig, grid: int, segments_t, n_seg, *, dtype, device, has_bias=False,
     own_rows=0, recv=None, recv_table=None, recv_rows=0, out_table=None, sig=None,
     sig_table=None, err=0, rank=0, max_spins=0, world=1, push=False, broadcast=False,
-    own_a=False, bar_slot=None, go_slot=0, clear=None, notify_stores=False,
+    own_a=False, bar_slot=None, go_slot=0, clear=None, notify_stores=False, stage=None,
+    seg_first=0,
 ) -> GemmLaunch:  # fmt: skip
     """The segment GEMM of one plan, its fixed arguments bound once: call it with the
     operands ``(a, b, c, bias, a_own)`` (``bias`` / ``a_own`` None when absent), on the
     current stream. ``bar_slot`` (not None): program 0 runs the entry barrier on those
     slots and raises ``go_slot``; ``clear``: ``(first, count)`` local signal slots the
     launch zeroes as it ends; ``notify_stores``: store segments count finished tiles in
-    their notify slot (see the kernel)."""
+    their notify slot (see the kernel); ``stage``: pushes go into this local buffer and
+    count in local slots (``STAGE_PUSHES``); ``seg_first``: the first segment whose tiles
+    this launch computes."""
     use_tma = tma_ok(k, n, dtype)
     if use_tma and torch.device(device).type == "cuda":
         install_scratch_allocator()
@@ -179,15 +187,16 @@ def launcher(
         recv if recv is not None else segments_t,
         recv_table if recv_table is not None else segments_t, max(recv_rows, 1),
         out_table if out_table is not None else segments_t,
+        stage if stage is not None else segments_t,
         sig if sig is not None else segments_t, sig_table if sig_table is not None else segments_t,
-        err, rank, max_spins, bar_slot or 0, go_slot, *(clear or (0, 0)),
+        err, rank, max_spins, bar_slot or 0, go_slot, *(clear or (0, 0)), seg_first,
     )  # fmt: skip
     kwargs = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         WORLD=world, USE_TMA=use_tma, HAS_BIAS=has_bias, HAS_PUSH=push,
         BROADCAST=broadcast, HAS_OWN_A=own_a, SUBTILE=cfg.subtile,
         ENTRY_BARRIER=bar_slot is not None, EXIT_CLEAR=clear is not None,
-        NOTIFY_STORES=notify_stores,
+        NOTIFY_STORES=notify_stores, STAGE_PUSHES=stage is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return GemmLaunch(PreparedLaunch(gemm_segments_kernel, grid, args, kwargs, OPERANDS))

@@ -1,11 +1,18 @@
-"""The copy-engine scatter (``ce_scatter``: GEMM+RS, and GEMM+AR with a copy-engine
-gather after it) and the ring (``ring``, GEMM+RS): the methods they add to the GEMM+RS /
-GEMM+AR context (``ops.gemm._ScatterGemm``, which mixes this class in). Both run the
-segment GEMM with plain stores of every partial tile into a local buffer
-(``self.partials``) and per-chunk finished-tile counters; they differ in what moves the
-chunks: the copy engine plus one reduction kernel, or a ring of a few SMs."""
+"""The copy-engine variants of GEMM+RS / GEMM+AR and the ring: the methods they add to the
+GEMM+RS / GEMM+AR context (``ops.gemm._ScatterGemm``, which mixes this class in).
+
+* ``ce_scatter`` (GEMM+RS, and GEMM+AR with a copy-engine gather after it) and ``ring``
+  (GEMM+RS) run the segment GEMM with plain stores of every partial tile into a local
+  buffer (``self.partials``) and per-chunk finished-tile counters; they differ in what
+  moves the chunks: the copy engine plus one reduction kernel, or a ring of a few SMs.
+* ``ce_fused`` (GEMM+RS, GEMM+AR): the copy engine moves the partials, and the owner's
+  own tiles, computed last, add them in the GEMM's epilogue (no reduction kernel). The
+  GEMM stores a partial tile locally instead of pushing it across NVLink, which cost
+  the fused kernel 12-19 % on 2 x H200 (``benchmarks/NOTES.md``, epilogue probe)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -13,10 +20,10 @@ from .. import schedule
 from ..kernels.collective import reduce_arrivals_kernel
 from ..kernels.ring import MAX_PROGRAMS, ring_reduce_scatter_kernel
 from ..language.primitives import wait_kernel
-from ..runtime import copy_and_signal, fork, join, use_stream
+from ..runtime import copy_and_signal, fork, join, stream_write_value32, use_stream
 from . import _gemm
-from ._context import cdiv, persistent_grid
-from ._gemm import Segment, tiles_of
+from ._context import GRAPH_SET, cdiv, persistent_grid
+from ._gemm import MAX_SPLIT, Segment, tiles_of
 from ._launch import launch
 from .collectives import REDUCE_BLOCK
 
@@ -140,6 +147,144 @@ class ScatterVariants:
             )  # fmt: skip
         join(self.group, stream)
 
+    # ------------------------------------------------------------------ ce_fused
+    def _cef_set_slots(self, s: int) -> tuple[int, int]:
+        """(first, count): buffer set ``s``'s signal slots (region ``ce_sets``): the
+        arrival flags (chunk, source), the broadcast counters (chunk), then the GEMM's
+        "go" and "done" slots. The set's GEMM zeroes them as it ends, and only them."""
+        w = self.world_size
+        count = w * MAX_SPLIT * (w - 1) + w * MAX_SPLIT + 2
+        return self.pad.offset("ce_sets") + s * count, count
+
+    def _cef_plan(self, m: int, n: int, s: int):
+        """``ce_fused`` for buffer set ``s``: segments from a checked full-mesh
+        reduce-scatter, the chunks for other ranks first (pushed into the local staging
+        buffer, counted per chunk in ``ce_done``), own chunks last (each waits for one
+        copy per peer, then reduces in its epilogue; all-reduce: broadcasts too); and per
+        peer chunk the copy into its owner's receive rows of set ``s``, which raises the
+        owner's arrival flag of (chunk, this rank)."""
+        key = ("ce_fused", m, n, s)
+        if (found := self._known_plan(key)) is not None:
+            return found
+        w, r = self.world_size, self.rank
+        m_loc, rows = m // w, self.max_m // w
+        cfg = self._cfg(m, n, self.k)
+        sched = schedule.full_mesh_reduce_scatter(
+            w, m_loc, self.split, backend="ce", align=cfg.block_m
+        )
+        schedule.check(sched)
+        slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
+        first, count = self._cef_set_slots(s)
+        arrival, broadcast = first, first + w * MAX_SPLIT * (w - 1)
+        done = self.pad.offset("ce_done")
+        send, own = [], []
+        for chunk, _ in schedule.chunk_order(sched, r):
+            o, cid = chunk.owner, slot_of[chunk.id]
+            tiles = tiles_of(chunk.rows, n, cfg)
+            common = dict(row0=chunk.lo, rows=chunk.rows, owner=o, out_row0=chunk.lo - o * m_loc)
+            if o != r:
+                send.append(
+                    Segment(
+                        kind="push", notify=done + cid, final_slot=broadcast + cid,
+                        final_expected=tiles if self.BROADCAST else 0, **common,
+                    )
+                )  # fmt: skip
+            else:
+                own.append(
+                    Segment(
+                        kind="reduce", wait_first=arrival + cid * (w - 1), wait_count=w - 1,
+                        wait_expected=1, notify=broadcast + cid, **common,
+                    )
+                )  # fmt: skip
+        recv = self.recv.peers
+        copies = []
+        for t in schedule.transfers(sched, r):
+            o, cid = t.dst, slot_of[t.chunk_id]
+            lo, hi = t.lo - o * m_loc, t.hi - o * m_loc  # in the owner's rows
+            dst = recv[o][s].view(-1)[(r * rows + lo) * n : (r * rows + hi) * n]
+            copies.append(
+                (
+                    dst.view(hi - lo, n), t.lo, t.hi, self.pad.buffer.peers[o].view(torch.uint32),
+                    arrival + cid * (w - 1) + (r - o - 1) % w, done + cid,
+                    tiles_of(hi - lo, n, cfg),
+                )
+            )  # fmt: skip
+        dev = self.group.device
+        tables = [_gemm.segment_table(send + own, n, cfg, dev)]
+        if self.group.backend != "cuda":
+            # The interpreter runs a launch to completion: the own segments, which wait
+            # for the peers' copies, go in a second launch after this rank's copies (the
+            # first launch's table carries no final waits).
+            quiet = [replace(seg, final_expected=0) for seg in send]
+            tables.insert(0, _gemm.segment_table(quiet + own, n, cfg, dev))
+        grid = _gemm.programs_for(
+            _gemm.total_tiles(send + own, n, cfg), dev, self.group.backend,
+            comm_sms=1,  # the comm stream's wait kernels run beside the GEMM
+        )  # fmt: skip
+        plan = (cfg, tables, len(send), len(send) + len(own), grid, {}, copies, s)
+        return self._keep_plan(key, plan)
+
+    def _cef_launchers(self, plan, m, n, has_bias):
+        """The plan's GEMM launches (one; two on the interpreter), prepared once per bias /
+        no bias. On a GPU each chunk wait of the comm stream runs once here, on a counter
+        raised for it: the first launch of a kernel blocks the host while a kernel spins
+        on the device (benchmarks/NOTES.md), and this GEMM spins in its own segments."""
+        cfg, tables, n_send, n_seg, grid, launchers, copies, s = plan
+        runs = launchers.get(has_bias)
+        if runs is not None:
+            return runs
+        first, count = self._cef_set_slots(s)
+        fixed = dict(
+            dtype=self.dtype, device=self.group.device, has_bias=has_bias,
+            recv=self.recv.local[s], recv_rows=self.max_m // self.world_size,
+            out_table=getattr(self, "result", self.recv).ptrs, sig_table=self.pad.ptrs,
+            push=True, broadcast=self.BROADCAST, stage=self.partials,
+            sig=self.pad.buffer.local, err=self.error.address, rank=self.rank,
+            max_spins=self.max_spins, world=self.world_size, go_slot=first + count - 2,
+        )  # fmt: skip
+        if len(tables) == 1:
+            runs = [
+                _gemm.launcher(
+                    m, n, self.k, cfg, grid, tables[0], n_seg, clear=(first, count), **fixed
+                )
+            ]  # fmt: skip
+        else:
+            runs = [
+                _gemm.launcher(m, n, self.k, cfg, grid, tables[0], n_send, **fixed),
+                _gemm.launcher(
+                    m, n, self.k, cfg, grid, tables[1], n_seg, clear=(first, count),
+                    seg_first=n_send, **fixed,
+                ),
+            ]  # fmt: skip
+        if self.group.backend == "cuda" and not self._capturing():
+            signals = self.pad.buffer.local.view(torch.uint32)
+            for *_, done, tiles in copies:
+                stream_write_value32(signals, done, tiles)
+                self._chunk_wait(done, tiles)
+        launchers[has_bias] = runs
+        return runs
+
+    def _ce_fused(self, a, b, bias, c):
+        """GEMM on the caller's stream (it stages the peers' partials, then reduces its
+        own rows as their copies land); on the comm stream, per peer chunk, a wait for
+        its tiles and the copy to the owner. Eager calls alternate buffer sets
+        (``AlternatingSets``: no barrier); a captured call's comm stream runs a device
+        barrier before its first copy."""
+        m, n = a.shape[0], b.shape[1]
+        s = self._buffer_set()
+        plan = self._cef_plan(m, n, s)
+        runs = self._cef_launchers(plan, m, n, bias is not None)
+        staged = self.partials[: m * n].view(m, n)
+        stream = fork(self.group)
+        runs[0](a, b, c, bias)
+        with use_stream(stream):
+            if s == GRAPH_SET:
+                self._barrier()
+            self._ship(plan[6], staged)
+        if len(runs) > 1:
+            runs[1](a, b, c, bias)
+        join(self.group, stream)
+
     # ------------------------------------------------------------------ ring
     def _ring_programs(self) -> int:
         return self.comm_sms if self.group.backend == "cuda" else 2
@@ -220,12 +365,17 @@ class ScatterVariants:
             )  # fmt: skip
         return True
 
+    def _chunk_wait(self, done: int, tiles: int) -> None:
+        """Wait (bounded, one program) until local counter ``done`` reaches ``tiles``,
+        then zero it."""
+        launch(
+            wait_kernel, 1, self.pad.buffer.local, done, 1, tiles, self.error.address,
+            self.rank, self.max_spins, RESET=True,
+        )  # fmt: skip
+
     def _ship(self, copies, partials) -> None:
-        """Per chunk: wait (bounded, one program) until the GEMM has finished its tiles, then
-        copy it to its owner and raise the owner's flag."""
+        """Per chunk: wait until the GEMM has finished its tiles, then copy it to its owner
+        and raise the owner's flag."""
         for dst, lo, hi, signal, slot, done, tiles in copies:
-            launch(
-                wait_kernel, 1, self.pad.buffer.local, done, 1, tiles, self.error.address,
-                self.rank, self.max_spins, RESET=True,
-            )  # fmt: skip
+            self._chunk_wait(done, tiles)
             copy_and_signal(dst, partials[lo:hi], signal, slot)

@@ -28,6 +28,12 @@ Strategies (``strategy=``):
   the owner's reduction kernel (fp32) adds the pieces as they land, after its GEMM. More
   launches than ``fused`` (slower eager), less work in the GEMM's epilogue (faster as a
   CUDA graph on 2 x H200).
+* ``ce_fused`` (GEMM+RS, GEMM+AR): as ``fused``, but a partial tile is stored locally
+  and the copy engine ships each finished chunk to its owner (a one-program wait per
+  chunk on the comm stream, then the copy, which raises the owner's flag); the owner's own
+  tiles, computed last, add the landed partials in their epilogue (all-reduce: and
+  broadcast the sums, as ``fused``). No NVLink stores from the GEMM's epilogue, no
+  reduction kernel. Eager calls alternate buffer sets, so they need no barrier.
 * ``ring`` (GEMM+RS): TileLink's in-kernel ring, as a kernel of ``comm_sms`` programs
   beside the GEMM: the GEMM stores partials owner by owner in ring order and counts each
   owner's finished tiles; the ring programs add what the left neighbour sent to this
@@ -68,10 +74,9 @@ from ..runtime import (
 )
 from . import _gemm
 from ._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext
-from ._gemm import GemmConfig, Segment, tiles_of
+from ._gemm import MAX_SPLIT, GemmConfig, Segment, tiles_of
 from ._rs_variants import RING_MAX_PROGRAMS, ScatterVariants
 
-MAX_SPLIT = 8
 AG_TEMPLATES = {
     "full_mesh": schedule.full_mesh_all_gather,
     "swizzled": schedule.swizzled_all_gather,
@@ -374,7 +379,7 @@ class AGGemm(AlternatingSets, _OverlappedGemm):
         self._barrier()  # nobody still pulls from my staged shard
 
 
-class _ScatterGemm(ScatterVariants, _OverlappedGemm):
+class _ScatterGemm(AlternatingSets, ScatterVariants, _OverlappedGemm):
     """Shared by GEMM+RS and GEMM+AR: the row chunks in rank-rotated order, partial tiles
     pushed to their owner from the epilogue, the owner's tiles reduced in theirs."""
 
@@ -402,9 +407,12 @@ class _ScatterGemm(ScatterVariants, _OverlappedGemm):
                 group, self.max_m, self.n, self.k, dtype, config=self.config,
                 max_spins=self.max_spins,
             )  # fmt: skip
+        elif strategy == "ce_fused":  # a receive buffer per buffer set (AlternatingSets)
+            shape = (BUFFER_SETS, w, self.max_m // w, self.n)
+            self.recv = self._track(symm_empty(shape, dtype, group))
         elif strategy != "none":
             self.recv = self._track(symm_empty((w, self.max_m // w, self.n), dtype, group))
-        if strategy in ("ce_scatter", "ring"):  # every rank's partial sums, before they move
+        if strategy in ("ce_scatter", "ring", "ce_fused"):  # partial sums, before they move
             self.partials = torch.empty(self.max_m * self.n, dtype=dtype, device=group.device)
         if strategy == "ring" and not 1 <= self._ring_programs() <= RING_MAX_PROGRAMS:
             raise InterlaceValueError(
@@ -425,6 +433,10 @@ class _ScatterGemm(ScatterVariants, _OverlappedGemm):
             "gathered": world,
             # "go" and "done": the GEMM's entry barrier and exit clearing (kernels.gemm)
             "go": 1, "done": 1,
+            # ce_fused: per chunk finished staged tiles; per buffer set the arrival flags,
+            # broadcast counters, "go" and "done" (``_cef_set_slots``)
+            "ce_done": world * MAX_SPLIT,
+            "ce_sets": BUFFER_SETS * (world * MAX_SPLIT * world + 2),
         }  # fmt: skip
 
     def _signal_launch_args(self) -> dict:
@@ -529,10 +541,12 @@ class GemmRS(_ScatterGemm):
     of the sum over ranks, ``[M / world, n]``."""
 
     op_name = "gemm_rs"
-    STRATEGIES = ("auto", "fused", "ce_scatter", "ring", "signal_reorder", "none")
+    STRATEGIES = ("auto", "fused", "ce_fused", "ce_scatter", "ring", "signal_reorder", "none")
     # One chunk per owner: captured, split 1 beat 2 and 4 on 5 of 6 shapes (2 x H200,
-    # history/2026-11-22-h200-w2-gemm-rs-ce-scatter.json).
-    STRATEGY_SPLIT = {"ce_scatter": 1}
+    # history/2026-11-22-h200-w2-gemm-rs-ce-scatter.json). ``ce_fused``: an owner's chunk
+    # j waits for the peers' copies of chunk j, so chunks must be short enough for the
+    # copy of one to hide behind the GEMM of the next.
+    STRATEGY_SPLIT = {"ce_scatter": 1, "ce_fused": 4}
     # With two ranks one chunk per owner beat two for ``fused`` eager on 3 of 3 shapes at
     # M = 8192 (2 x H200, session 4: T / bound 1.18 / 1.15 / 1.04 against 1.25 / 1.21 /
     # 1.16); GEMM+AR showed no difference and keeps two.
@@ -557,6 +571,8 @@ class GemmRS(_ScatterGemm):
             out = self._signal_reorder(a, b, bias=bias, out=out)
         elif strategy == "ce_scatter":
             self._ce_scatter(a, b, bias, out)
+        elif strategy == "ce_fused":
+            self._ce_fused(a, b, bias, out)
         elif strategy == "ring":
             self._ring(a, b, bias, out)
         else:
@@ -572,8 +588,8 @@ class GemmAR(_ScatterGemm):
 
     op_name = "gemm_ar"
     BROADCAST = True
-    STRATEGIES = ("auto", "fused", "ce_scatter", "signal_reorder", "none")
-    STRATEGY_SPLIT = {"ce_scatter": 1}
+    STRATEGIES = ("auto", "fused", "ce_fused", "ce_scatter", "signal_reorder", "none")
+    STRATEGY_SPLIT = {"ce_scatter": 1, "ce_fused": 4}
 
     def __init__(self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", **kw):
         super().__init__(group, max_m, n, k, dtype, strategy, **kw)
@@ -605,6 +621,8 @@ class GemmAR(_ScatterGemm):
             result = self._result_view(m, n)
             if strategy == "ce_scatter":
                 self._ce_all_reduce(a, b, bias, result)
+            elif strategy == "ce_fused":
+                self._ce_fused(a, b, bias, result)
             else:
                 self._fused(a, b, bias, result)
             if out is not None:

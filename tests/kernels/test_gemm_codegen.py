@@ -30,6 +30,13 @@ VARIANTS = {
     "gemm_rs": {"HAS_PUSH": True, "SUBTILE": True},
     "gemm_ar": {"HAS_PUSH": True, "BROADCAST": True, "SUBTILE": True},
     "gemm_rs_ce_scatter": {"NOTIFY_STORES": True, "HAS_BIAS": True},
+    "gemm_rs_ce_fused": {"HAS_PUSH": True, "STAGE_PUSHES": True, "SUBTILE": True},
+    "gemm_ar_ce_fused": {
+        "HAS_PUSH": True,
+        "STAGE_PUSHES": True,
+        "BROADCAST": True,
+        "SUBTILE": True,
+    },
 }
 _cache: dict[str, dict] = {}
 
@@ -38,12 +45,12 @@ def _compiled(variant: str) -> dict:
     if variant not in _cache:
         constexprs = dict(BASE, **VARIANTS[variant])
         sig = {n: "i32" for n in gemm_segments_kernel.arg_names if n not in constexprs}
-        sig.update({n: "*bf16" for n in ("a", "b", "c", "bias", "a_own", "recv")})
+        sig.update({n: "*bf16" for n in ("a", "b", "c", "bias", "a_own", "recv", "stage")})
         sig.update(seg="*i32", sig="*i32", err="i64")
         sig.update({n: "*i64" for n in ("recv_table", "out_table", "sig_table")})
         _cache[variant] = compile_for_hopper(
             gemm_segments_kernel, sig, constexprs,
-            aligned=("a", "b", "c", "a_own", "recv", "N", "K"), num_warps=8, num_stages=3,
+            aligned=("a", "b", "c", "a_own", "recv", "stage", "N", "K"), num_warps=8, num_stages=3,
         )  # fmt: skip
     return _cache[variant]
 

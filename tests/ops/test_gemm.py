@@ -145,7 +145,7 @@ def _scatter_body(group, op, strategy, dtype_name, calls, split):
                 assert c.shape == (rows, n)
                 err = rel_err(c, ref)
                 assert err < tol, f"{op} {strategy} {(m, n, k)} call {i}: rel err {err:.2e}"
-                if op == "ar" and strategy in ("fused", "ce_scatter"):
+                if op == "ar" and strategy in ("fused", "ce_fused", "ce_scatter"):
                     # every rank holds the same bits
                     first = c.clone()
                     dist.broadcast(first, 0)
@@ -167,8 +167,11 @@ def test_gemm_ar_matches_reference(world, strategy):
 
 @pytest.mark.parametrize(
     "op, strategy",
-    [("rs", "fused"), ("ar", "fused"), ("rs", "ce_scatter"), ("ar", "ce_scatter"), ("rs", "ring")],
-)
+    [
+        ("rs", "fused"), ("ar", "fused"), ("rs", "ce_fused"), ("ar", "ce_fused"),
+        ("rs", "ce_scatter"), ("ar", "ce_scatter"), ("rs", "ring"),
+    ],
+)  # fmt: skip
 def test_scatter_split_and_fp16(world, op, strategy):
     world.run(_scatter_body, op, strategy, "fp16", 1, 3)
 
@@ -320,9 +323,11 @@ def _graph_body(group, op, strategy="fused"):
         ("ag", "fused"),
         ("ag", "sm_pull"),
         ("rs", "fused"),
+        ("rs", "ce_fused"),
         ("rs", "ce_scatter"),
         ("rs", "ring"),
         ("ar", "fused"),
+        ("ar", "ce_fused"),
         ("ar", "ce_scatter"),
     ],  # fmt: skip
 )
@@ -339,6 +344,8 @@ def _eight_rank_body(group):
     _scatter_body(group, "rs", "fused", "bf16", 1, None)
     _scatter_body(group, "rs", "ring", "bf16", 1, None)
     _scatter_body(group, "ar", "fused", "bf16", 1, None)
+    _scatter_body(group, "rs", "ce_fused", "bf16", 1, None)
+    _scatter_body(group, "ar", "ce_fused", "bf16", 1, None)
     return True
 
 
