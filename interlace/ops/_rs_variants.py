@@ -13,6 +13,7 @@ GEMM+RS / GEMM+AR context (``ops.gemm._ScatterGemm``, which mixes this class in)
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -24,13 +25,26 @@ from ..runtime import copy_and_signal, fork, join, stream_write_value32, use_str
 from . import _gemm
 from ._context import GRAPH_SET, cdiv, persistent_grid
 from ._gemm import MAX_SPLIT, Segment, tiles_of
-from ._launch import launch
+from ._launch import PreparedLaunch, launch
 from .collectives import REDUCE_BLOCK
 
 RING_MAX_PROGRAMS = MAX_PROGRAMS.value
 #: Reduction programs per SM: the reduction spins on arrivals while the comm stream's
 #: one-program waits still need a place on some SM (four per SM could fill one).
 REDUCE_PER_SM = 1
+
+
+class ChunkCopy(NamedTuple):
+    """A chunk the comm stream ships: wait for its tiles, copy ``src`` into ``dst``, raise
+    ``signal[slot]``."""
+
+    dst: torch.Tensor
+    src: torch.Tensor
+    signal: torch.Tensor
+    slot: int
+    wait: PreparedLaunch  # waits until local counter ``done`` reaches ``tiles``
+    done: int
+    tiles: int
 
 
 class ScatterVariants:
@@ -57,7 +71,7 @@ class ScatterVariants:
         m_loc, rows = m // w, self.max_m // w
         cfg = self._store_cfg(m, n, self.k)  # plain stores: no epilogue room
         sched = schedule.full_mesh_reduce_scatter(
-            w, m_loc, self.split, backend="ce", align=cfg.block_m
+            w, m_loc, self._split_of("ce_scatter"), backend="ce", align=cfg.block_m
         )
         schedule.check(sched)
         slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
@@ -83,10 +97,9 @@ class ScatterVariants:
             lo, hi = t.lo - o * m_loc, t.hi - o * m_loc  # in the owner's rows
             dst = self.recv.peers[o].view(-1)[(r * rows + lo) * n : (r * rows + hi) * n]
             copies.append(
-                (
-                    dst.view(hi - lo, n), t.lo, t.hi, self.pad.buffer.peers[o].view(torch.uint32),
-                    arrival + r * len(mine) + lo // step, done + slot_of[t.chunk_id],
-                    tiles_of(hi - lo, n, cfg),
+                self._copy(
+                    dst.view(hi - lo, n), t.lo, t.hi, o, arrival + r * len(mine) + lo // step,
+                    done + slot_of[t.chunk_id], tiles_of(hi - lo, n, cfg),
                 )
             )  # fmt: skip
         table = _gemm.segment_table(segments, n, cfg, self.group.device)
@@ -118,7 +131,7 @@ class ScatterVariants:
         run(a, b, partials, bias)
         with use_stream(stream):
             self._barrier()  # peers are done with my receive rows
-            self._ship(copies, partials)
+            self._ship(copies)
         # The reduction zeroes the arrival flags as it ends (its last slot counts finished
         # programs): the barrier above could not clear them in time, since nothing orders
         # it before this kernel (a CUDA-graph replay started the reduction first and read
@@ -170,7 +183,7 @@ class ScatterVariants:
         m_loc, rows = m // w, self.max_m // w
         cfg = self._cfg(m, n, self.k)
         sched = schedule.full_mesh_reduce_scatter(
-            w, m_loc, self.split, backend="ce", align=cfg.block_m
+            w, m_loc, self._split_of("ce_fused"), backend="ce", align=cfg.block_m
         )
         schedule.check(sched)
         slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
@@ -203,10 +216,9 @@ class ScatterVariants:
             lo, hi = t.lo - o * m_loc, t.hi - o * m_loc  # in the owner's rows
             dst = recv[o][s].view(-1)[(r * rows + lo) * n : (r * rows + hi) * n]
             copies.append(
-                (
-                    dst.view(hi - lo, n), t.lo, t.hi, self.pad.buffer.peers[o].view(torch.uint32),
-                    arrival + cid * (w - 1) + (r - o - 1) % w, done + cid,
-                    tiles_of(hi - lo, n, cfg),
+                self._copy(
+                    dst.view(hi - lo, n), t.lo, t.hi, o, arrival + cid * (w - 1) + (r - o - 1) % w,
+                    done + cid, tiles_of(hi - lo, n, cfg),
                 )
             )  # fmt: skip
         dev = self.group.device
@@ -258,9 +270,9 @@ class ScatterVariants:
             ]  # fmt: skip
         if self.group.backend == "cuda" and not self._capturing():
             signals = self.pad.buffer.local.view(torch.uint32)
-            for *_, done, tiles in copies:
-                stream_write_value32(signals, done, tiles)
-                self._chunk_wait(done, tiles)
+            for copy in copies:
+                stream_write_value32(signals, copy.done, copy.tiles)
+                copy.wait()
         launchers[has_bias] = runs
         return runs
 
@@ -274,13 +286,12 @@ class ScatterVariants:
         s = self._buffer_set()
         plan = self._cef_plan(m, n, s)
         runs = self._cef_launchers(plan, m, n, bias is not None)
-        staged = self.partials[: m * n].view(m, n)
         stream = fork(self.group)
         runs[0](a, b, c, bias)
         with use_stream(stream):
             if s == GRAPH_SET:
                 self._barrier()
-            self._ship(plan[6], staged)
+            self._ship(plan[6])
         if len(runs) > 1:
             runs[1](a, b, c, bias)
         join(self.group, stream)
@@ -358,24 +369,39 @@ class ScatterVariants:
         reduction already spins for the chunks they release)."""
         if self.group.backend != "cuda":
             return False
-        for *_, done, tiles in copies:
-            wait_kernel.warmup(
-                self.pad.buffer.local, done, 1, tiles, self.error.address, self.rank,
-                self.max_spins, RESET=True, grid=(1,),
-            )  # fmt: skip
+        for copy in copies:
+            copy.wait.compile()
         return True
 
-    def _chunk_wait(self, done: int, tiles: int) -> None:
-        """Wait (bounded, one program) until local counter ``done`` reaches ``tiles``,
-        then zero it."""
-        launch(
-            wait_kernel, 1, self.pad.buffer.local, done, 1, tiles, self.error.address,
-            self.rank, self.max_spins, RESET=True,
+    def _copy(self, dst, lo: int, hi: int, owner: int, slot: int, done: int, tiles: int):
+        """One chunk shipment: rows ``lo:hi`` of the ``[m, n]`` partial sums in
+        ``self.partials`` into ``dst`` on ``owner``, raising its ``slot``, once local
+        counter ``done`` reaches ``tiles``. Views and launches are made once per plan (each
+        costs microseconds of every eager call)."""
+        n = dst.shape[1]
+        return ChunkCopy(
+            dst, self.partials[lo * n : hi * n].view(hi - lo, n),
+            self.pad.buffer.peers[owner].view(torch.uint32), slot,
+            self._chunk_wait(done, tiles), done, tiles,
         )  # fmt: skip
 
-    def _ship(self, copies, partials) -> None:
+    def _chunk_wait(self, done: int, tiles: int) -> PreparedLaunch:
+        """The prepared one-program kernel that waits (bounded) until local counter
+        ``done`` reaches ``tiles``, then zeroes it."""
+        waits = self._chunk_waits
+        run = waits.get((done, tiles))
+        if run is None:
+            args = (
+                self.pad.buffer.local, done, 1, tiles, self.error.address, self.rank,
+                self.max_spins,
+            )  # fmt: skip
+            run = waits[(done, tiles)] = PreparedLaunch(wait_kernel, 1, args, {"RESET": True}, ())
+        return run
+
+    @staticmethod
+    def _ship(copies) -> None:
         """Per chunk: wait until the GEMM has finished its tiles, then copy it to its owner
         and raise the owner's flag."""
-        for dst, lo, hi, signal, slot, done, tiles in copies:
-            self._chunk_wait(done, tiles)
-            copy_and_signal(dst, partials[lo:hi], signal, slot)
+        for c in copies:
+            c.wait()
+            copy_and_signal(c.dst, c.src, c.signal, c.slot)

@@ -117,19 +117,18 @@ class _OverlappedGemm(OpContext):
                 f"{self.op_name}: strategy must be one of {self.STRATEGIES}, got {strategy!r}"
             )
         _gemm.check_gemm_shape(self.op_name, max_m, n, k, dtype)
-        if split is None:
-            split = self.STRATEGY_SPLIT.get(
-                strategy, self.WORLD_SPLIT.get(group.world_size, self.default_split)
-            )
-        split = int(split)
-        if not 1 <= split <= MAX_SPLIT:
-            raise InterlaceValueError(
-                f"{self.op_name}: split must be in 1..{MAX_SPLIT}, got {split}"
-            )
+        if split is not None:
+            split = int(split)
+            if not 1 <= split <= MAX_SPLIT:
+                raise InterlaceValueError(
+                    f"{self.op_name}: split must be in 1..{MAX_SPLIT}, got {split}"
+                )
         w = group.world_size
         super().__init__(group, dtype, int(max_m) * int(n), self._regions(w), max_spins)
         self.max_m, self.n, self.k = int(max_m), int(n), int(k)
-        self.strategy, self.split, self.comm_sms, self.config = strategy, split, comm_sms, config
+        self._split_given = split
+        self.strategy, self.comm_sms, self.config = strategy, comm_sms, config
+        self.split = self._split_of(strategy)
         self.last_strategy: str | None = None
         self._plans: dict = {}  # eager plans; plans first built inside a capture are kept
         self._captured_plans: dict = {}  # apart: their tables fill only when a graph replays
@@ -137,6 +136,15 @@ class _OverlappedGemm(OpContext):
     @staticmethod
     def _regions(world: int) -> dict[str, int]:
         return {}
+
+    def _split_of(self, strategy: str) -> int:
+        """Chunks per owner for ``strategy``: the context's ``split`` if given, else the
+        strategy's own default, the world size's, or the op's."""
+        if self._split_given is not None:
+            return self._split_given
+        return self.STRATEGY_SPLIT.get(
+            strategy, self.WORLD_SPLIT.get(self.world_size, self.default_split)
+        )
 
     # ------------------------------------------------------------------ strategy choice
     def _comm_bytes(self, m_total: int, n: int) -> int:
@@ -148,7 +156,11 @@ class _OverlappedGemm(OpContext):
         t_gemm = 2.0 * m_total * n * k / (EST_TFLOPS * 1e12) * 1e6
         t_comm = self._comm_bytes(m_total, n) / (EST_LINK_GBPS * 1e9) * 1e6
         floor = self.MIN_OVERLAP_US["graph" if self._capturing() else "eager"]
-        return "fused" if min(t_gemm, t_comm) >= floor else "none"
+        return self._overlapped(t_gemm) if min(t_gemm, t_comm) >= floor else "none"
+
+    def _overlapped(self, t_gemm_us: float) -> str:
+        """The strategy ``auto`` overlaps with, for a GEMM estimated at ``t_gemm_us``."""
+        return "fused"
 
     def _store_cfg(self, m: int, n: int, k: int) -> GemmConfig:
         """The tile config for an epilogue of plain stores."""
@@ -273,9 +285,10 @@ class AGGemm(AlternatingSets, _OverlappedGemm):
             return found
         w, r = self.world_size, self.rank
         cfg = self._cfg(w * m_loc, n, self.k)
+        split = self._split_of("sm_pull" if pull else "fused")
         sched = AG_TEMPLATES[self.schedule](
-            w, m_loc, self.split, mode="pull" if pull else "push",
-            backend="sm" if pull else "ce", align=cfg.block_m,
+            w, m_loc, split, mode="pull" if pull else "push", backend="sm" if pull else "ce",
+            align=cfg.block_m,
         )  # fmt: skip
         schedule.check(sched)
         first, count = self._set_slots()
@@ -399,6 +412,7 @@ class _ScatterGemm(AlternatingSets, ScatterVariants, _OverlappedGemm):
                 f"{self.op_name}: max_m = {self.max_m} must be a multiple of the world size {w}"
             )
         self._signal_reorder = None
+        self._chunk_waits: dict = {}  # (counter slot, tiles) -> prepared wait (ce_*)
         if strategy == "signal_reorder":
             from .signal_reorder import SignalReorderGemmAR, SignalReorderGemmRS
 
@@ -407,18 +421,42 @@ class _ScatterGemm(AlternatingSets, ScatterVariants, _OverlappedGemm):
                 group, self.max_m, self.n, self.k, dtype, config=self.config,
                 max_spins=self.max_spins,
             )  # fmt: skip
-        elif strategy == "ce_fused":  # a receive buffer per buffer set (AlternatingSets)
+        elif strategy == "ce_fused" or self._auto_ce_fused():
+            # a receive buffer per buffer set (AlternatingSets); ``fused`` uses the first
             shape = (BUFFER_SETS, w, self.max_m // w, self.n)
             self.recv = self._track(symm_empty(shape, dtype, group))
         elif strategy != "none":
             self.recv = self._track(symm_empty((w, self.max_m // w, self.n), dtype, group))
-        if strategy in ("ce_scatter", "ring", "ce_fused"):  # partial sums, before they move
+        if strategy in ("ce_scatter", "ring", "ce_fused") or self._auto_ce_fused():
             self.partials = torch.empty(self.max_m * self.n, dtype=dtype, device=group.device)
         if strategy == "ring" and not 1 <= self._ring_programs() <= RING_MAX_PROGRAMS:
             raise InterlaceValueError(
                 f"{self.op_name}: comm_sms must be in 1..{RING_MAX_PROGRAMS} for the ring, "
                 f"got {self.comm_sms}"
             )
+
+    #: ``auto`` overlaps with ``ce_fused`` instead of ``fused`` when the GEMM is estimated
+    #: (``EST_TFLOPS``) at this many µs or more; None: never.
+    CE_FUSED_MIN_GEMM_US: float | None = None
+
+    def _auto_ce_fused(self) -> bool:
+        return self.strategy == "auto" and self.CE_FUSED_MIN_GEMM_US is not None
+
+    def _overlapped(self, t_gemm_us: float) -> str:
+        if self._auto_ce_fused() and t_gemm_us >= self.CE_FUSED_MIN_GEMM_US:
+            return "ce_fused"
+        return "fused"
+
+    def _switch_barrier(self, strategy: str) -> None:
+        """``fused`` and ``ce_fused`` share receive buffers and signal slots, and neither
+        waits for the other's last call: when ``auto`` switches between them, a device
+        barrier first (every rank's previous call has finished)."""
+        if strategy in ("fused", "ce_fused"):
+            if self._last_overlapped not in (None, strategy):
+                self._barrier()
+            self._last_overlapped = strategy
+
+    _last_overlapped: str | None = None
 
     @staticmethod
     def _regions(world):
@@ -470,7 +508,7 @@ class _ScatterGemm(AlternatingSets, ScatterVariants, _OverlappedGemm):
         template = (
             schedule.partition_all_reduce if self.BROADCAST else (schedule.full_mesh_reduce_scatter)
         )
-        sched = template(w, m_loc, self.split, backend="sm", align=cfg.block_m)
+        sched = template(w, m_loc, self._split_of("fused"), backend="sm", align=cfg.block_m)
         schedule.check(sched)
         slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
         partial, broadcast = self.pad.offset("partial"), self.pad.offset("broadcast")
@@ -545,8 +583,14 @@ class GemmRS(_ScatterGemm):
     # One chunk per owner: captured, split 1 beat 2 and 4 on 5 of 6 shapes (2 x H200,
     # history/2026-11-22-h200-w2-gemm-rs-ce-scatter.json). ``ce_fused``: an owner's chunk
     # j waits for the peers' copies of chunk j, so chunks must be short enough for the
-    # copy of one to hide behind the GEMM of the next.
-    STRATEGY_SPLIT = {"ce_scatter": 1, "ce_fused": 4}
+    # copy of one to hide behind the GEMM of the next: 2 beat 4 and 8 at M = 8192 on
+    # 2 x H200 (session 5, run 1).
+    STRATEGY_SPLIT = {"ce_scatter": 1, "ce_fused": 2}
+    # 2 x H200, M = 8192, captured (session 5, run 1): ``ce_fused`` (split 2) T / bound
+    # 1.07 / 1.03 / 1.05 against ``fused`` 1.13 / 1.13 / 1.13 (7B, 8B, 70B); eager equal
+    # (1.19 / 1.22 / 1.07 against 1.20 / 1.23 / 1.08). At M = 2048 it won only on 70B
+    # (estimated GEMM ~740 µs; 7B / 8B ~140-190 µs, where its per-chunk launches cost).
+    CE_FUSED_MIN_GEMM_US = 400.0
     # With two ranks one chunk per owner beat two for ``fused`` eager on 3 of 3 shapes at
     # M = 8192 (2 x H200, session 4: T / bound 1.18 / 1.15 / 1.04 against 1.25 / 1.21 /
     # 1.16); GEMM+AR showed no difference and keeps two.
@@ -562,6 +606,7 @@ class GemmRS(_ScatterGemm):
         if out is None:
             out = torch.empty(m // w, n, dtype=self.dtype, device=self.group.device)
         strategy = self._resolve(m, n, self.k)
+        self._switch_barrier(strategy)
         if strategy == "none":
             c = torch.matmul(a, b)
             dist.reduce_scatter_tensor(out, c, group=self._pg)
@@ -589,7 +634,7 @@ class GemmAR(_ScatterGemm):
     op_name = "gemm_ar"
     BROADCAST = True
     STRATEGIES = ("auto", "fused", "ce_fused", "ce_scatter", "signal_reorder", "none")
-    STRATEGY_SPLIT = {"ce_scatter": 1, "ce_fused": 4}
+    STRATEGY_SPLIT = {"ce_scatter": 1, "ce_fused": 2}
 
     def __init__(self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", **kw):
         super().__init__(group, max_m, n, k, dtype, strategy, **kw)
@@ -610,6 +655,7 @@ class GemmAR(_ScatterGemm):
         m, n = a.shape[0], b.shape[1]
         out = self._check_out(out, (m, n))
         strategy = self._resolve(m, n, self.k)
+        self._switch_barrier(strategy)
         if strategy == "none":
             result = torch.matmul(a, b, out=out) if out is not None else torch.matmul(a, b)
             dist.all_reduce(result, group=self._pg)

@@ -195,11 +195,47 @@ def _auto_choice_body(group):
 
 
 def test_auto_falls_back_below_the_floor(world):
+    # GEMM+RS overlaps the larger GEMMs (estimated at 650 TFLOP/s) with ``ce_fused``
+    gemm_us = 2.0 * 8192 * 4096 * (11008 // world.world_size) / 650e6
+    rs_big = "ce_fused" if gemm_us >= interlace.GemmRS.CE_FUSED_MIN_GEMM_US else "fused"
     for choices in world.run(_auto_choice_body):
         for op, picks in choices.items():
-            assert picks[0] == "none" and picks[2] == "fused", (op, picks)
+            big = rs_big if op == "rs" else "fused"
+            assert picks[0] == "none" and picks[2] == big, (op, picks)
         if world.world_size == 2:  # LLaMA-7B at M 2048: every op overlaps (eager floor 30 us)
             assert all(picks[1] == "fused" for picks in choices.values()), choices
+
+
+def _auto_switch_body(group, calls):
+    """GEMM+RS ``auto`` moving between ``fused`` (smaller calls) and ``ce_fused`` (larger
+    ones) on one context: every call right, whatever ran before it (the two share
+    buffers and signal slots; a switch runs a barrier first)."""
+    w, r = group.world_size, group.rank
+    m_loc, n, k = _shapes(group)[0]
+    gen = torch.Generator().manual_seed(17 + r)
+    ctx = interlace.GemmRS(group, max_m=w * m_loc, n=n, k=k, strategy="auto")
+    ctx.MIN_OVERLAP_US = {"eager": 0.0, "graph": 0.0}  # overlap every size here
+    small, big = w * max(1, m_loc // 3), w * m_loc
+    ctx.CE_FUSED_MIN_GEMM_US = 2.0 * (small + big) / 2 * n * k / 650e6  # between the two
+    ran = []
+    try:
+        for i in range(calls):
+            m = big if i % 3 else small
+            a = rand(gen, m, k, dtype=torch.bfloat16, device=group.device)
+            b = rand(gen, k, n, dtype=torch.bfloat16, device=group.device, scale=0.2)
+            ref = reduced(a.float() @ b.float(), group)[r * (m // w) : (r + 1) * (m // w)]
+            out = ctx(a, b)
+            sync(group)
+            assert rel_err(out, ref) < TOL, f"call {i} ({ctx.last_strategy})"
+            ran.append(ctx.last_strategy)
+    finally:
+        ctx.close()
+    return ran
+
+
+def test_auto_switches_between_fused_and_ce_fused(world):
+    for ran in world.run(_auto_switch_body, 7):
+        assert ran == ["fused", "ce_fused", "ce_fused"] * 2 + ["fused"], ran
 
 
 # ----------------------------------------------------------------------------- bad inputs
