@@ -190,8 +190,7 @@ def gemm_segments_kernel(
     * ``STAGE_PUSHES`` (``ce_fused``): a push segment stores its partial tiles into this
       rank's ``stage`` buffer (rows as in ``a``) and counts them in its local
       ``SEG_NOTIFY`` slot; the copy engine ships the chunk to its owner, whose reduce
-      segments wait for it as for a push. A reduce segment with a ``SEG_NOTIFY`` slot
-      (> 0) counts its finished tiles there too (the all-reduce's gather copies).
+      segments wait for it as for a push.
     * ``seg_first``: the first segment whose tiles this launch computes (the interpreter
       splits a ``ce_fused`` call in two launches); an all-reduce's final waits still scan
       every segment.
@@ -324,12 +323,6 @@ def gemm_segments_kernel(
                         for i in tl.static_range(1, WORLD):
                             q = (rank + i) % WORLD
                             notify(signal_base(sig_table, q) + notify_slot, mine, ADD=True)
-            if STAGE_PUSHES:  # all-reduce: count reduced tiles for the gather copies
-                if kind == KIND_REDUCE:
-                    if notify_slot > 0:
-                        if USE_TMA:
-                            bulk_stores_done()
-                        notify(sig + notify_slot, (end - first + n_prog - 1) // n_prog, ADD=True)
             if NOTIFY_STORES:
                 if notify_slot > 0:
                     if USE_TMA:

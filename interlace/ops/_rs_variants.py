@@ -12,6 +12,7 @@ GEMM+RS / GEMM+AR context (``ops.gemm._ScatterGemm``, which mixes this class in)
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -28,19 +29,6 @@ from ._launch import PreparedLaunch, launch
 from .collectives import REDUCE_BLOCK
 
 RING_MAX_PROGRAMS = MAX_PROGRAMS.value
-#: GEMM+AR ``ce_fused``: segments each own chunk is cut into for the gather copies (the
-#: last piece's copy is the op's exposed tail)
-GATHER_PIECES = 4
-
-
-def _pieces(lo: int, hi: int, count: int, cfg) -> list[tuple[int, int]]:
-    """``[lo, hi)`` cut into up to ``count`` runs of rows, each a multiple of the tile
-    height but the last."""
-    step = -(-(hi - lo) // count)
-    step = -(-step // cfg.block_m) * cfg.block_m
-    return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
-
-
 #: Reduction programs per SM: the reduction spins on arrivals while the comm stream's
 #: one-program waits still need a place on some SM (four per SM could fill one).
 REDUCE_PER_SM = 1
@@ -54,8 +42,7 @@ class ChunkCopy(NamedTuple):
     src: torch.Tensor
     signal: torch.Tensor
     slot: int
-    value: int
-    wait: PreparedLaunch | None  # waits until local counter ``done`` reaches ``tiles``
+    wait: PreparedLaunch  # waits until local counter ``done`` reaches ``tiles``
     done: int
     tiles: int
 
@@ -111,9 +98,8 @@ class ScatterVariants:
             dst = self.recv.peers[o].view(-1)[(r * rows + lo) * n : (r * rows + hi) * n]
             copies.append(
                 self._copy(
-                    dst.view(hi - lo, n), self._rows(self.partials, t.lo, t.hi, n), o,
-                    arrival + r * len(mine) + lo // step, done + slot_of[t.chunk_id],
-                    tiles_of(hi - lo, n, cfg),
+                    dst.view(hi - lo, n), t.lo, t.hi, o, arrival + r * len(mine) + lo // step,
+                    done + slot_of[t.chunk_id], tiles_of(hi - lo, n, cfg),
                 )
             )  # fmt: skip
         table = _gemm.segment_table(segments, n, cfg, self.group.device)
@@ -177,24 +163,19 @@ class ScatterVariants:
     # ------------------------------------------------------------------ ce_fused
     def _cef_set_slots(self, s: int) -> tuple[int, int]:
         """(first, count): buffer set ``s``'s signal slots (region ``ce_sets``): the
-        arrival flags (chunk, source), then the GEMM's "go" and "done" slots. The set's
-        GEMM zeroes them as it ends, and only them."""
+        arrival flags (chunk, source), the broadcast counters (chunk), then the GEMM's
+        "go" and "done" slots. The set's GEMM zeroes them as it ends, and only them."""
         w = self.world_size
-        count = w * MAX_SPLIT * (w - 1) + 2
+        count = w * MAX_SPLIT * (w - 1) + w * MAX_SPLIT + 2
         return self.pad.offset("ce_sets") + s * count, count
 
     def _cef_plan(self, m: int, n: int, s: int):
-        """``ce_fused`` for buffer set ``s``, from a checked full-mesh reduce-scatter:
-
-        * segments: the chunks for other ranks first (stored into the local staging
-          buffer, counted per chunk in ``ce_done``), then this rank's own chunks (each
-          waits for one copy per peer, then reduces in its epilogue);
-        * copies: per peer chunk, into its owner's receive rows of set ``s``, raising the
-          owner's arrival flag of (chunk, this rank);
-        * all-reduce: the own chunks cut into ``GATHER_PIECES`` segments each, whose
-          reduced tiles are counted in ``ce_gathers``; per piece, copies of the reduced rows
-          into every peer's result, raising its ``ce_gathered`` slot of this rank to the
-          piece's number; a final wait for every peer's last piece."""
+        """``ce_fused`` for buffer set ``s``: segments from a checked full-mesh
+        reduce-scatter, the chunks for other ranks first (pushed into the local staging
+        buffer, counted per chunk in ``ce_done``), own chunks last (each waits for one
+        copy per peer, then reduces in its epilogue; all-reduce: broadcasts too); and per
+        peer chunk the copy into its owner's receive rows of set ``s``, which raises the
+        owner's arrival flag of (chunk, this rank)."""
         key = ("ce_fused", m, n, s)
         if (found := self._known_plan(key)) is not None:
             return found
@@ -206,150 +187,113 @@ class ScatterVariants:
         )
         schedule.check(sched)
         slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
-        arrival = self._cef_set_slots(s)[0]
-        done, gathers = self.pad.offset("ce_done"), self.pad.offset("ce_gathers")
-        gathered = self.pad.offset("ce_gathered")
+        first, count = self._cef_set_slots(s)
+        arrival, broadcast = first, first + w * MAX_SPLIT * (w - 1)
+        done = self.pad.offset("ce_done")
         send, own = [], []
         for chunk, _ in schedule.chunk_order(sched, r):
             o, cid = chunk.owner, slot_of[chunk.id]
+            tiles = tiles_of(chunk.rows, n, cfg)
+            common = dict(row0=chunk.lo, rows=chunk.rows, owner=o, out_row0=chunk.lo - o * m_loc)
             if o != r:
                 send.append(
                     Segment(
-                        row0=chunk.lo, rows=chunk.rows, kind="push", owner=o,
-                        notify=done + cid,
+                        kind="push", notify=done + cid, final_slot=broadcast + cid,
+                        final_expected=tiles if self.BROADCAST else 0, **common,
                     )
                 )  # fmt: skip
-                continue
-            wait = dict(wait_first=arrival + cid * (w - 1), wait_count=w - 1, wait_expected=1)
-            pieces = _pieces(chunk.lo, chunk.hi, GATHER_PIECES if self.BROADCAST else 1, cfg)
-            for lo, hi in pieces:
+            else:
                 own.append(
                     Segment(
-                        row0=lo, rows=hi - lo, kind="reduce", owner=r, out_row0=lo - r * m_loc,
-                        notify=gathers + len(own) if self.BROADCAST else 0, **wait,
+                        kind="reduce", wait_first=arrival + cid * (w - 1), wait_count=w - 1,
+                        wait_expected=1, notify=broadcast + cid, **common,
                     )
                 )  # fmt: skip
+        recv = self.recv.peers
         copies = []
         for t in schedule.transfers(sched, r):
             o, cid = t.dst, slot_of[t.chunk_id]
             lo, hi = t.lo - o * m_loc, t.hi - o * m_loc  # in the owner's rows
-            dst = self.recv.peers[o][s].view(-1)[(r * rows + lo) * n : (r * rows + hi) * n]
+            dst = recv[o][s].view(-1)[(r * rows + lo) * n : (r * rows + hi) * n]
             copies.append(
                 self._copy(
-                    dst.view(hi - lo, n), self._rows(self.partials, t.lo, t.hi, n), o,
-                    arrival + cid * (w - 1) + (r - o - 1) % w, done + cid,
-                    tiles_of(hi - lo, n, cfg),
+                    dst.view(hi - lo, n), t.lo, t.hi, o, arrival + cid * (w - 1) + (r - o - 1) % w,
+                    done + cid, tiles_of(hi - lo, n, cfg),
                 )
             )  # fmt: skip
-        n_scatter, final = len(copies), None
-        if self.BROADCAST:  # the reduced rows to every peer, piece by piece
-            for i, seg in enumerate(own):
-                lo, hi = seg.row0, seg.row0 + seg.rows
-                for p in range(1, w):
-                    q = (r + p) % w
-                    copies.append(
-                        self._copy(
-                            self._rows(self.result.peers[q], lo, hi, n),
-                            self._rows(self.result.local, lo, hi, n), q, gathered + r,
-                            gathers + i, tiles_of(hi - lo, n, cfg), value=i + 1,
-                            wait=p == 1,
-                        )
-                    )  # fmt: skip
-            final = self._gathered_wait(len(own))
         dev = self.group.device
-        table = _gemm.segment_table(send + own, n, cfg, dev)
+        tables = [_gemm.segment_table(send + own, n, cfg, dev)]
+        if self.group.backend != "cuda":
+            # The interpreter runs a launch to completion: the own segments, which wait
+            # for the peers' copies, go in a second launch after this rank's copies (the
+            # first launch's table carries no final waits).
+            quiet = [replace(seg, final_expected=0) for seg in send]
+            tables.insert(0, _gemm.segment_table(quiet + own, n, cfg, dev))
         grid = _gemm.programs_for(
             _gemm.total_tiles(send + own, n, cfg), dev, self.group.backend,
             comm_sms=1,  # the comm stream's wait kernels run beside the GEMM
         )  # fmt: skip
-        plan = (cfg, table, len(send), len(send) + len(own), grid, {}, copies, n_scatter, final)
+        plan = (cfg, tables, len(send), len(send) + len(own), grid, {}, copies, s)
         return self._keep_plan(key, plan)
 
-    def _gathered_wait(self, pieces: int) -> PreparedLaunch:
-        """All-reduce ``ce_fused``: the wait (bounded, one program) until every peer's
-        ``ce_gathered`` slot reaches ``pieces`` (its last piece has landed), zeroing them."""
-        args = (
-            self.pad.buffer.local, self.pad.offset("ce_gathered"), self.world_size, pieces,
-            self.error.address, self.rank, self.max_spins, self.rank,
-        )  # fmt: skip
-        return PreparedLaunch(wait_kernel, 1, args, {"RESET": True}, ())
-
-    def _cef_launchers(self, plan, s, m, n, has_bias):
-        """The plan's GEMM launch, prepared once per bias / no bias. (The interpreter runs
-        a launch to completion: there the own segments, which wait for the peers' copies,
-        are a second launch after this rank's copies.) On a GPU every wait of the plan
-        runs once here, on counters raised for it: the first launch of a kernel blocks the
-        host while a kernel spins on the device (benchmarks/NOTES.md), and this GEMM spins
-        in its own segments."""
-        cfg, table, n_send, n_seg, grid, launchers, copies, _, final = plan
+    def _cef_launchers(self, plan, m, n, has_bias):
+        """The plan's GEMM launches (one; two on the interpreter), prepared once per bias /
+        no bias. On a GPU each chunk wait of the comm stream runs once here, on a counter
+        raised for it: the first launch of a kernel blocks the host while a kernel spins
+        on the device (benchmarks/NOTES.md), and this GEMM spins in its own segments."""
+        cfg, tables, n_send, n_seg, grid, launchers, copies, s = plan
         runs = launchers.get(has_bias)
         if runs is not None:
             return runs
         first, count = self._cef_set_slots(s)
         fixed = dict(
             dtype=self.dtype, device=self.group.device, has_bias=has_bias,
-            recv=self.recv.local[s], recv_rows=self.max_m // self.world_size, push=True,
-            stage=self.partials, sig=self.pad.buffer.local, err=self.error.address,
-            rank=self.rank, max_spins=self.max_spins, world=self.world_size,
-            go_slot=first + count - 2,
+            recv=self.recv.local[s], recv_rows=self.max_m // self.world_size,
+            out_table=getattr(self, "result", self.recv).ptrs, sig_table=self.pad.ptrs,
+            push=True, broadcast=self.BROADCAST, stage=self.partials,
+            sig=self.pad.buffer.local, err=self.error.address, rank=self.rank,
+            max_spins=self.max_spins, world=self.world_size, go_slot=first + count - 2,
         )  # fmt: skip
-        if self.group.backend == "cuda":
+        if len(tables) == 1:
             runs = [
                 _gemm.launcher(
-                    m, n, self.k, cfg, grid, table, n_seg, clear=(first, count), **fixed
+                    m, n, self.k, cfg, grid, tables[0], n_seg, clear=(first, count), **fixed
                 )
             ]  # fmt: skip
         else:
             runs = [
-                _gemm.launcher(m, n, self.k, cfg, grid, table, n_send, **fixed),
+                _gemm.launcher(m, n, self.k, cfg, grid, tables[0], n_send, **fixed),
                 _gemm.launcher(
-                    m, n, self.k, cfg, grid, table, n_seg, clear=(first, count),
+                    m, n, self.k, cfg, grid, tables[1], n_seg, clear=(first, count),
                     seg_first=n_send, **fixed,
                 ),
             ]  # fmt: skip
         if self.group.backend == "cuda" and not self._capturing():
             signals = self.pad.buffer.local.view(torch.uint32)
             for copy in copies:
-                if copy.wait is not None:
-                    stream_write_value32(signals, copy.done, copy.tiles)
-                    copy.wait()
-            if final is not None:
-                gathered, pieces = self.pad.offset("ce_gathered"), final.args[3]
-                for q in range(self.world_size):
-                    if q != self.rank:
-                        stream_write_value32(signals, gathered + q, pieces)
-                final()
+                stream_write_value32(signals, copy.done, copy.tiles)
+                copy.wait()
         launchers[has_bias] = runs
         return runs
 
     def _ce_fused(self, a, b, bias, c):
         """GEMM on the caller's stream (it stages the peers' partials, then reduces its
         own rows as their copies land); on the comm stream, per peer chunk, a wait for
-        its tiles and the copy to the owner (all-reduce: then the reduced pieces to every
-        peer, and the caller's stream waits for the peers' pieces). Eager calls alternate
-        buffer sets (``AlternatingSets``: no barrier); a captured call's comm stream runs
-        a device barrier before its first copy. ``c``: the output (all-reduce: the whole
-        symmetric result, of which this rank's rows are reduced here)."""
+        its tiles and the copy to the owner. Eager calls alternate buffer sets
+        (``AlternatingSets``: no barrier); a captured call's comm stream runs a device
+        barrier before its first copy."""
         m, n = a.shape[0], b.shape[1]
         s = self._buffer_set()
         plan = self._cef_plan(m, n, s)
-        copies, n_scatter, final = plan[6:]
-        runs = self._cef_launchers(plan, s, m, n, bias is not None)
-        if final is not None:  # the reduction writes this rank's rows of the result
-            m_loc = m // self.world_size
-            c = c[self.rank * m_loc : (self.rank + 1) * m_loc]
+        runs = self._cef_launchers(plan, m, n, bias is not None)
         stream = fork(self.group)
         runs[0](a, b, c, bias)
         with use_stream(stream):
             if s == GRAPH_SET:
                 self._barrier()
-            self._ship(copies[:n_scatter] if len(runs) > 1 else copies)
+            self._ship(plan[6])
         if len(runs) > 1:
             runs[1](a, b, c, bias)
-            with use_stream(stream):
-                self._ship(copies[n_scatter:])
-        if final is not None:
-            final()
         join(self.group, stream)
 
     # ------------------------------------------------------------------ ring
@@ -426,21 +370,19 @@ class ScatterVariants:
         if self.group.backend != "cuda":
             return False
         for copy in copies:
-            copy.wait.compile()  # every ce_scatter copy waits
+            copy.wait.compile()
         return True
 
-    @staticmethod
-    def _rows(buf, lo: int, hi: int, n: int) -> torch.Tensor:
-        """Rows ``lo:hi`` of the ``[*, n]`` matrix stored flat at the start of ``buf``."""
-        return buf.view(-1)[lo * n : hi * n].view(hi - lo, n)
-
-    def _copy(self, dst, src, owner, slot, done, tiles, value=1, wait=True) -> ChunkCopy:
-        """One chunk shipment: ``src`` into ``dst`` on ``owner``, raising its ``slot`` to
-        ``value``, once (``wait``) local counter ``done`` reaches ``tiles``. Views and
-        launches are made once per plan (each costs microseconds of every eager call)."""
+    def _copy(self, dst, lo: int, hi: int, owner: int, slot: int, done: int, tiles: int):
+        """One chunk shipment: rows ``lo:hi`` of the ``[m, n]`` partial sums in
+        ``self.partials`` into ``dst`` on ``owner``, raising its ``slot``, once local
+        counter ``done`` reaches ``tiles``. Views and launches are made once per plan (each
+        costs microseconds of every eager call)."""
+        n = dst.shape[1]
         return ChunkCopy(
-            dst, src, self.pad.buffer.peers[owner].view(torch.uint32), slot, value,
-            self._chunk_wait(done, tiles) if wait else None, done, tiles,
+            dst, self.partials[lo * n : hi * n].view(hi - lo, n),
+            self.pad.buffer.peers[owner].view(torch.uint32), slot,
+            self._chunk_wait(done, tiles), done, tiles,
         )  # fmt: skip
 
     def _chunk_wait(self, done: int, tiles: int) -> PreparedLaunch:
@@ -461,6 +403,5 @@ class ScatterVariants:
         """Per chunk: wait until the GEMM has finished its tiles, then copy it to its owner
         and raise the owner's flag."""
         for c in copies:
-            if c.wait is not None:
-                c.wait()
-            copy_and_signal(c.dst, c.src, c.signal, c.slot, c.value)
+            c.wait()
+            copy_and_signal(c.dst, c.src, c.signal, c.slot)

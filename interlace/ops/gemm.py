@@ -75,7 +75,7 @@ from ..runtime import (
 from . import _gemm
 from ._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext
 from ._gemm import MAX_SPLIT, GemmConfig, Segment, tiles_of
-from ._rs_variants import GATHER_PIECES, RING_MAX_PROGRAMS, ScatterVariants
+from ._rs_variants import RING_MAX_PROGRAMS, ScatterVariants
 
 AG_TEMPLATES = {
     "full_mesh": schedule.full_mesh_all_gather,
@@ -472,11 +472,9 @@ class _ScatterGemm(AlternatingSets, ScatterVariants, _OverlappedGemm):
             # "go" and "done": the GEMM's entry barrier and exit clearing (kernels.gemm)
             "go": 1, "done": 1,
             # ce_fused: per chunk finished staged tiles; per buffer set the arrival flags,
-            # "go" and "done" (``_cef_set_slots``); all-reduce: per own piece its reduced
-            # tiles, per peer its last gathered piece
+            # broadcast counters, "go" and "done" (``_cef_set_slots``)
             "ce_done": world * MAX_SPLIT,
-            "ce_sets": BUFFER_SETS * (world * MAX_SPLIT * (world - 1) + 2),
-            "ce_gathers": MAX_SPLIT * GATHER_PIECES, "ce_gathered": world,
+            "ce_sets": BUFFER_SETS * (world * MAX_SPLIT * world + 2),
         }  # fmt: skip
 
     def _signal_launch_args(self) -> dict:
