@@ -33,7 +33,7 @@ case "$SUITE" in p2p_ring|signal_reorder) MAIN_SUITE="" ;; esac
 bench_rc=skipped
 if [ -n "$MAIN_SUITE" ]; then
     timeout -k 10 "$BENCH_TIMEOUT" python3 -m interlace bench --suite "$MAIN_SUITE" --out "$OUT" \
-        --strategies "${STRATEGIES:-auto,fused,ce_scatter,ring,sm_pull,none}" "$@" > "$OUT/bench.log" 2>&1
+        --strategies "${STRATEGIES:-auto,fused,ce_fused,ce_scatter,ring,sm_pull,none}" "$@" > "$OUT/bench.log" 2>&1
     bench_rc=$?
 fi
 # The two strategies with their own runners (sliced layers; wave-group search).
