@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # Multicast / NVLS stays off on these machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-TEST_TIMEOUT=${TEST_TIMEOUT:-300}
+TEST_TIMEOUT=${TEST_TIMEOUT:-400}
 if [ "$SUITE" = collectives ]; then BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}; else BENCH_TIMEOUT=${BENCH_TIMEOUT:-540}; fi
 
 { nvidia-smi -L; nvidia-smi topo -m; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } \
