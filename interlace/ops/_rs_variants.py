@@ -165,9 +165,13 @@ class ScatterVariants:
         """(first, count): buffer set ``s``'s signal slots (region ``ce_sets``): the
         arrival flags (chunk, source), the broadcast counters (chunk), then the GEMM's
         "go" and "done" slots. The set's GEMM zeroes them as it ends, and only them."""
-        w = self.world_size
-        count = w * MAX_SPLIT * (w - 1) + w * MAX_SPLIT + 2
+        count = self.cef_set_size(self.world_size)
         return self.pad.offset("ce_sets") + s * count, count
+
+    @staticmethod
+    def cef_set_size(world: int) -> int:
+        """Signal slots of one ``ce_fused`` buffer set (see ``_cef_set_slots``)."""
+        return world * MAX_SPLIT * (world - 1) + world * MAX_SPLIT + 2
 
     def _cef_plan(self, m: int, n: int, s: int):
         """``ce_fused`` for buffer set ``s``: segments from a checked full-mesh
@@ -225,10 +229,10 @@ class ScatterVariants:
         tables = [_gemm.segment_table(send + own, n, cfg, dev)]
         if self.group.backend != "cuda":
             # The interpreter runs a launch to completion: the own segments, which wait
-            # for the peers' copies, go in a second launch after this rank's copies (the
-            # first launch's table carries no final waits).
+            # for the peers' copies, go in a second launch after this rank's copies; the
+            # first launch computes the send segments only, with no final waits.
             quiet = [replace(seg, final_expected=0) for seg in send]
-            tables.insert(0, _gemm.segment_table(quiet + own, n, cfg, dev))
+            tables.insert(0, _gemm.segment_table(quiet, n, cfg, dev))
         grid = _gemm.programs_for(
             _gemm.total_tiles(send + own, n, cfg), dev, self.group.backend,
             comm_sms=1,  # the comm stream's wait kernels run beside the GEMM

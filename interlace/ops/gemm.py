@@ -474,7 +474,7 @@ class _ScatterGemm(AlternatingSets, ScatterVariants, _OverlappedGemm):
             # ce_fused: per chunk finished staged tiles; per buffer set the arrival flags,
             # broadcast counters, "go" and "done" (``_cef_set_slots``)
             "ce_done": world * MAX_SPLIT,
-            "ce_sets": BUFFER_SETS * (world * MAX_SPLIT * world + 2),
+            "ce_sets": BUFFER_SETS * ScatterVariants.cef_set_size(world),
         }  # fmt: skip
 
     def _signal_launch_args(self) -> dict:
