@@ -2,10 +2,12 @@
 # The whole GPU job in one call: GPU test suite, then the benchmarks.
 # Full logs and JSON go under $OUT (default ./gpu-out); the short tables are printed last.
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu_suite.sh [bench args]
-# Environment: SUITE=collectives|dense|p2p_ring|signal_reorder|all (default all: every one),
+# Environment: SUITE=collectives|dense|p2p_ring|signal_reorder|all|none (default all: every one; none: tests only),
 # TESTS=0 skips the GPU tests,
 # TEST_TIMEOUT / BENCH_TIMEOUT / P2P_TIMEOUT / SR_TIMEOUT in seconds (P2P_TIMEOUT=0 skips p2p_ring), PROBE=1 adds the host-overhead probe,
-# STRATEGIES: the dense strategies (default: all but signal_reorder, which has its own run).
+# STRATEGIES: the dense strategies (default: all but signal_reorder, which has its own run),
+# SAVE_CACHE=1 packs Triton's cache (.triton_cache/, kept on a warm machine) into $OUT so a
+# later call on a fresh machine can carry it instead of compiling every kernel again.
 # Extra arguments go to `python -m interlace bench`, e.g. --models llama3-8b --ms 8192.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
@@ -14,6 +16,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # Multicast / NVLS stays off on these machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
 TEST_TIMEOUT=${TEST_TIMEOUT:-400}
 if [ "$SUITE" = collectives ]; then BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}; else BENCH_TIMEOUT=${BENCH_TIMEOUT:-540}; fi
 
@@ -29,7 +32,7 @@ else
 fi
 
 MAIN_SUITE=$SUITE
-case "$SUITE" in p2p_ring|signal_reorder) MAIN_SUITE="" ;; esac
+case "$SUITE" in p2p_ring|signal_reorder|none) MAIN_SUITE="" ;; esac
 bench_rc=skipped
 if [ -n "$MAIN_SUITE" ]; then
     timeout -k 10 "$BENCH_TIMEOUT" python3 -m interlace bench --suite "$MAIN_SUITE" --out "$OUT" \
@@ -49,6 +52,10 @@ fi
 
 if [ -n "${PROBE:-}" ]; then
     timeout -k 10 150 python3 -m interlace.bench.overhead > "$OUT/overhead.log" 2>&1
+fi
+
+if [ -n "${SAVE_CACHE:-}" ]; then
+    tar -C "$TRITON_CACHE_DIR" -czf - . | split -b 15m - "$OUT/triton-cache.tgz."
 fi
 
 echo "== machine"; head -4 "$OUT/machine.txt"
