@@ -12,7 +12,7 @@ replayed as a CUDA graph (no host time), for the public GEMM+RS shapes at M 8192
 * ``layout_nowait``: the fused op's segments (peers' rows pushed first, in two chunks per
   owner, then this rank's rows reduced), without its waits or entry barrier: what the
   fused kernel's work costs without its synchronisation.
-* ``rs_fused`` / ``rs_ce_scatter``: the ops as they run.
+* ``rs_fused`` / ``rs_ce_scatter`` / ``rs_ce_fused``: the ops as they run.
 
     python scripts/probe_epilogue.py [--world-size 2]
 """
@@ -93,7 +93,7 @@ def shape_row(group, m, n, inter):
         dst = c if kind == "store" else out  # reduce / push: this rank's rows
         t[name] = _graph_ms(group, lambda run=run, dst=dst: run(a, b, dst))
     ctx.close()
-    for strategy in ("fused", "ce_scatter"):
+    for strategy in ("fused", "ce_scatter", "ce_fused"):
         op = interlace.GemmRS(group, m, n, k, strategy=strategy)
         t["rs_" + strategy] = _graph_ms(group, lambda op=op: op(a, b, out=out))
         op.check()

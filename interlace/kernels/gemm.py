@@ -190,10 +190,11 @@ def gemm_segments_kernel(
     * ``STAGE_PUSHES`` (``ce_fused``): a push segment stores its partial tiles into this
       rank's ``stage`` buffer (rows as in ``a``) and counts them in its local
       ``SEG_NOTIFY`` slot; the copy engine ships the chunk to its owner, whose reduce
-      segments wait for it as for a push.
+      segments wait for it as for a push. A reduce segment with a ``SEG_NOTIFY`` slot
+      (> 0) counts its finished tiles there too (the all-reduce's gather copies).
     * ``seg_first``: the first segment whose tiles this launch computes (the interpreter
-      splits a ``ce_fused`` call in two launches); an all-reduce's final waits still scan
-      every segment.
+      cuts a ``ce_fused`` call into several launches); an all-reduce's final waits still
+      scan every segment.
 
     There is one main loop for every kind: only the epilogue branches. (A second
     instantiation of the pipelined loop, e.g. one per A source, cost 35 % on an H200.)"""
@@ -323,6 +324,12 @@ def gemm_segments_kernel(
                         for i in tl.static_range(1, WORLD):
                             q = (rank + i) % WORLD
                             notify(signal_base(sig_table, q) + notify_slot, mine, ADD=True)
+                if STAGE_PUSHES:  # all-reduce: the reduced tiles, for the gather copies
+                    if kind == KIND_REDUCE:
+                        if notify_slot > 0:
+                            if USE_TMA:
+                                bulk_stores_done()
+                            notify(sig + notify_slot, mine, ADD=True)
             if NOTIFY_STORES:
                 if notify_slot > 0:
                     if USE_TMA:
@@ -383,10 +390,13 @@ def _scatter_epilogue(
     is_push = kind == KIND_PUSH
     keep = kind != KIND_PUSH
     ok = guard(mask & (kind == KIND_REDUCE), token, expected)
-    for p in tl.static_range(WORLD):
-        # masked, not branched: the flattened tile loop cannot hold a branch with results
+    for i in range(1, WORLD):
+        # one peer's partial at a time (a loop, not unrolled: unrolled with four ranks the
+        # loads were hoisted together and spilled registers); masked, not branched: the
+        # flattened tile loop cannot hold a branch with results
+        p = (rank + i) % WORLD
         part_base = recv + (p * recv_rows + out_row0 + tile_row).to(tl.int64) * N
-        part = tl.load(part_base + in_tile, mask=ok & (p != rank), other=0.0)
+        part = tl.load(part_base + in_tile, mask=ok, other=0.0)
         acc += part.to(tl.float32)
     if not USE_TMA:
         push_base = push_dst + tile_row.to(tl.int64) * N

@@ -12,7 +12,6 @@ GEMM+RS / GEMM+AR context (``ops.gemm._ScatterGemm``, which mixes this class in)
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -42,9 +41,63 @@ class ChunkCopy(NamedTuple):
     src: torch.Tensor
     signal: torch.Tensor
     slot: int
-    wait: PreparedLaunch  # waits until local counter ``done`` reaches ``tiles``
+    value: int
+    wait: PreparedLaunch | None  # waits until local counter ``done`` reaches ``tiles``
     done: int
     tiles: int
+
+
+class CeFusedPlan(NamedTuple):
+    """A ``ce_fused`` call's plan for one shape and buffer set: the GEMM's segment table
+    and grid; its steps ``(first segment, end segment, copies released)`` (one on a GPU;
+    on the interpreter cut where a reduction must wait for copies); the all-reduce's
+    final wait (or None); the buffer set; the prepared launches per bias / no bias."""
+
+    cfg: _gemm.GemmConfig
+    table: torch.Tensor
+    grid: int
+    steps: list
+    final: PreparedLaunch | None
+    set: int
+    launchers: dict
+
+
+def gather_order(chunks, rank: int, world: int) -> list:
+    """GEMM+AR ``ce_fused``'s chunk order: round ``j`` holds every peer's ``j``-th chunk
+    (rank-rotated), and this rank's own ``j``-th chunk follows round ``j + 1`` (a round
+    late, so the peers' copies of it have landed; its reduced rows are then gathered to
+    the peers while the GEMM goes on). Only the last own chunk's gather is a tail."""
+    by_owner: dict[int, list] = {}
+    for c in chunks:
+        by_owner.setdefault(c.owner, []).append(c)
+    for cs in by_owner.values():
+        cs.sort(key=lambda c: c.lo)
+    own = by_owner.pop(rank)
+    if any(len(cs) != len(own) for cs in by_owner.values()):
+        raise ValueError("gather_order: every rank needs the same number of chunks")
+    peers = sorted(by_owner, key=lambda o: (o - rank) % world)
+    order = []
+    for j in range(len(own)):
+        order += [by_owner[o][j] for o in peers]
+        if j:
+            order.append(own[j - 1])
+    return order + [own[-1]]
+
+
+def _steps(segments, released, cut: bool) -> list:
+    """The GEMM's launches as ``(first segment, end segment, copies)``: one, with every
+    copy (``released[i]``: the copies segment ``i``'s tiles release, in segment order);
+    or, ``cut`` (the interpreter, which runs a launch to completion), a launch ending
+    before each reduce segment that follows a push segment, each with its own copies."""
+    ends = [
+        i for i in range(1, len(segments))
+        if cut and segments[i].kind == "reduce" and segments[i - 1].kind == "push"
+    ] + [len(segments)]  # fmt: skip
+    steps, lo = [], 0
+    for hi in ends:
+        steps.append((lo, hi, [c for r in released[lo:hi] for c in r]))
+        lo = hi
+    return steps
 
 
 class ScatterVariants:
@@ -98,8 +151,9 @@ class ScatterVariants:
             dst = self.recv.peers[o].view(-1)[(r * rows + lo) * n : (r * rows + hi) * n]
             copies.append(
                 self._copy(
-                    dst.view(hi - lo, n), t.lo, t.hi, o, arrival + r * len(mine) + lo // step,
-                    done + slot_of[t.chunk_id], tiles_of(hi - lo, n, cfg),
+                    dst.view(hi - lo, n), self._rows(self.partials, t.lo, t.hi, n), o,
+                    arrival + r * len(mine) + lo // step, done + slot_of[t.chunk_id],
+                    tiles_of(hi - lo, n, cfg),
                 )
             )  # fmt: skip
         table = _gemm.segment_table(segments, n, cfg, self.group.device)
@@ -163,141 +217,170 @@ class ScatterVariants:
     # ------------------------------------------------------------------ ce_fused
     def _cef_set_slots(self, s: int) -> tuple[int, int]:
         """(first, count): buffer set ``s``'s signal slots (region ``ce_sets``): the
-        arrival flags (chunk, source), the broadcast counters (chunk), then the GEMM's
-        "go" and "done" slots. The set's GEMM zeroes them as it ends, and only them."""
+        arrival flags (chunk, source), then the GEMM's "go" and "done" slots. The set's
+        GEMM zeroes them as it ends, and only them."""
         count = self.cef_set_size(self.world_size)
         return self.pad.offset("ce_sets") + s * count, count
 
     @staticmethod
     def cef_set_size(world: int) -> int:
         """Signal slots of one ``ce_fused`` buffer set (see ``_cef_set_slots``)."""
-        return world * MAX_SPLIT * (world - 1) + world * MAX_SPLIT + 2
+        return world * MAX_SPLIT * (world - 1) + 2
 
-    def _cef_plan(self, m: int, n: int, s: int):
-        """``ce_fused`` for buffer set ``s``: segments from a checked full-mesh
-        reduce-scatter, the chunks for other ranks first (pushed into the local staging
-        buffer, counted per chunk in ``ce_done``), own chunks last (each waits for one
-        copy per peer, then reduces in its epilogue; all-reduce: broadcasts too); and per
-        peer chunk the copy into its owner's receive rows of set ``s``, which raises the
-        owner's arrival flag of (chunk, this rank)."""
+    def _cef_plan(self, m: int, n: int, s: int) -> CeFusedPlan:
+        """``ce_fused`` for buffer set ``s``, from a checked schedule (full-mesh
+        reduce-scatter; all-reduce: partition all-reduce):
+
+        * segments: the chunks for other ranks are stored into the local staging buffer
+          and counted per chunk in ``ce_done``; this rank's own chunks wait for one copy
+          per peer, then reduce in their epilogue. Reduce-scatter: own chunks last.
+          All-reduce: in rounds (:func:`gather_order`), each own chunk reduced one round
+          after the peers computed it, and its reduced tiles counted in ``ce_done`` too;
+        * copies, in the order their chunks finish: per peer chunk, into its owner's
+          receive rows of set ``s``, raising the owner's arrival flag of (chunk, this
+          rank); all-reduce, per own chunk, its reduced rows into every peer's result,
+          raising the peer's ``ce_gathered`` slot of this rank to the chunk's number;
+        * all-reduce: a final wait for every peer's last gathered chunk."""
         key = ("ce_fused", m, n, s)
         if (found := self._known_plan(key)) is not None:
             return found
         w, r = self.world_size, self.rank
         m_loc, rows = m // w, self.max_m // w
         cfg = self._cfg(m, n, self.k)
-        sched = schedule.full_mesh_reduce_scatter(
-            w, m_loc, self._split_of("ce_fused"), backend="ce", align=cfg.block_m
+        template = (
+            schedule.partition_all_reduce if self.BROADCAST else schedule.full_mesh_reduce_scatter
         )
+        sched = template(w, m_loc, self._split_of("ce_fused"), backend="ce", align=cfg.block_m)
         schedule.check(sched)
         slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
-        first, count = self._cef_set_slots(s)
-        arrival, broadcast = first, first + w * MAX_SPLIT * (w - 1)
-        done = self.pad.offset("ce_done")
-        send, own = [], []
-        for chunk, _ in schedule.chunk_order(sched, r):
+        arrival = self._cef_set_slots(s)[0]
+        done, gathered = self.pad.offset("ce_done"), self.pad.offset("ce_gathered")
+        chunks = [c for c, _ in schedule.chunk_order(sched, r)]
+        if self.BROADCAST:
+            chunks = gather_order(chunks, r, w)
+        own_number = {c.id: i + 1 for i, c in enumerate(x for x in chunks if x.owner == r)}
+        sends = {t.chunk_id: t for t in schedule.transfers(sched, r) if t.reduce}
+        gathers: dict[int, list] = {}
+        for t in schedule.transfers(sched, r):
+            if not t.reduce:
+                gathers.setdefault(t.chunk_id, []).append(t)
+        segments, released = [], []
+        for chunk in chunks:
             o, cid = chunk.owner, slot_of[chunk.id]
             tiles = tiles_of(chunk.rows, n, cfg)
             common = dict(row0=chunk.lo, rows=chunk.rows, owner=o, out_row0=chunk.lo - o * m_loc)
             if o != r:
-                send.append(
-                    Segment(
-                        kind="push", notify=done + cid, final_slot=broadcast + cid,
-                        final_expected=tiles if self.BROADCAST else 0, **common,
+                segments.append(Segment(kind="push", notify=done + cid, **common))
+                t = sends[chunk.id]
+                lo, hi = t.lo - o * m_loc, t.hi - o * m_loc  # in the owner's rows
+                dst = self.recv.peers[o][s].view(-1)[(r * rows + lo) * n : (r * rows + hi) * n]
+                released.append([
+                    self._copy(
+                        dst.view(hi - lo, n), self._rows(self.partials, t.lo, t.hi, n), o,
+                        arrival + cid * (w - 1) + (r - o - 1) % w, done + cid, tiles,
                     )
-                )  # fmt: skip
-            else:
-                own.append(
-                    Segment(
-                        kind="reduce", wait_first=arrival + cid * (w - 1), wait_count=w - 1,
-                        wait_expected=1, notify=broadcast + cid, **common,
-                    )
-                )  # fmt: skip
-        recv = self.recv.peers
-        copies = []
-        for t in schedule.transfers(sched, r):
-            o, cid = t.dst, slot_of[t.chunk_id]
-            lo, hi = t.lo - o * m_loc, t.hi - o * m_loc  # in the owner's rows
-            dst = recv[o][s].view(-1)[(r * rows + lo) * n : (r * rows + hi) * n]
-            copies.append(
-                self._copy(
-                    dst.view(hi - lo, n), t.lo, t.hi, o, arrival + cid * (w - 1) + (r - o - 1) % w,
-                    done + cid, tiles_of(hi - lo, n, cfg),
+                ])  # fmt: skip
+                continue
+            segments.append(
+                Segment(
+                    kind="reduce", wait_first=arrival + cid * (w - 1), wait_count=w - 1,
+                    wait_expected=1, notify=done + cid if self.BROADCAST else 0, **common,
                 )
             )  # fmt: skip
+            released.append([  # all-reduce: the reduced rows to every peer
+                self._copy(
+                    self._rows(self.result.peers[t.dst], t.lo, t.hi, n),
+                    self._rows(self.result.local, t.lo, t.hi, n), t.dst, gathered + r,
+                    done + cid, tiles, value=own_number[chunk.id], wait=i == 0,
+                )
+                for i, t in enumerate(gathers.get(chunk.id, []))
+            ])  # fmt: skip
+        final = self._gathered_wait(len(own_number)) if self.BROADCAST else None
         dev = self.group.device
-        tables = [_gemm.segment_table(send + own, n, cfg, dev)]
-        if self.group.backend != "cuda":
-            # The interpreter runs a launch to completion: the own segments, which wait
-            # for the peers' copies, go in a second launch after this rank's copies; the
-            # first launch computes the send segments only, with no final waits.
-            quiet = [replace(seg, final_expected=0) for seg in send]
-            tables.insert(0, _gemm.segment_table(quiet, n, cfg, dev))
         grid = _gemm.programs_for(
-            _gemm.total_tiles(send + own, n, cfg), dev, self.group.backend,
+            _gemm.total_tiles(segments, n, cfg), dev, self.group.backend,
             comm_sms=1,  # the comm stream's wait kernels run beside the GEMM
         )  # fmt: skip
-        plan = (cfg, tables, len(send), len(send) + len(own), grid, {}, copies, s)
+        steps = _steps(segments, released, cut=self.group.backend != "cuda")
+        table = _gemm.segment_table(segments, n, cfg, dev)
+        plan = CeFusedPlan(cfg, table, grid, steps, final, s, {})
         return self._keep_plan(key, plan)
 
-    def _cef_launchers(self, plan, m, n, has_bias):
-        """The plan's GEMM launches (one; two on the interpreter), prepared once per bias /
-        no bias. On a GPU each chunk wait of the comm stream runs once here, on a counter
-        raised for it: the first launch of a kernel blocks the host while a kernel spins
-        on the device (benchmarks/NOTES.md), and this GEMM spins in its own segments."""
-        cfg, tables, n_send, n_seg, grid, launchers, copies, s = plan
-        runs = launchers.get(has_bias)
+    def _gathered_wait(self, chunks: int) -> PreparedLaunch:
+        """All-reduce ``ce_fused``: the wait (bounded, one program) until every peer's
+        ``ce_gathered`` slot reaches ``chunks`` (its last reduced chunk has landed here),
+        zeroing them."""
+        args = (
+            self.pad.buffer.local, self.pad.offset("ce_gathered"), self.world_size, chunks,
+            self.error.address, self.rank, self.max_spins, self.rank,
+        )  # fmt: skip
+        return PreparedLaunch(wait_kernel, 1, args, {"RESET": True}, ())
+
+    def _cef_launchers(self, plan: CeFusedPlan, m: int, n: int, has_bias: bool) -> list:
+        """The plan's GEMM launches, one per step (one on a GPU), prepared once per bias /
+        no bias; the last clears the set's slots. On a GPU every wait of the plan runs once
+        here, on counters raised for it: the first launch of a kernel blocks the host
+        while a kernel spins on the device (benchmarks/NOTES.md), and this GEMM spins in
+        its own segments."""
+        runs = plan.launchers.get(has_bias)
         if runs is not None:
             return runs
-        first, count = self._cef_set_slots(s)
+        first, count = self._cef_set_slots(plan.set)
         fixed = dict(
             dtype=self.dtype, device=self.group.device, has_bias=has_bias,
-            recv=self.recv.local[s], recv_rows=self.max_m // self.world_size,
-            out_table=getattr(self, "result", self.recv).ptrs, sig_table=self.pad.ptrs,
-            push=True, broadcast=self.BROADCAST, stage=self.partials,
-            sig=self.pad.buffer.local, err=self.error.address, rank=self.rank,
-            max_spins=self.max_spins, world=self.world_size, go_slot=first + count - 2,
+            recv=self.recv.local[plan.set], recv_rows=self.max_m // self.world_size,
+            push=True, stage=self.partials, sig=self.pad.buffer.local, err=self.error.address,
+            rank=self.rank, max_spins=self.max_spins, world=self.world_size,
+            go_slot=first + count - 2,
         )  # fmt: skip
-        if len(tables) == 1:
-            runs = [
-                _gemm.launcher(
-                    m, n, self.k, cfg, grid, tables[0], n_seg, clear=(first, count), **fixed
-                )
-            ]  # fmt: skip
-        else:
-            runs = [
-                _gemm.launcher(m, n, self.k, cfg, grid, tables[0], n_send, **fixed),
-                _gemm.launcher(
-                    m, n, self.k, cfg, grid, tables[1], n_seg, clear=(first, count),
-                    seg_first=n_send, **fixed,
-                ),
-            ]  # fmt: skip
+        last = len(plan.steps) - 1
+        runs = [
+            _gemm.launcher(
+                m, n, self.k, plan.cfg, plan.grid, plan.table, hi, seg_first=lo,
+                clear=(first, count) if i == last else None, **fixed,
+            )
+            for i, (lo, hi, _) in enumerate(plan.steps)
+        ]  # fmt: skip
         if self.group.backend == "cuda" and not self._capturing():
             signals = self.pad.buffer.local.view(torch.uint32)
-            for copy in copies:
-                stream_write_value32(signals, copy.done, copy.tiles)
-                copy.wait()
-        launchers[has_bias] = runs
+            for copy in plan.steps[0][2]:
+                if copy.wait is not None:
+                    stream_write_value32(signals, copy.done, copy.tiles)
+                    copy.wait()
+            if plan.final is not None:
+                gathered, chunks = self.pad.offset("ce_gathered"), plan.final.args[3]
+                for q in range(self.world_size):
+                    if q != self.rank:
+                        stream_write_value32(signals, gathered + q, chunks)
+                plan.final()
+        plan.launchers[has_bias] = runs
         return runs
 
     def _ce_fused(self, a, b, bias, c):
-        """GEMM on the caller's stream (it stages the peers' partials, then reduces its
-        own rows as their copies land); on the comm stream, per peer chunk, a wait for
-        its tiles and the copy to the owner. Eager calls alternate buffer sets
-        (``AlternatingSets``: no barrier); a captured call's comm stream runs a device
-        barrier before its first copy."""
+        """GEMM on the caller's stream (it stages the peers' partials and reduces its own
+        rows as their copies land); on the comm stream, per finished chunk, a wait for its
+        tiles and its copies. All-reduce: ``c`` is the whole symmetric result, this rank's
+        rows of which the GEMM reduces; the caller's stream then waits for every peer's
+        rows. Eager calls alternate buffer sets (``AlternatingSets``: no barrier); a
+        captured call's comm stream runs a device barrier before its first copy. (On the
+        interpreter, which runs a launch to completion, the GEMM is cut into steps with
+        the copies they release shipped in between.)"""
         m, n = a.shape[0], b.shape[1]
         s = self._buffer_set()
         plan = self._cef_plan(m, n, s)
         runs = self._cef_launchers(plan, m, n, bias is not None)
+        if self.BROADCAST:  # the reduction writes this rank's rows of the result
+            m_loc = m // self.world_size
+            c = c[self.rank * m_loc : (self.rank + 1) * m_loc]
         stream = fork(self.group)
-        runs[0](a, b, c, bias)
-        with use_stream(stream):
-            if s == GRAPH_SET:
-                self._barrier()
-            self._ship(plan[6])
-        if len(runs) > 1:
-            runs[1](a, b, c, bias)
+        for i, (run, (_, _, copies)) in enumerate(zip(runs, plan.steps)):
+            run(a, b, c, bias)
+            with use_stream(stream):
+                if i == 0 and s == GRAPH_SET:
+                    self._barrier()
+                self._ship(copies)
+        if plan.final is not None:
+            plan.final()
         join(self.group, stream)
 
     # ------------------------------------------------------------------ ring
@@ -377,16 +460,19 @@ class ScatterVariants:
             copy.wait.compile()
         return True
 
-    def _copy(self, dst, lo: int, hi: int, owner: int, slot: int, done: int, tiles: int):
-        """One chunk shipment: rows ``lo:hi`` of the ``[m, n]`` partial sums in
-        ``self.partials`` into ``dst`` on ``owner``, raising its ``slot``, once local
-        counter ``done`` reaches ``tiles``. Views and launches are made once per plan (each
-        costs microseconds of every eager call)."""
-        n = dst.shape[1]
+    @staticmethod
+    def _rows(buf, lo: int, hi: int, n: int) -> torch.Tensor:
+        """Rows ``lo:hi`` of the ``[*, n]`` matrix stored flat at the start of ``buf``."""
+        return buf.view(-1)[lo * n : hi * n].view(hi - lo, n)
+
+    def _copy(self, dst, src, owner, slot, done, tiles, value=1, wait=True) -> ChunkCopy:
+        """One chunk shipment: ``src`` into ``dst`` on ``owner``, raising its ``slot`` to
+        ``value``, once (``wait``; else after the copy before it) local counter ``done``
+        reaches ``tiles``. Views and launches are made once per plan (each costs
+        microseconds of every eager call)."""
         return ChunkCopy(
-            dst, self.partials[lo * n : hi * n].view(hi - lo, n),
-            self.pad.buffer.peers[owner].view(torch.uint32), slot,
-            self._chunk_wait(done, tiles), done, tiles,
+            dst, src, self.pad.buffer.peers[owner].view(torch.uint32), slot, value,
+            self._chunk_wait(done, tiles) if wait else None, done, tiles,
         )  # fmt: skip
 
     def _chunk_wait(self, done: int, tiles: int) -> PreparedLaunch:
@@ -407,5 +493,6 @@ class ScatterVariants:
         """Per chunk: wait until the GEMM has finished its tiles, then copy it to its owner
         and raise the owner's flag."""
         for c in copies:
-            c.wait()
-            copy_and_signal(c.dst, c.src, c.signal, c.slot)
+            if c.wait is not None:
+                c.wait()
+            copy_and_signal(c.dst, c.src, c.signal, c.slot, c.value)

@@ -436,14 +436,20 @@ class _ScatterGemm(AlternatingSets, ScatterVariants, _OverlappedGemm):
             )
 
     #: ``auto`` overlaps with ``ce_fused`` instead of ``fused`` when the GEMM is estimated
-    #: (``EST_TFLOPS``) at this many µs or more; None: never.
+    #: (``EST_TFLOPS``) at this many µs or more; None: never. Per world size where
+    #: ``WORLD_CE_FUSED_MIN_GEMM_US`` names it.
     CE_FUSED_MIN_GEMM_US: float | None = None
+    WORLD_CE_FUSED_MIN_GEMM_US: dict[int, float | None] = {}
+
+    def ce_fused_floor(self) -> float | None:
+        """The estimated GEMM time from which ``auto`` runs ``ce_fused`` (None: never)."""
+        return self.WORLD_CE_FUSED_MIN_GEMM_US.get(self.world_size, self.CE_FUSED_MIN_GEMM_US)
 
     def _auto_ce_fused(self) -> bool:
-        return self.strategy == "auto" and self.CE_FUSED_MIN_GEMM_US is not None
+        return self.strategy == "auto" and self.ce_fused_floor() is not None
 
     def _overlapped(self, t_gemm_us: float) -> str:
-        if self._auto_ce_fused() and t_gemm_us >= self.CE_FUSED_MIN_GEMM_US:
+        if self._auto_ce_fused() and t_gemm_us >= self.ce_fused_floor():
             return "ce_fused"
         return "fused"
 
@@ -471,10 +477,11 @@ class _ScatterGemm(AlternatingSets, ScatterVariants, _OverlappedGemm):
             "gathered": world,
             # "go" and "done": the GEMM's entry barrier and exit clearing (kernels.gemm)
             "go": 1, "done": 1,
-            # ce_fused: per chunk finished staged tiles; per buffer set the arrival flags,
-            # broadcast counters, "go" and "done" (``_cef_set_slots``)
+            # ce_fused: per chunk its finished staged (all-reduce: or reduced) tiles; per
+            # buffer set the arrival flags, "go" and "done" (``_cef_set_slots``); all-reduce:
+            # per peer its last gathered chunk
             "ce_done": world * MAX_SPLIT,
-            "ce_sets": BUFFER_SETS * ScatterVariants.cef_set_size(world),
+            "ce_sets": BUFFER_SETS * ScatterVariants.cef_set_size(world), "ce_gathered": world,
         }  # fmt: skip
 
     def _signal_launch_args(self) -> dict:
@@ -590,7 +597,13 @@ class GemmRS(_ScatterGemm):
     # 1.07 / 1.03 / 1.05 against ``fused`` 1.13 / 1.13 / 1.13 (7B, 8B, 70B); eager equal
     # (1.19 / 1.22 / 1.07 against 1.20 / 1.23 / 1.08). At M = 2048 it won only on 70B
     # (estimated GEMM ~740 µs; 7B / 8B ~140-190 µs, where its per-chunk launches cost).
-    CE_FUSED_MIN_GEMM_US = 400.0
+    # 4 x H200 (session 6, first run), M = 8192: ``ce_fused`` beat ``fused`` on 3 of 3
+    # shapes captured (graph T / bound 1.33 / 1.28 / 1.06 against 1.79 / 1.35 / 1.19) and
+    # 2 of 3 eager; at M = 2048 it lost on 7B / 8B (estimated GEMM 71 / 92 µs) and tied
+    # on 70B (370 µs). The copy engine's lead grows with the world size: each rank sends
+    # (W - 1) / W of its partials, over a GEMM W times shorter.
+    CE_FUSED_MIN_GEMM_US = 250.0
+    WORLD_CE_FUSED_MIN_GEMM_US = {2: 400.0}
     # With two ranks one chunk per owner beat two for ``fused`` eager on 3 of 3 shapes at
     # M = 8192 (2 x H200, session 4: T / bound 1.18 / 1.15 / 1.04 against 1.25 / 1.21 /
     # 1.16); GEMM+AR showed no difference and keeps two.
@@ -634,7 +647,16 @@ class GemmAR(_ScatterGemm):
     op_name = "gemm_ar"
     BROADCAST = True
     STRATEGIES = ("auto", "fused", "ce_fused", "ce_scatter", "signal_reorder", "none")
-    STRATEGY_SPLIT = {"ce_scatter": 1, "ce_fused": 2}
+    # ``ce_fused``: four rounds, so only a quarter of this rank's rows is gathered after
+    # the GEMM's last tile.
+    STRATEGY_SPLIT = {"ce_scatter": 1, "ce_fused": 4}
+    # ``fused``'s epilogue broadcast puts (W - 1) / W of the output on NVLink in the last
+    # 1 / W of the GEMM: 4 x H200 (session 6, first run) GEMM+AR ``fused`` took 1.62-1.69 x
+    # the bound at M = 8192 on 7B / 8B. ``ce_fused`` gathers the reduced rows round by
+    # round with the copy engine. Two ranks: the copy-engine gather was no faster at
+    # M = 8192 and slower at M = 2048 (session 5, run 3), so ``fused``.
+    CE_FUSED_MIN_GEMM_US = 250.0
+    WORLD_CE_FUSED_MIN_GEMM_US = {2: None}
 
     def __init__(self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", **kw):
         super().__init__(group, max_m, n, k, dtype, strategy, **kw)

@@ -31,11 +31,14 @@ VARIANTS = {
     "gemm_ar": {"HAS_PUSH": True, "BROADCAST": True, "SUBTILE": True},
     "gemm_rs_ce_scatter": {"NOTIFY_STORES": True, "HAS_BIAS": True},
     "gemm_rs_ce_fused": {"HAS_PUSH": True, "STAGE_PUSHES": True, "SUBTILE": True},
+    # GEMM+AR ``ce_fused`` runs the reduce-scatter kernel (the copy engine gathers), here
+    # with a bias and four ranks
     "gemm_ar_ce_fused": {
         "HAS_PUSH": True,
         "STAGE_PUSHES": True,
-        "BROADCAST": True,
         "SUBTILE": True,
+        "HAS_BIAS": True,
+        "WORLD": 4,
     },
 }
 _cache: dict[str, dict] = {}

@@ -117,14 +117,14 @@ def test_ag_gemm_back_to_back_ranks_out_of_step(world):
 
 
 # ----------------------------------------------------------------------------- GEMM + RS / AR
-def _scatter_body(group, op, strategy, dtype_name, calls, split):
+def _scatter_body(group, op, strategy, dtype_name, calls, split, shapes=None):
     dtype, w, r = DTYPES[dtype_name], group.world_size, group.rank
     cls = {"rs": interlace.GemmRS, "ar": interlace.GemmAR}[op]
     gen = torch.Generator().manual_seed(11 + r)
     # The ring forwards running sums in the output dtype, one rounding per hop (as NCCL's
     # ring does): its error grows with the world size. The others round once.
     tol = 5e-3 * (1 + math.sqrt(w - 1)) if strategy == "ring" else TOL
-    for m_loc, n, k in _shapes(group):
+    for m_loc, n, k in shapes or _shapes(group):
         kw = {} if split is None else {"split": split}
         ctx = cls(group, max_m=w * m_loc, n=n, k=k, dtype=dtype, strategy=strategy, **kw)
         try:
@@ -176,6 +176,38 @@ def test_scatter_split_and_fp16(world, op, strategy):
     world.run(_scatter_body, op, strategy, "fp16", 1, 3)
 
 
+def test_ar_ce_fused_gathers_between_rounds(world):
+    """GEMM+AR ``ce_fused`` with four chunks per owner (CPU tiles are 32 rows): own chunks
+    reduced between the peers' rounds, their gather copies shipped while later rounds
+    compute, rows not a multiple of the chunk."""
+    world.run(_scatter_body, "ar", "ce_fused", "bf16", 2, 4, [(120, 40, 24)])
+
+
+def test_gather_order_reduces_each_own_chunk_one_round_late():
+    from interlace.ops._rs_variants import gather_order
+
+    w, rank, split = 4, 1, 3
+    sched = interlace.schedule.partition_all_reduce(w, 96, split, align=32)
+    chunks = [c for c, _ in interlace.schedule.chunk_order(sched, rank)]
+    order = gather_order(chunks, rank, w)
+    assert sorted(c.id for c in order) == sorted(c.id for c in chunks)
+
+    def piece(c):  # the chunk's index among its owner's chunks
+        return sorted(x.lo for x in chunks if x.owner == c.owner).index(c.lo)
+
+    where = {(c.owner, piece(c)): i for i, c in enumerate(order)}
+    for j in range(split):
+        peers = [where[((rank + d) % w, j)] for d in range(1, w)]
+        assert peers == sorted(peers), "peers rank-rotated within a round"
+        assert max(peers) < where[(rank, j)], "own chunk after every peer's"
+        if j + 1 < split:
+            later = [where[((rank + d) % w, j + 1)] for d in range(1, w)]
+            assert max(later) < where[(rank, j)], "own chunk a round late"
+        if j + 2 < split:
+            assert where[(rank, j)] < min(where[((rank + d) % w, j + 2)] for d in range(1, w))
+    assert order[-1].owner == rank
+
+
 # ----------------------------------------------------------------------------- auto
 def _auto_choice_body(group):
     """``auto`` falls back to cuBLAS + NCCL when the estimated overlap is below the op's
@@ -194,14 +226,23 @@ def _auto_choice_body(group):
     return choices
 
 
+def _big_pick(cls, w: int) -> str:
+    """What ``auto`` overlaps LLaMA-7B at M 8192 with: ``ce_fused`` when the GEMM,
+    estimated at 650 TFLOP/s, reaches the op's floor for this world size."""
+    floor = cls.WORLD_CE_FUSED_MIN_GEMM_US.get(w, cls.CE_FUSED_MIN_GEMM_US)
+    gemm_us = 2.0 * 8192 * 4096 * (11008 // w) / 650e6
+    return "ce_fused" if floor is not None and gemm_us >= floor else "fused"
+
+
 def test_auto_falls_back_below_the_floor(world):
-    # GEMM+RS overlaps the larger GEMMs (estimated at 650 TFLOP/s) with ``ce_fused``
-    gemm_us = 2.0 * 8192 * 4096 * (11008 // world.world_size) / 650e6
-    rs_big = "ce_fused" if gemm_us >= interlace.GemmRS.CE_FUSED_MIN_GEMM_US else "fused"
+    w = world.world_size
+    big = {"ag": "fused", "rs": _big_pick(interlace.GemmRS, w)}
+    big["ar"] = _big_pick(interlace.GemmAR, w)
+    if w == 4:  # the GEMM+RS / AR floors as measured on 4 x H200
+        assert big == {"ag": "fused", "rs": "ce_fused", "ar": "ce_fused"}
     for choices in world.run(_auto_choice_body):
         for op, picks in choices.items():
-            big = rs_big if op == "rs" else "fused"
-            assert picks[0] == "none" and picks[2] == big, (op, picks)
+            assert picks[0] == "none" and picks[2] == big[op], (op, picks)
         if world.world_size == 2:  # LLaMA-7B at M 2048: every op overlaps (eager floor 30 us)
             assert all(picks[1] == "fused" for picks in choices.values()), choices
 
@@ -216,7 +257,8 @@ def _auto_switch_body(group, calls):
     ctx = interlace.GemmRS(group, max_m=w * m_loc, n=n, k=k, strategy="auto")
     ctx.MIN_OVERLAP_US = {"eager": 0.0, "graph": 0.0}  # overlap every size here
     small, big = w * max(1, m_loc // 3), w * m_loc
-    ctx.CE_FUSED_MIN_GEMM_US = 2.0 * (small + big) / 2 * n * k / 650e6  # between the two
+    # between the two
+    ctx.WORLD_CE_FUSED_MIN_GEMM_US = {w: 2.0 * (small + big) / 2 * n * k / 650e6}
     ran = []
     try:
         for i in range(calls):
