@@ -1,6 +1,8 @@
-"""Markdown tables of a results file's dense-op records (for the README).
+"""Markdown tables of a results file's dense-op records (for the README); ``--ratios``:
+instead, every strategy's T / bound per shape, eager and graph (a short table for a run's
+log).
 
-python scripts/results_table.py benchmarks/results/2026-11-22-h200-w2.json
+python scripts/results_table.py benchmarks/results/2026-11-22-h200-w2.json [--ratios]
 """
 
 from __future__ import annotations
@@ -42,8 +44,30 @@ def dense_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ratio_table(records: list[dict]) -> str:
+    """Per (op, model, M): each strategy's eager / graph time over the bound."""
+    by = {}
+    for r in records:
+        if r.get("op") in OPS and r.get("t_gemm_ms") and r.get("t_comm_ms"):
+            by.setdefault((r["op"], r["model"], r["M"]), []).append(r)
+    lines = []
+    for (op, model, m), rs in sorted(by.items(), key=lambda kv: (OPS.index(kv[0][0]), kv[0][1:])):
+        bound = max(rs[0]["t_gemm_ms"], rs[0]["t_comm_ms"])
+        cells = [
+            f"{r['strategy']} {_f(r['t_ms'] and r['t_ms'] / bound, 2)}/"
+            f"{_f(r.get('t_graph_ms') and r['t_graph_ms'] / bound, 2)}"
+            for r in rs
+        ]
+        none = _f(rs[0]["t_none_ms"] / bound, 2)
+        lines.append(f"{op} {model} {m} (none {none}): " + ", ".join(cells))
+    return "\n".join(lines)
+
+
 def main():
     data = json.load(open(sys.argv[1]))
+    if "--ratios" in sys.argv:
+        print(ratio_table(data["records"]))
+        return
     print(f"{data['device']}, world size {data['world_size']}, torch {data['torch']}, "
           f"Triton {data['triton']}, {data['date']}\n")  # fmt: skip
     print(dense_table(data["records"]))
