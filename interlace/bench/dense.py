@@ -86,18 +86,30 @@ def strategies_of(op: str, wanted=None) -> list[str]:
     have = list(getattr(cls, "STRATEGIES", ("auto",)))
     if wanted is None:
         return have
-    return [s for s in wanted if split_variant(s)[0] in have]
+    kept = []
+    for s in wanted:
+        name, options = split_variant(s)
+        if name in have and ("gather" not in options or hasattr(cls, "GATHERS")):
+            kept.append(s)
+    return kept
 
 
 def split_variant(strategy: str) -> tuple[str, dict]:
-    """``"sm_pull:split=2+comm_sms=8"`` -> ``("sm_pull", {"split": 2, "comm_sms": 8})``."""
+    """``"sm_pull:split=2+comm_sms=8"`` -> ``("sm_pull", {"split": 2, "comm_sms": 8})``;
+    ``"ce_fused:gather=epilogue"`` -> ``("ce_fused", {"gather": "epilogue"})`` (GEMM+AR)."""
     name, _, opts = strategy.partition(":")
     options = {}
     for item in filter(None, opts.split("+")):
         key, _, value = item.partition("=")
-        if key not in VARIANT_OPTIONS or not value.isdigit():
-            raise ValueError(f"strategy variant {strategy!r}: options are {VARIANT_OPTIONS}=<int>")
-        options[key] = int(value)
+        if key in VARIANT_OPTIONS and value.isdigit():
+            options[key] = int(value)
+        elif key == "gather" and value in ("copy", "epilogue"):
+            options[key] = value
+        else:
+            raise ValueError(
+                f"strategy variant {strategy!r}: options are {VARIANT_OPTIONS}=<int> and "
+                "gather=copy|epilogue"
+            )
     return name, options
 
 

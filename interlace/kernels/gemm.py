@@ -324,7 +324,7 @@ def gemm_segments_kernel(
                         for i in tl.static_range(1, WORLD):
                             q = (rank + i) % WORLD
                             notify(signal_base(sig_table, q) + notify_slot, mine, ADD=True)
-                if STAGE_PUSHES:  # all-reduce: the reduced tiles, for the gather copies
+                if STAGE_PUSHES and not BROADCAST:  # all-reduce: for the gather copies
                     if kind == KIND_REDUCE:
                         if notify_slot > 0:
                             if USE_TMA:

@@ -12,6 +12,7 @@ GEMM+RS / GEMM+AR context (``ops.gemm._ScatterGemm``, which mixes this class in)
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -48,16 +49,17 @@ class ChunkCopy(NamedTuple):
 
 
 class CeFusedPlan(NamedTuple):
-    """A ``ce_fused`` call's plan for one shape and buffer set: the GEMM's segment table
+    """A ``ce_fused`` call's plan for one shape and buffer set: the GEMM's segment tables
     and grid; its steps ``(first segment, end segment, copies released)`` (one on a GPU;
     on the interpreter cut where a reduction must wait for copies); the all-reduce's
     final wait (or None); the buffer set; the prepared launches per bias / no bias."""
 
     cfg: _gemm.GemmConfig
-    table: torch.Tensor
+    tables: list  # per step
     grid: int
     steps: list
     final: PreparedLaunch | None
+    broadcast: bool  # the epilogue stores reduced tiles into every rank (gather="epilogue")
     set: int
     launchers: dict
 
@@ -217,15 +219,16 @@ class ScatterVariants:
     # ------------------------------------------------------------------ ce_fused
     def _cef_set_slots(self, s: int) -> tuple[int, int]:
         """(first, count): buffer set ``s``'s signal slots (region ``ce_sets``): the
-        arrival flags (chunk, source), then the GEMM's "go" and "done" slots. The set's
-        GEMM zeroes them as it ends, and only them."""
+        arrival flags (chunk, source), the broadcast counters (chunk; all-reduce with
+        ``gather="epilogue"``), then the GEMM's "go" and "done" slots. The set's GEMM
+        zeroes them as it ends, and only them."""
         count = self.cef_set_size(self.world_size)
         return self.pad.offset("ce_sets") + s * count, count
 
     @staticmethod
     def cef_set_size(world: int) -> int:
         """Signal slots of one ``ce_fused`` buffer set (see ``_cef_set_slots``)."""
-        return world * MAX_SPLIT * (world - 1) + 2
+        return world * MAX_SPLIT * (world - 1) + world * MAX_SPLIT + 2
 
     def _cef_plan(self, m: int, n: int, s: int) -> CeFusedPlan:
         """``ce_fused`` for buffer set ``s``, from a checked schedule (full-mesh
@@ -235,12 +238,15 @@ class ScatterVariants:
           and counted per chunk in ``ce_done``; this rank's own chunks wait for one copy
           per peer, then reduce in their epilogue. Reduce-scatter: own chunks last.
           All-reduce: in rounds (:func:`gather_order`), each own chunk reduced one round
-          after the peers computed it, and its reduced tiles counted in ``ce_done`` too;
+          after the peers computed it. ``gather="copy"``: its reduced tiles counted in
+          ``ce_done`` too; ``gather="epilogue"``: the epilogue stores them into every
+          rank's result and raises each peer's broadcast counter of the chunk, and the
+          kernel ends once every peer's chunks have landed here;
         * copies, in the order their chunks finish: per peer chunk, into its owner's
           receive rows of set ``s``, raising the owner's arrival flag of (chunk, this
-          rank); all-reduce, per own chunk, its reduced rows into every peer's result,
-          raising the peer's ``ce_gathered`` slot of this rank to the chunk's number;
-        * all-reduce: a final wait for every peer's last gathered chunk."""
+          rank); ``gather="copy"``, per own chunk, its reduced rows into every peer's
+          result, raising the peer's ``ce_gathered`` slot of this rank to the chunk's
+          number, and a final wait for every peer's last gathered chunk."""
         key = ("ce_fused", m, n, s)
         if (found := self._known_plan(key)) is not None:
             return found
@@ -254,6 +260,9 @@ class ScatterVariants:
         schedule.check(sched)
         slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
         arrival = self._cef_set_slots(s)[0]
+        broadcast = arrival + w * MAX_SPLIT * (w - 1)
+        bcast = self.BROADCAST and self.gather == "epilogue"
+        copy_gather = self.BROADCAST and not bcast
         done, gathered = self.pad.offset("ce_done"), self.pad.offset("ce_gathered")
         chunks = [c for c, _ in schedule.chunk_order(sched, r)]
         if self.BROADCAST:
@@ -270,7 +279,12 @@ class ScatterVariants:
             tiles = tiles_of(chunk.rows, n, cfg)
             common = dict(row0=chunk.lo, rows=chunk.rows, owner=o, out_row0=chunk.lo - o * m_loc)
             if o != r:
-                segments.append(Segment(kind="push", notify=done + cid, **common))
+                segments.append(
+                    Segment(
+                        kind="push", notify=done + cid, final_slot=broadcast + cid,
+                        final_expected=tiles if bcast else 0, **common,
+                    )
+                )  # fmt: skip
                 t = sends[chunk.id]
                 lo, hi = t.lo - o * m_loc, t.hi - o * m_loc  # in the owner's rows
                 dst = self.recv.peers[o][s].view(-1)[(r * rows + lo) * n : (r * rows + hi) * n]
@@ -284,26 +298,32 @@ class ScatterVariants:
             segments.append(
                 Segment(
                     kind="reduce", wait_first=arrival + cid * (w - 1), wait_count=w - 1,
-                    wait_expected=1, notify=done + cid if self.BROADCAST else 0, **common,
+                    wait_expected=1, **common,
+                    notify=broadcast + cid if bcast else done + cid if copy_gather else 0,
                 )
             )  # fmt: skip
-            released.append([  # all-reduce: the reduced rows to every peer
+            released.append([  # gather="copy": the reduced rows to every peer
                 self._copy(
                     self._rows(self.result.peers[t.dst], t.lo, t.hi, n),
                     self._rows(self.result.local, t.lo, t.hi, n), t.dst, gathered + r,
                     done + cid, tiles, value=own_number[chunk.id], wait=i == 0,
                 )
-                for i, t in enumerate(gathers.get(chunk.id, []))
+                for i, t in enumerate(gathers.get(chunk.id, []) if copy_gather else [])
             ])  # fmt: skip
-        final = self._gathered_wait(len(own_number)) if self.BROADCAST else None
+        final = self._gathered_wait(len(own_number)) if copy_gather else None
         dev = self.group.device
         grid = _gemm.programs_for(
             _gemm.total_tiles(segments, n, cfg), dev, self.group.backend,
             comm_sms=1,  # the comm stream's wait kernels run beside the GEMM
         )  # fmt: skip
         steps = _steps(segments, released, cut=self.group.backend != "cuda")
-        table = _gemm.segment_table(segments, n, cfg, dev)
-        plan = CeFusedPlan(cfg, table, grid, steps, final, s, {})
+        tables = [_gemm.segment_table(segments, n, cfg, dev)] * len(steps)
+        if bcast and len(steps) > 1:
+            # The interpreter: the kernel's final waits (its last program, for every
+            # segment up to the launch's last) can only be met in the last step.
+            quiet = [replace(seg, final_expected=0) for seg in segments]
+            tables[:-1] = [_gemm.segment_table(quiet, n, cfg, dev)] * (len(steps) - 1)
+        plan = CeFusedPlan(cfg, tables, grid, steps, final, bcast, s, {})
         return self._keep_plan(key, plan)
 
     def _gathered_wait(self, chunks: int) -> PreparedLaunch:
@@ -329,17 +349,18 @@ class ScatterVariants:
         fixed = dict(
             dtype=self.dtype, device=self.group.device, has_bias=has_bias,
             recv=self.recv.local[plan.set], recv_rows=self.max_m // self.world_size,
-            push=True, stage=self.partials, sig=self.pad.buffer.local, err=self.error.address,
-            rank=self.rank, max_spins=self.max_spins, world=self.world_size,
-            go_slot=first + count - 2,
+            push=True, stage=self.partials, broadcast=plan.broadcast,
+            out_table=self.result.ptrs if plan.broadcast else None, sig_table=self.pad.ptrs,
+            sig=self.pad.buffer.local, err=self.error.address, rank=self.rank,
+            max_spins=self.max_spins, world=self.world_size, go_slot=first + count - 2,
         )  # fmt: skip
         last = len(plan.steps) - 1
         runs = [
             _gemm.launcher(
-                m, n, self.k, plan.cfg, plan.grid, plan.table, hi, seg_first=lo,
+                m, n, self.k, plan.cfg, plan.grid, table, hi, seg_first=lo,
                 clear=(first, count) if i == last else None, **fixed,
             )
-            for i, (lo, hi, _) in enumerate(plan.steps)
+            for i, ((lo, hi, _), table) in enumerate(zip(plan.steps, plan.tables))
         ]  # fmt: skip
         if self.group.backend == "cuda" and not self._capturing():
             signals = self.pad.buffer.local.view(torch.uint32)
@@ -369,7 +390,7 @@ class ScatterVariants:
         s = self._buffer_set()
         plan = self._cef_plan(m, n, s)
         runs = self._cef_launchers(plan, m, n, bias is not None)
-        if self.BROADCAST:  # the reduction writes this rank's rows of the result
+        if plan.final is not None:  # gather="copy": the GEMM writes this rank's rows
             m_loc = m // self.world_size
             c = c[self.rank * m_loc : (self.rank + 1) * m_loc]
         stream = fork(self.group)

@@ -103,6 +103,7 @@ EST_LINK_GBPS = 200.0
 class _OverlappedGemm(OpContext):
     STRATEGIES: tuple[str, ...] = ("auto", "fused", "none")
     MIN_OVERLAP_US = {"eager": 30.0, "graph": 15.0}  # see EST_TFLOPS
+    WORLD_MIN_OVERLAP_US: dict[int, dict[str, float]] = {}  # a world size's own floors
     default_split = 1
     WORLD_SPLIT: dict[int, int] = {}  # a world size's own default split
     STRATEGY_SPLIT: dict[str, int] = {}  # a strategy's own default chunk split
@@ -155,7 +156,8 @@ class _OverlappedGemm(OpContext):
             return self.strategy
         t_gemm = 2.0 * m_total * n * k / (EST_TFLOPS * 1e12) * 1e6
         t_comm = self._comm_bytes(m_total, n) / (EST_LINK_GBPS * 1e9) * 1e6
-        floor = self.MIN_OVERLAP_US["graph" if self._capturing() else "eager"]
+        floors = self.WORLD_MIN_OVERLAP_US.get(self.world_size, self.MIN_OVERLAP_US)
+        floor = floors["graph" if self._capturing() else "eager"]
         return self._overlapped(t_gemm) if min(t_gemm, t_comm) >= floor else "none"
 
     def _overlapped(self, t_gemm_us: float) -> str:
@@ -397,8 +399,13 @@ class _ScatterGemm(AlternatingSets, ScatterVariants, _OverlappedGemm):
     pushed to their owner from the epilogue, the owner's tiles reduced in theirs."""
 
     STRATEGIES = ("auto", "fused", "signal_reorder", "none")
-    MIN_OVERLAP_US = {"eager": 30.0, "graph": 30.0}
+    # Four ranks (4 x H200, session 6, two runs): at M = 2048 ``fused`` lost to cuBLAS +
+    # NCCL on LLaMA-7B / 8B (estimated traffic 63 µs, GEMM 71 / 92 µs), eager and
+    # captured, for both ops, and tied or won on 70B (traffic 126 µs).
+    MIN_OVERLAP_US = {"eager": 100.0, "graph": 100.0}
+    WORLD_MIN_OVERLAP_US = {2: {"eager": 30.0, "graph": 30.0}}
     BROADCAST = False
+    gather = None  # GEMM+AR only
     # Two chunks per owner: a rank reaches its own chunk j only after every peer has
     # finished that chunk a whole chunk earlier (full-mesh order), so the owner's reduction
     # does not wait on a peer's last tile.
@@ -647,18 +654,26 @@ class GemmAR(_ScatterGemm):
     op_name = "gemm_ar"
     BROADCAST = True
     STRATEGIES = ("auto", "fused", "ce_fused", "ce_scatter", "signal_reorder", "none")
-    # ``ce_fused``: four rounds, so only a quarter of this rank's rows is gathered after
-    # the GEMM's last tile.
-    STRATEGY_SPLIT = {"ce_scatter": 1, "ce_fused": 4}
-    # ``fused``'s epilogue broadcast puts (W - 1) / W of the output on NVLink in the last
-    # 1 / W of the GEMM: 4 x H200 (session 6, first run) GEMM+AR ``fused`` took 1.62-1.69 x
-    # the bound at M = 8192 on 7B / 8B. ``ce_fused`` gathers the reduced rows round by
-    # round with the copy engine. Two ranks: the copy-engine gather was no faster at
-    # M = 8192 and slower at M = 2048 (session 5, run 3), so ``fused``.
-    CE_FUSED_MIN_GEMM_US = 250.0
-    WORLD_CE_FUSED_MIN_GEMM_US = {2: None}
+    # ``ce_fused`` (copy-engine gather), 4 x H200, M = 8192, graph T / bound: split 2
+    # 1.55 / 1.60 / 1.30 (7B / 8B / 70B), split 4 1.93 / 1.93 / 1.22, split 8 2.52 /
+    # 2.60 / 1.30: each chunk's wait and copies cost the comm stream ~10 µs beyond the
+    # copy, and the gather doubles the copies. ``fused`` measured 1.51 / 1.48 / 1.26 in
+    # the same run, so ``auto`` keeps ``fused`` (session 6, second run).
+    STRATEGY_SPLIT = {"ce_scatter": 1, "ce_fused": 2}
 
-    def __init__(self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", **kw):
+    #: how ``ce_fused`` moves the reduced rows to the peers: ``"copy"`` (the copy engine,
+    #: chunk by chunk) or ``"epilogue"`` (the owner's epilogue stores each reduced tile
+    #: into every rank's result, as ``fused``)
+    GATHERS = ("copy", "epilogue")
+
+    def __init__(
+        self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", gather="copy", **kw
+    ):  # fmt: skip
+        if gather not in self.GATHERS:
+            raise InterlaceValueError(
+                f"{self.op_name}: gather must be one of {self.GATHERS}, got {gather!r}"
+            )
+        self.gather = gather
         super().__init__(group, max_m, n, k, dtype, strategy, **kw)
         if strategy != "none":
             self.result = self._track(symm_empty((self.max_m, self.n), dtype, group))

@@ -217,3 +217,10 @@ def test_strategy_variants_for_the_ablation():
         "sm_pull:comm_sms=8",
     ]
     assert strategies_of("gemm_rs", ["sm_pull:comm_sms=8", "fused:split=1"]) == ["fused:split=1"]
+    # how GEMM+AR ce_fused gathers: an option of GEMM+AR alone
+    assert split_variant("ce_fused:gather=epilogue") == ("ce_fused", {"gather": "epilogue"})
+    with pytest.raises(ValueError, match="options are"):
+        split_variant("ce_fused:gather=nccl")
+    both = ["ce_fused:gather=epilogue", "ce_fused:split=2"]
+    assert strategies_of("gemm_ar", both) == both
+    assert strategies_of("gemm_rs", both) == ["ce_fused:split=2"]
