@@ -654,12 +654,18 @@ class GemmAR(_ScatterGemm):
     op_name = "gemm_ar"
     BROADCAST = True
     STRATEGIES = ("auto", "fused", "ce_fused", "ce_scatter", "signal_reorder", "none")
-    # ``ce_fused`` (copy-engine gather), 4 x H200, M = 8192, graph T / bound: split 2
-    # 1.55 / 1.60 / 1.30 (7B / 8B / 70B), split 4 1.93 / 1.93 / 1.22, split 8 2.52 /
-    # 2.60 / 1.30: each chunk's wait and copies cost the comm stream ~10 µs beyond the
-    # copy, and the gather doubles the copies. ``fused`` measured 1.51 / 1.48 / 1.26 in
-    # the same run, so ``auto`` keeps ``fused`` (session 6, second run).
+    # ``ce_fused``, 4 x H200, M = 8192, graph T / bound (7B / 8B / 70B):
+    # * gather="copy" (session 6, second run): split 2 1.55 / 1.60 / 1.30, split 4 1.93 /
+    #   1.93 / 1.22, split 8 2.52 / 2.60 / 1.30; each chunk's wait and copies cost the comm
+    #   stream ~10 µs beyond the copy, and the gather doubles the copies;
+    # * gather="epilogue" (third run): split 2 1.30 / 1.42 / 1.20, split 4 1.54 / 1.66 /
+    #   1.27, against ``fused`` 1.51 / 1.54 / 1.26 and gather="copy" 1.54 / 1.80 / 1.26 in
+    #   the same run; eager 1.37 / 1.51 / 1.24 against 1.63 / 1.65 / 1.28. At M = 2048 it
+    #   beat ``fused`` on 70B only (estimated GEMM 370 µs; 7B / 8B fall back to ``none``).
+    # Two ranks: not measured with rounds; ``fused`` there.
     STRATEGY_SPLIT = {"ce_scatter": 1, "ce_fused": 2}
+    CE_FUSED_MIN_GEMM_US = 250.0
+    WORLD_CE_FUSED_MIN_GEMM_US = {2: None}
 
     #: how ``ce_fused`` moves the reduced rows to the peers: ``"copy"`` (the copy engine,
     #: chunk by chunk) or ``"epilogue"`` (the owner's epilogue stores each reduced tile
@@ -667,7 +673,8 @@ class GemmAR(_ScatterGemm):
     GATHERS = ("copy", "epilogue")
 
     def __init__(
-        self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", gather="copy", **kw
+        self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", gather="epilogue",
+        **kw,
     ):  # fmt: skip
         if gather not in self.GATHERS:
             raise InterlaceValueError(

@@ -242,7 +242,7 @@ def test_auto_falls_back_below_the_floor(world):
     big = {"ag": "fused", "rs": _big_pick(interlace.GemmRS, w)}
     big["ar"] = _big_pick(interlace.GemmAR, w)
     if w == 4:  # the GEMM+RS / AR floors as measured on 4 x H200
-        assert big == {"ag": "fused", "rs": "ce_fused", "ar": "fused"}
+        assert big == {"ag": "fused", "rs": "ce_fused", "ar": "ce_fused"}
     for choices in world.run(_auto_choice_body):
         for op, picks in choices.items():
             assert picks[0] == "none" and picks[2] == big[op], (op, picks)
