@@ -6,9 +6,11 @@ GEMM+RS / GEMM+AR context (``ops.gemm._ScatterGemm``, which mixes this class in)
   buffer (``self.partials``) and per-chunk finished-tile counters; they differ in what
   moves the chunks: the copy engine plus one reduction kernel, or a ring of a few SMs.
 * ``ce_fused`` (GEMM+RS, GEMM+AR): the copy engine moves the partials, and the owner's
-  own tiles, computed last, add them in the GEMM's epilogue (no reduction kernel). The
-  GEMM stores a partial tile locally instead of pushing it across NVLink, which cost
-  the fused kernel 12-19 % on 2 x H200 (``benchmarks/NOTES.md``, epilogue probe)."""
+  own tiles add them in the GEMM's epilogue (no reduction kernel). The GEMM stores a
+  partial tile locally instead of pushing it across NVLink, which cost the fused kernel
+  12-19 % on 2 x H200 (``benchmarks/NOTES.md``, epilogue probe). All-reduce reduces its
+  own chunks round by round (:func:`gather_order`) and gathers them while the GEMM goes
+  on."""
 
 from __future__ import annotations
 

@@ -31,9 +31,11 @@ Strategies (``strategy=``):
 * ``ce_fused`` (GEMM+RS, GEMM+AR): as ``fused``, but a partial tile is stored locally
   and the copy engine ships each finished chunk to its owner (a one-program wait per
   chunk on the comm stream, then the copy, which raises the owner's flag); the owner's own
-  tiles, computed last, add the landed partials in their epilogue (all-reduce: and
-  broadcast the sums, as ``fused``). No NVLink stores from the GEMM's epilogue, no
-  reduction kernel. Eager calls alternate buffer sets, so they need no barrier.
+  tiles add the landed partials in their epilogue. No reduction kernel. Reduce-scatter:
+  own chunks last, no NVLink stores from the epilogue. All-reduce: in rounds, each own
+  chunk reduced a round after the peers computed it, its sums sent to every rank by the
+  epilogue (``gather="epilogue"``) or the copy engine (``gather="copy"``) while the GEMM
+  goes on. Eager calls alternate buffer sets, so they need no barrier.
 * ``ring`` (GEMM+RS): TileLink's in-kernel ring, as a kernel of ``comm_sms`` programs
   beside the GEMM: the GEMM stores partials owner by owner in ring order and counts each
   owner's finished tiles; the ring programs add what the left neighbour sent to this
