@@ -15,11 +15,11 @@ import os
 
 import torch
 import torch.distributed as dist
-from probe_eager import _timeline
+from probe_eager import traced_calls
 
 import interlace
 from interlace.bench.dense import MODELS, model_shape
-from interlace.bench.timing import _align, graph_of, median_ms
+from interlace.bench.timing import graph_of, median_ms
 from interlace.testing import World
 
 STRATEGIES = ("fused", "ce_fused")
@@ -57,19 +57,8 @@ def body(group, model, out_dir):
         g = graph_of(group, fn)
         res["ms"][name + "_graph"] = median_ms(group, g.replay)
         del g
-        marks = [f"{name}#{i}" for i in range(3)]
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as prof:
-            for mark in marks:
-                _align(group)
-                with torch.profiler.record_function(mark):
-                    fn()
-            torch.cuda.synchronize()
-        path = os.path.join(out_dir, f"trace_{name}_r{group.rank}.json")
-        prof.export_chrome_trace(path)
-        head, *events = _timeline(path, marks)[-1]
+        head, *events = traced_calls(group, name, fn, out_dir)[-1]
         res["timelines"][name] = [head] + [e for e in events if e.startswith("  gpu")]
-        os.remove(path)
     for ctx in contexts:
         ctx.check()
         ctx.close()

@@ -49,6 +49,25 @@ def _timeline(trace_path: str, marks: list[str]) -> list[list[str]]:
     return out
 
 
+def traced_calls(group, name, fn, out_dir, calls: int = 3) -> list[list[str]]:
+    """``fn`` called ``calls`` times as the benchmark calls it (ranks aligned, device idle)
+    under the torch profiler: per call, its timeline (``_timeline``)."""
+    marks = [f"{name}#{i}" for i in range(calls)]
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for mark in marks:
+            _align(group)
+            with torch.profiler.record_function(mark):
+                fn()
+        torch.cuda.synchronize()
+    path = os.path.join(out_dir, f"trace_{name}_r{group.rank}.json")
+    prof.export_chrome_trace(path)
+    try:
+        return _timeline(path, marks)
+    finally:
+        os.remove(path)
+
+
 def body(group, out_dir):
     w, dev = group.world_size, group.device
     m, h, inter = 8192, 4096, 14336  # LLaMA-3-8B, M 8192 (as ``llama3_8b_fused``)
@@ -100,19 +119,7 @@ def body(group, out_dir):
         if name.endswith("fused"):
             g = graph_of(group, fn)
             res["ms"][name + "_graph"] = median_ms(group, g.replay)
-        marks = [f"{name}#{i}" for i in range(3)]
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        ) as prof:
-            for mark in marks:
-                _align(group)
-                with torch.profiler.record_function(mark):
-                    fn()
-            torch.cuda.synchronize()
-        path = os.path.join(out_dir, f"trace_{name}_r{group.rank}.json")
-        prof.export_chrome_trace(path)
-        res["timelines"][name] = _timeline(path, marks)
-        os.remove(path)
+        res["timelines"][name] = traced_calls(group, name, fn, out_dir)
     res["hooks_after_profiler"] = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     for ctx in (ag, rs, ar):
         ctx.close()
