@@ -412,7 +412,7 @@ def _graph_body(group, op, strategy="fused", **options):
         ("rs", "ring"),
         ("ar", "fused"),
         ("ar", "ce_fused"),
-        ("ar", "ce_fused:gather=epilogue"),
+        ("ar", "ce_fused:gather=copy"),
         ("ar", "ce_scatter"),
     ],  # fmt: skip
 )
