@@ -270,10 +270,11 @@ class ScatterVariants:
         if self.BROADCAST:
             chunks = gather_order(chunks, r, w)
         own_number = {c.id: i + 1 for i, c in enumerate(x for x in chunks if x.owner == r)}
-        sends = {t.chunk_id: t for t in schedule.transfers(sched, r) if t.reduce}
-        gathers: dict[int, list] = {}
+        sends, gathers = {}, {}  # per chunk: its reduce-scatter copy; its gather copies
         for t in schedule.transfers(sched, r):
-            if not t.reduce:
+            if t.reduce:
+                sends[t.chunk_id] = t
+            else:
                 gathers.setdefault(t.chunk_id, []).append(t)
         segments, released = [], []
         for chunk in chunks:

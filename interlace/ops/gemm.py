@@ -401,7 +401,7 @@ class _ScatterGemm(AlternatingSets, ScatterVariants, _OverlappedGemm):
     pushed to their owner from the epilogue, the owner's tiles reduced in theirs."""
 
     STRATEGIES = ("auto", "fused", "signal_reorder", "none")
-    # Four ranks (4 x H200, session 6, two runs): at M = 2048 ``fused`` lost to cuBLAS +
+    # Four ranks (4 x H200, session 6, runs 2 and 4): at M = 2048 ``fused`` lost to cuBLAS +
     # NCCL on LLaMA-7B / 8B (estimated traffic 63 µs, GEMM 71 / 92 µs), eager and
     # captured, for both ops; on 70B (traffic 126 µs) it came within -5 / +8 % of it.
     MIN_OVERLAP_US = {"eager": 100.0, "graph": 100.0}
@@ -450,15 +450,17 @@ class _ScatterGemm(AlternatingSets, ScatterVariants, _OverlappedGemm):
     CE_FUSED_MIN_GEMM_US: float | None = None
     WORLD_CE_FUSED_MIN_GEMM_US: dict[int, float | None] = {}
 
-    def ce_fused_floor(self) -> float | None:
-        """The estimated GEMM time from which ``auto`` runs ``ce_fused`` (None: never)."""
-        return self.WORLD_CE_FUSED_MIN_GEMM_US.get(self.world_size, self.CE_FUSED_MIN_GEMM_US)
+    @classmethod
+    def ce_fused_floor(cls, world: int) -> float | None:
+        """The estimated GEMM time (µs) from which ``auto`` runs ``ce_fused`` with
+        ``world`` ranks (None: never)."""
+        return cls.WORLD_CE_FUSED_MIN_GEMM_US.get(world, cls.CE_FUSED_MIN_GEMM_US)
 
     def _auto_ce_fused(self) -> bool:
-        return self.strategy == "auto" and self.ce_fused_floor() is not None
+        return self.strategy == "auto" and self.ce_fused_floor(self.world_size) is not None
 
     def _overlapped(self, t_gemm_us: float) -> str:
-        if self._auto_ce_fused() and t_gemm_us >= self.ce_fused_floor():
+        if self._auto_ce_fused() and t_gemm_us >= self.ce_fused_floor(self.world_size):
             return "ce_fused"
         return "fused"
 
@@ -606,7 +608,7 @@ class GemmRS(_ScatterGemm):
     # 1.07 / 1.03 / 1.05 against ``fused`` 1.13 / 1.13 / 1.13 (7B, 8B, 70B); eager equal
     # (1.19 / 1.22 / 1.07 against 1.20 / 1.23 / 1.08). At M = 2048 it won only on 70B
     # (estimated GEMM ~740 µs; 7B / 8B ~140-190 µs, where its per-chunk launches cost).
-    # 4 x H200 (session 6, first run), M = 8192: ``ce_fused`` beat ``fused`` on 3 of 3
+    # 4 x H200 (session 6, run 2), M = 8192: ``ce_fused`` beat ``fused`` on 3 of 3
     # shapes captured (graph T / bound 1.33 / 1.28 / 1.06 against 1.79 / 1.35 / 1.19) and
     # 2 of 3 eager; at M = 2048 it lost on 7B / 8B (estimated GEMM 71 / 92 µs) and tied
     # on 70B (370 µs). The copy engine's lead grows with the world size: each rank sends
@@ -657,10 +659,10 @@ class GemmAR(_ScatterGemm):
     BROADCAST = True
     STRATEGIES = ("auto", "fused", "ce_fused", "ce_scatter", "signal_reorder", "none")
     # ``ce_fused``, 4 x H200, M = 8192, graph T / bound (7B / 8B / 70B):
-    # * gather="copy" (session 6, second run): split 2 1.55 / 1.60 / 1.30, split 4 1.93 /
+    # * gather="copy" (session 6, run 4): split 2 1.55 / 1.60 / 1.30, split 4 1.93 /
     #   1.93 / 1.22, split 8 2.52 / 2.60 / 1.30; each chunk's wait and copies cost the comm
     #   stream ~10 µs beyond the copy, and the gather doubles the copies;
-    # * gather="epilogue" (third run): split 2 1.30 / 1.42 / 1.20, split 4 1.54 / 1.66 /
+    # * gather="epilogue" (run 5): split 2 1.30 / 1.42 / 1.20, split 4 1.54 / 1.66 /
     #   1.27, against ``fused`` 1.51 / 1.54 / 1.26 and gather="copy" 1.54 / 1.80 / 1.26 in
     #   the same run; eager 1.37 / 1.51 / 1.24 against 1.63 / 1.65 / 1.28. At M = 2048 it
     #   beat ``fused`` on 70B only (estimated GEMM 370 µs; 7B / 8B fall back to ``none``).

@@ -232,7 +232,7 @@ def _auto_choice_body(group):
 def _big_pick(cls, w: int) -> str:
     """What ``auto`` overlaps LLaMA-7B at M 8192 with: ``ce_fused`` when the GEMM,
     estimated at 650 TFLOP/s, reaches the op's floor for this world size."""
-    floor = cls.WORLD_CE_FUSED_MIN_GEMM_US.get(w, cls.CE_FUSED_MIN_GEMM_US)
+    floor = cls.ce_fused_floor(w)
     gemm_us = 2.0 * 8192 * 4096 * (11008 // w) / 650e6
     return "ce_fused" if floor is not None and gemm_us >= floor else "fused"
 
@@ -259,11 +259,15 @@ def _auto_switch_body(group, calls):
     w, r = group.world_size, group.rank
     m_loc, n, k = _shapes(group)[0]
     gen = torch.Generator().manual_seed(17 + r)
-    ctx = interlace.GemmRS(group, max_m=w * m_loc, n=n, k=k, strategy="auto")
-    ctx.WORLD_MIN_OVERLAP_US = {w: {"eager": 0.0, "graph": 0.0}}  # overlap every size here
     small, big = w * max(1, m_loc // 3), w * m_loc
-    # between the two
-    ctx.WORLD_CE_FUSED_MIN_GEMM_US = {w: 2.0 * (small + big) / 2 * n * k / 650e6}
+    switching = type(
+        "SwitchingGemmRS", (interlace.GemmRS,),
+        {  # overlap every size here; ce_fused from a GEMM between the two sizes
+            "WORLD_MIN_OVERLAP_US": {w: {"eager": 0.0, "graph": 0.0}},
+            "WORLD_CE_FUSED_MIN_GEMM_US": {w: 2.0 * (small + big) / 2 * n * k / 650e6},
+        },
+    )  # fmt: skip
+    ctx = switching(group, max_m=w * m_loc, n=n, k=k, strategy="auto")
     ran = []
     try:
         for i in range(calls):
