@@ -89,7 +89,9 @@ def strategies_of(op: str, wanted=None) -> list[str]:
     kept = []
     for s in wanted:
         name, options = split_variant(s)
-        if name in have and ("gather" not in options or hasattr(cls, "GATHERS")):
+        if name in have and all(
+            hasattr(cls, attr) for key, attr in CLASS_OPTIONS.items() if key in options
+        ):
             kept.append(s)
     return kept
 
@@ -103,17 +105,29 @@ def split_variant(strategy: str) -> tuple[str, dict]:
         key, _, value = item.partition("=")
         if key in VARIANT_OPTIONS and value.isdigit():
             options[key] = int(value)
-        elif key == "gather" and value in ("copy", "epilogue"):
+        elif value in WORD_OPTIONS.get(key, ()):
             options[key] = value
         else:
+            words = " and ".join(f"{k}={'|'.join(v)}" for k, v in WORD_OPTIONS.items())
             raise ValueError(
-                f"strategy variant {strategy!r}: options are {VARIANT_OPTIONS}=<int> and "
-                "gather=copy|epilogue"
+                f"strategy variant {strategy!r}: options are {VARIANT_OPTIONS}=<int> and {words}"
             )
     return name, options
 
 
-VARIANT_OPTIONS = ("split", "comm_sms")
+VARIANT_OPTIONS = ("split", "comm_sms", "copy_lanes")
+#: context options that take a word, and their words
+WORD_OPTIONS = {
+    "gather": ("copy", "epilogue"),
+    "partials_from": ("fused", "plain"),
+    "copy_lanes": ("peers",),
+}
+#: options only some ops take: kept for an op whose class has the attribute
+CLASS_OPTIONS = {
+    "gather": "GATHERS",
+    "partials_from": "PARTIALS_FROM",
+    "copy_lanes": "PARTIALS_FROM",
+}
 
 
 # ----------------------------------------------------------------------------- records
