@@ -5,7 +5,8 @@ is printed with its start and duration in µs from the call's start, for ranks 0
 plus each call's median eager and graph-replay time. Shows whether a strategy loses in
 its GEMM (longer than cuBLAS), in its copies (bandwidth) or in a tail after the GEMM.
 
-    python scripts/probe_device_timeline.py [--world-size 4] [--model llama-7b]
+    python scripts/probe_device_timeline.py [--world-size 4] [--model llama-7b] \
+        [--strategies fused,ce_fused:partials_from=plain]
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ import torch.distributed as dist
 from probe_eager import traced_calls
 
 import interlace
-from interlace.bench.dense import MODELS, model_shape
+from interlace.bench.dense import MODELS, model_shape, split_variant
 from interlace.bench.timing import graph_of, median_ms
 from interlace.testing import World
 
 STRATEGIES = ("fused", "ce_fused")
 
 
-def body(group, model, out_dir):
+def body(group, model, out_dir, strategies=STRATEGIES):
     w, dev = group.world_size, group.device
     shape = model_shape("gemm_rs", model, 8192, w)
     m, n, k = shape.M, shape.N, shape.K
@@ -44,9 +45,10 @@ def body(group, model, out_dir):
         dist.all_reduce(c)
 
     calls, contexts = {"rs_none": rs_none, "ar_none": ar_none}, []
-    for s in STRATEGIES:
-        rs = interlace.GemmRS(group, m, n, k, strategy=s)
-        ar = interlace.GemmAR(group, m, n, k, strategy=s)
+    for s in strategies:
+        name, options = split_variant(s)
+        rs = interlace.GemmRS(group, m, n, k, strategy=name, **options)
+        ar = interlace.GemmAR(group, m, n, k, strategy=name, **options)
         contexts += [rs, ar]
         calls[f"rs_{s}"] = lambda rs=rs: rs(a, b, out=rs_out)
         calls[f"ar_{s}"] = lambda ar=ar: ar(a, b, out=c)
@@ -70,10 +72,11 @@ def main():
     p.add_argument("--world-size", type=int, default=torch.cuda.device_count())
     p.add_argument("--model", default="llama-7b", choices=list(MODELS))
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help="variants as in bench")
     args = p.parse_args()
     world = World(args.world_size, "cuda", timeout=500)
     try:
-        results = world.run(body, args.model, args.out)
+        results = world.run(body, args.model, args.out, args.strategies.split(","))
     finally:
         world.close()
     print("median ms, rank 0:", {k: round(v, 3) for k, v in results[0]["ms"].items()})
