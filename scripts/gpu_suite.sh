@@ -3,7 +3,7 @@
 # Full logs and JSON go under $OUT (default ./gpu-out); the short tables are printed last.
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu_suite.sh [bench args]
 # Environment: SUITE=collectives|dense|p2p_ring|signal_reorder|all|none (default all: every one; none: tests only),
-# TESTS=0 skips the GPU tests,
+# TESTS=0 skips the GPU tests, TEST_PATHS / TEST_K pick some of them (pytest paths, -k),
 # TEST_TIMEOUT / BENCH_TIMEOUT / P2P_TIMEOUT / SR_TIMEOUT in seconds (P2P_TIMEOUT=0 skips p2p_ring), PROBE=1 adds the host-overhead probe,
 # STRATEGIES: the dense strategies (default: all but signal_reorder, which has its own run),
 # SAVE_CACHE=1 packs Triton's cache (.triton_cache/, kept on a warm machine) into $OUT so a
@@ -24,7 +24,9 @@ if [ "$SUITE" = collectives ]; then BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}; else BE
     > "$OUT/machine.txt" 2>&1
 
 if [ "${TESTS:-1}" != 0 ]; then
-    timeout -k 10 "$TEST_TIMEOUT" python3 -m pytest -m gpu tests -q -rfEs -p no:cacheprovider --continue-on-collection-errors \
+    # shellcheck disable=SC2086 # TEST_PATHS: several paths
+    timeout -k 10 "$TEST_TIMEOUT" python3 -m pytest -m gpu ${TEST_PATHS:-tests} -k "${TEST_K:-}" -q -rfEs \
+        -p no:cacheprovider --continue-on-collection-errors \
         --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
     test_rc=$?
 else
