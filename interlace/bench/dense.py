@@ -367,6 +367,8 @@ def _shape_records(group, shape, strategies, dtype_name, iters, warmup, graph, t
     cls = op_class(op)
     records = []
     for strategy in strategies:
+        if timed and group.rank == 0:  # where a run that times out stopped
+            print(f"{op} {shape.model} M={shape.M}: {strategy}", flush=True)
         t = t_graph = err = last = None
         notes = [torch_note] if torch_note else []
         try:

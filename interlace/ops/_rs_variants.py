@@ -23,7 +23,15 @@ from .. import schedule
 from ..kernels.collective import reduce_arrivals_kernel
 from ..kernels.ring import MAX_PROGRAMS, ring_reduce_scatter_kernel
 from ..language.primitives import wait_kernel
-from ..runtime import copy_and_signal, fork, join, stream_write_value32, use_stream
+from ..runtime import (
+    copy_and_signal,
+    fork,
+    fork_from_mark,
+    fork_mark,
+    join,
+    stream_write_value32,
+    use_stream,
+)
 from . import _gemm
 from ._context import GRAPH_SET, cdiv, persistent_grid
 from ._gemm import MAX_SPLIT, Segment, tiles_of
@@ -414,9 +422,10 @@ class ScatterVariants:
         tiles and its copies. All-reduce: ``c`` is the whole symmetric result, this rank's
         rows of which the GEMM reduces; the caller's stream then waits for every peer's
         rows. Eager calls alternate buffer sets (``AlternatingSets``: no barrier); a
-        captured call's comm stream runs a device barrier before its first copy. (On the
-        interpreter, which runs a launch to completion, the GEMM is cut into steps with
-        the copies they release shipped in between.)"""
+        captured call's comm stream runs a device barrier before its first copy. On a GPU
+        every GEMM launch is enqueued before the copies (they wait on device counters).
+        (On the interpreter, which runs a launch to completion, the GEMM is cut into steps
+        with the copies they release shipped in between.)"""
         m, n = a.shape[0], b.shape[1]
         s = self._buffer_set()
         plan = self._cef_plan(m, n, s)
@@ -426,20 +435,32 @@ class ScatterVariants:
         staged = self.partials[: m * n].view(m, n)  # a plain step's output
         outs = [staged if plain else c for plain in plan.plain]
         runs = self._cef_launchers(plan, a, b, outs, bias)
-        lanes = [fork(self.group)]
-        for i, (run, out, (_, _, copies)) in enumerate(zip(runs, outs, plan.steps)):
+        fork_mark(self.group)  # the copies' streams start from the call's inputs
+        lanes = None
+        for run, out, (_, _, copies) in zip(runs, outs, plan.steps):
             run(a, b, out, bias)
-            if i == 0:
-                with use_stream(lanes[0]):
-                    if s == GRAPH_SET:
-                        self._barrier()
-                    # the other lanes start from here (after the barrier)
-                    lanes += [fork(self.group, j) for j in range(1, self.copy_lanes)]
-            self._ship(copies, lanes)
+            if self.group.backend != "cuda":  # the interpreter: a launch, then its copies
+                lanes = lanes or self._open_lanes(s)
+                self._ship(copies, lanes)
+        if lanes is None:  # a GPU: every launch first (a host busy with copies would
+            lanes = self._open_lanes(s)  # start a later step late), then the copies
+            for _, _, copies in plan.steps:
+                self._ship(copies, lanes)
         if plan.final is not None:
             plan.final()
         for j, lane in enumerate(lanes):
             join(self.group, lane, j)
+
+    def _open_lanes(self, s: int) -> list:
+        """The comm streams of a ``ce_fused`` call's copies (``copy_lanes``), each made to
+        wait for the call's fork mark; a captured call (set ``s`` is ``GRAPH_SET``) runs
+        the device barrier on the first before any lane starts."""
+        lanes = [fork_from_mark(self.group)]
+        with use_stream(lanes[0]):
+            if s == GRAPH_SET:
+                self._barrier()
+            lanes += [fork(self.group, j) for j in range(1, self.copy_lanes)]
+        return lanes
 
     # ------------------------------------------------------------------ ring
     def _ring_programs(self) -> int:
