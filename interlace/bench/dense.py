@@ -115,19 +115,11 @@ def split_variant(strategy: str) -> tuple[str, dict]:
     return name, options
 
 
-VARIANT_OPTIONS = ("split", "comm_sms", "copy_lanes")
+VARIANT_OPTIONS = ("split", "comm_sms")
 #: context options that take a word, and their words
-WORD_OPTIONS = {
-    "gather": ("copy", "epilogue"),
-    "partials_from": ("fused", "plain"),
-    "copy_lanes": ("peers",),
-}
+WORD_OPTIONS = {"gather": ("copy", "epilogue")}
 #: options only some ops take: kept for an op whose class has the attribute
-CLASS_OPTIONS = {
-    "gather": "GATHERS",
-    "partials_from": "PARTIALS_FROM",
-    "copy_lanes": "PARTIALS_FROM",
-}
+CLASS_OPTIONS = {"gather": "GATHERS"}
 
 
 # ----------------------------------------------------------------------------- records

@@ -23,15 +23,7 @@ from .. import schedule
 from ..kernels.collective import reduce_arrivals_kernel
 from ..kernels.ring import MAX_PROGRAMS, ring_reduce_scatter_kernel
 from ..language.primitives import wait_kernel
-from ..runtime import (
-    copy_and_signal,
-    fork,
-    fork_from_mark,
-    fork_mark,
-    join,
-    stream_write_value32,
-    use_stream,
-)
+from ..runtime import copy_and_signal, fork, join, stream_write_value32, use_stream
 from . import _gemm
 from ._context import GRAPH_SET, cdiv, persistent_grid
 from ._gemm import MAX_SPLIT, Segment, tiles_of
@@ -56,22 +48,18 @@ class ChunkCopy(NamedTuple):
     wait: PreparedLaunch | None  # waits until local counter ``done`` reaches ``tiles``
     done: int
     tiles: int
-    lane: int = 0  # the comm stream (of the call's copy lanes) that ships it
 
 
 class CeFusedPlan(NamedTuple):
     """A ``ce_fused`` call's plan for one shape and buffer set: the GEMM's segment tables
-    and grid; its steps ``(first segment, end segment, copies released)`` (one on a GPU
-    unless ``partials="plain"``, which cuts where the segment kind changes; on the
-    interpreter also cut where a reduction must wait for copies) and which of them are
-    plain GEMM launches; the all-reduce's final wait (or None); the buffer set; the
-    prepared launches per bias / no bias."""
+    and grid; its steps ``(first segment, end segment, copies released)`` (one on a GPU;
+    on the interpreter cut where a reduction must wait for copies); the all-reduce's
+    final wait (or None); the buffer set; the prepared launches per bias / no bias."""
 
     cfg: _gemm.GemmConfig
     tables: list  # per step
     grid: int
     steps: list
-    plain: list  # per step: the plain GEMM stores its partial tiles (no push epilogue)
     final: PreparedLaunch | None
     broadcast: bool  # the epilogue stores reduced tiles into every rank (gather="epilogue")
     set: int
@@ -100,16 +88,14 @@ def gather_order(chunks, rank: int, world: int) -> list:
     return order + [own[-1]]
 
 
-def _steps(segments, released, cut: bool, by_kind: bool = False) -> list:
+def _steps(segments, released, cut: bool) -> list:
     """The GEMM's launches as ``(first segment, end segment, copies)``: one, with every
     copy (``released[i]``: the copies segment ``i``'s tiles release, in segment order);
-    ``cut`` (the interpreter, which runs a launch to completion): a launch ends before each
-    reduce segment that follows a push segment, each with its own copies; ``by_kind``: a
-    launch ends wherever the segment kind changes."""
+    or, ``cut`` (the interpreter, which runs a launch to completion), a launch ending
+    before each reduce segment that follows a push segment, each with its own copies."""
     ends = [
         i for i in range(1, len(segments))
-        if (by_kind and segments[i].kind != segments[i - 1].kind)
-        or (cut and segments[i].kind == "reduce" and segments[i - 1].kind == "push")
+        if cut and segments[i].kind == "reduce" and segments[i - 1].kind == "push"
     ] + [len(segments)]  # fmt: skip
     steps, lo = [], 0
     for hi in ends:
@@ -309,7 +295,6 @@ class ScatterVariants:
                     self._copy(
                         dst.view(hi - lo, n), self._rows(self.partials, t.lo, t.hi, n), o,
                         arrival + cid * (w - 1) + (r - o - 1) % w, done + cid, tiles,
-                        lane=((o - r) % w - 1) % self.copy_lanes,
                     )
                 ])  # fmt: skip
                 continue
@@ -334,16 +319,14 @@ class ScatterVariants:
             _gemm.total_tiles(segments, n, cfg), dev, self.group.backend,
             comm_sms=1,  # the comm stream's wait kernels run beside the GEMM
         )  # fmt: skip
-        plain = self.partials_from == "plain"
-        steps = _steps(segments, released, cut=self.group.backend != "cuda", by_kind=plain)
-        plain_steps = [plain and segments[lo].kind == "push" for lo, _, _ in steps]
+        steps = _steps(segments, released, cut=self.group.backend != "cuda")
         tables = [_gemm.segment_table(segments, n, cfg, dev)] * len(steps)
         if bcast and len(steps) > 1:
             # The interpreter: the kernel's final waits (its last program, for every
             # segment up to the launch's last) can only be met in the last step.
             quiet = [replace(seg, final_expected=0) for seg in segments]
             tables[:-1] = [_gemm.segment_table(quiet, n, cfg, dev)] * (len(steps) - 1)
-        plan = CeFusedPlan(cfg, tables, grid, steps, plain_steps, final, bcast, s, {})
+        plan = CeFusedPlan(cfg, tables, grid, steps, final, bcast, s, {})
         return self._keep_plan(key, plan)
 
     def _gathered_wait(self, chunks: int) -> PreparedLaunch:
@@ -356,19 +339,15 @@ class ScatterVariants:
         )  # fmt: skip
         return PreparedLaunch(wait_kernel, 1, args, {"RESET": True}, ())
 
-    def _cef_launchers(self, plan: CeFusedPlan, a, b, outs, bias) -> list:
-        """The plan's GEMM launches, one per step (one on a GPU unless the partials come
-        from plain launches), prepared once per bias / no bias; the last clears the set's
-        slots. On a GPU each is compiled here for its operands (``outs``: per step, its
-        ``c``), and every wait of the plan runs once, on counters raised for it: the first
-        launch of a kernel blocks the host while a kernel spins on the device
-        (benchmarks/NOTES.md), and this GEMM spins in its own segments; a later step's
-        first compile would fall between kernels that wait on each other."""
-        has_bias = bias is not None
+    def _cef_launchers(self, plan: CeFusedPlan, m: int, n: int, has_bias: bool) -> list:
+        """The plan's GEMM launches, one per step (one on a GPU), prepared once per bias /
+        no bias; the last clears the set's slots. On a GPU every wait of the plan runs once
+        here, on counters raised for it: the first launch of a kernel blocks the host
+        while a kernel spins on the device (benchmarks/NOTES.md), and this GEMM spins in
+        its own segments."""
         runs = plan.launchers.get(has_bias)
         if runs is not None:
             return runs
-        m, n = a.shape[0], b.shape[1]
         first, count = self._cef_set_slots(plan.set)
         fixed = dict(
             dtype=self.dtype, device=self.group.device, has_bias=has_bias,
@@ -378,29 +357,14 @@ class ScatterVariants:
             sig=self.pad.buffer.local, err=self.error.address, rank=self.rank,
             max_spins=self.max_spins, world=self.world_size, go_slot=first + count - 2,
         )  # fmt: skip
-        # A plain step: the store epilogue of the plain GEMM writes the partial tiles into
-        # ``stage`` (its ``c``) and counts them (``notify_stores``), with the tile config
-        # of plain stores (the same tiles, more pipeline stages).
-        plain = dict(
-            dtype=self.dtype, device=self.group.device, has_bias=has_bias, notify_stores=True,
-            sig=self.pad.buffer.local, err=self.error.address, rank=self.rank,
-            max_spins=self.max_spins, world=self.world_size, go_slot=first + count - 2,
-        )  # fmt: skip
-        store_cfg = self._store_cfg(m, n, self.k)
         last = len(plan.steps) - 1
         runs = [
             _gemm.launcher(
-                m, n, self.k, store_cfg if is_plain else plan.cfg, plan.grid, table, hi,
-                seg_first=lo, clear=(first, count) if i == last else None,
-                **(plain if is_plain else fixed),
+                m, n, self.k, plan.cfg, plan.grid, table, hi, seg_first=lo,
+                clear=(first, count) if i == last else None, **fixed,
             )
-            for i, ((lo, hi, _), table, is_plain) in enumerate(
-                zip(plan.steps, plan.tables, plan.plain)
-            )
+            for i, ((lo, hi, _), table) in enumerate(zip(plan.steps, plan.tables))
         ]  # fmt: skip
-        if self.group.backend == "cuda":
-            for run, c in zip(runs, outs):
-                run.compile(a, b, c, bias)
         if self.group.backend == "cuda" and not self._capturing():
             signals = self.pad.buffer.local.view(torch.uint32)
             for copy in plan.steps[0][2]:
@@ -422,45 +386,26 @@ class ScatterVariants:
         tiles and its copies. All-reduce: ``c`` is the whole symmetric result, this rank's
         rows of which the GEMM reduces; the caller's stream then waits for every peer's
         rows. Eager calls alternate buffer sets (``AlternatingSets``: no barrier); a
-        captured call's comm stream runs a device barrier before its first copy. On a GPU
-        every GEMM launch is enqueued before the copies (they wait on device counters).
-        (On the interpreter, which runs a launch to completion, the GEMM is cut into steps
-        with the copies they release shipped in between.)"""
+        captured call's comm stream runs a device barrier before its first copy. (On the
+        interpreter, which runs a launch to completion, the GEMM is cut into steps with
+        the copies they release shipped in between.)"""
         m, n = a.shape[0], b.shape[1]
         s = self._buffer_set()
         plan = self._cef_plan(m, n, s)
+        runs = self._cef_launchers(plan, m, n, bias is not None)
         if plan.final is not None:  # gather="copy": the GEMM writes this rank's rows
             m_loc = m // self.world_size
             c = c[self.rank * m_loc : (self.rank + 1) * m_loc]
-        staged = self.partials[: m * n].view(m, n)  # a plain step's output
-        outs = [staged if plain else c for plain in plan.plain]
-        runs = self._cef_launchers(plan, a, b, outs, bias)
-        fork_mark(self.group)  # the copies' streams start from the call's inputs
-        lanes = None
-        for run, out, (_, _, copies) in zip(runs, outs, plan.steps):
-            run(a, b, out, bias)
-            if self.group.backend != "cuda":  # the interpreter: a launch, then its copies
-                lanes = lanes or self._open_lanes(s)
-                self._ship(copies, lanes)
-        if lanes is None:  # a GPU: every launch first (a host busy with copies would
-            lanes = self._open_lanes(s)  # start a later step late), then the copies
-            for _, _, copies in plan.steps:
-                self._ship(copies, lanes)
+        stream = fork(self.group)
+        for i, (run, (_, _, copies)) in enumerate(zip(runs, plan.steps)):
+            run(a, b, c, bias)
+            with use_stream(stream):
+                if i == 0 and s == GRAPH_SET:
+                    self._barrier()
+                self._ship(copies)
         if plan.final is not None:
             plan.final()
-        for j, lane in enumerate(lanes):
-            join(self.group, lane, j)
-
-    def _open_lanes(self, s: int) -> list:
-        """The comm streams of a ``ce_fused`` call's copies (``copy_lanes``), each made to
-        wait for the call's fork mark; a captured call (set ``s`` is ``GRAPH_SET``) runs
-        the device barrier on the first before any lane starts."""
-        lanes = [fork_from_mark(self.group)]
-        with use_stream(lanes[0]):
-            if s == GRAPH_SET:
-                self._barrier()
-            lanes += [fork(self.group, j) for j in range(1, self.copy_lanes)]
-        return lanes
+        join(self.group, stream)
 
     # ------------------------------------------------------------------ ring
     def _ring_programs(self) -> int:
@@ -544,14 +489,14 @@ class ScatterVariants:
         """Rows ``lo:hi`` of the ``[*, n]`` matrix stored flat at the start of ``buf``."""
         return buf.view(-1)[lo * n : hi * n].view(hi - lo, n)
 
-    def _copy(self, dst, src, owner, slot, done, tiles, value=1, wait=True, lane=0) -> ChunkCopy:
+    def _copy(self, dst, src, owner, slot, done, tiles, value=1, wait=True) -> ChunkCopy:
         """One chunk shipment: ``src`` into ``dst`` on ``owner``, raising its ``slot`` to
-        ``value``, once (``wait``; else after the copy before it on its ``lane``) local
-        counter ``done`` reaches ``tiles``. Views and launches are made once per plan (each
-        costs microseconds of every eager call)."""
+        ``value``, once (``wait``; else after the copy before it) local counter ``done``
+        reaches ``tiles``. Views and launches are made once per plan (each costs
+        microseconds of every eager call)."""
         return ChunkCopy(
             dst, src, self.pad.buffer.peers[owner].view(torch.uint32), slot, value,
-            self._chunk_wait(done, tiles) if wait else None, done, tiles, lane,
+            self._chunk_wait(done, tiles) if wait else None, done, tiles,
         )  # fmt: skip
 
     def _chunk_wait(self, done: int, tiles: int) -> PreparedLaunch:
@@ -568,11 +513,10 @@ class ScatterVariants:
         return run
 
     @staticmethod
-    def _ship(copies, lanes=None) -> None:
+    def _ship(copies) -> None:
         """Per chunk: wait until the GEMM has finished its tiles, then copy it to its owner
-        and raise the owner's flag; on the current stream, or on ``lanes[copy.lane]``."""
+        and raise the owner's flag."""
         for c in copies:
-            with use_stream(lanes[c.lane] if lanes else None):
-                if c.wait is not None:
-                    c.wait()
-                copy_and_signal(c.dst, c.src, c.signal, c.slot, c.value)
+            if c.wait is not None:
+                c.wait()
+            copy_and_signal(c.dst, c.src, c.signal, c.slot, c.value)

@@ -413,36 +413,13 @@ class _ScatterGemm(AlternatingSets, ScatterVariants, _OverlappedGemm):
     # does not wait on a peer's last tile.
     default_split = 2
 
-    #: where ``ce_fused`` computes the partial tiles it ships to other ranks: ``"fused"``
-    #: (its one kernel, whose push epilogue stores them locally) or ``"plain"`` (launches
-    #: of the plain GEMM and its store epilogue; the reducing kernel then runs only this
-    #: rank's own tiles, at the cost of a wave tail where the launches meet)
-    PARTIALS_FROM = ("fused", "plain")
-
-    def __init__(
-        self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto",
-        partials_from="fused", copy_lanes=1, **kw,
-    ):  # fmt: skip
-        if partials_from not in self.PARTIALS_FROM:
-            raise InterlaceValueError(
-                f"{self.op_name}: partials_from must be one of {self.PARTIALS_FROM}, got "
-                f"{partials_from!r}"
-            )
+    def __init__(self, group, max_m, n, k, dtype=torch.bfloat16, strategy="auto", **kw):
         super().__init__(group, max_m, n, k, dtype, strategy, **kw)
         w = self.world_size
         if self.max_m % w:
             raise InterlaceValueError(
                 f"{self.op_name}: max_m = {self.max_m} must be a multiple of the world size {w}"
             )
-        lanes = max(1, w - 1) if copy_lanes == "peers" else copy_lanes
-        if type(lanes) is not int or not 1 <= lanes <= max(1, w - 1):
-            raise InterlaceValueError(
-                f"{self.op_name}: copy_lanes must be 'peers' or in 1..{max(1, w - 1)} (one "
-                f"comm stream per peer at most), got {copy_lanes!r}"
-            )
-        #: ``ce_fused``: the comm streams its copies are spread over, by destination peer
-        self.copy_lanes = lanes
-        self.partials_from = partials_from
         self._signal_reorder = None
         self._chunk_waits: dict = {}  # (counter slot, tiles) -> prepared wait (ce_*)
         if strategy == "signal_reorder":

@@ -224,11 +224,3 @@ def test_strategy_variants_for_the_ablation():
     both = ["ce_fused:gather=epilogue", "ce_fused:split=2"]
     assert strategies_of("gemm_ar", both) == both
     assert strategies_of("gemm_rs", both) == ["ce_fused:split=2"]
-    # where ce_fused computes the partials and how many comm streams ship them: RS and AR
-    plain = "ce_fused:partials_from=plain+copy_lanes=peers"
-    assert split_variant(plain) == ("ce_fused", {"partials_from": "plain", "copy_lanes": "peers"})
-    assert split_variant("ce_fused:copy_lanes=2") == ("ce_fused", {"copy_lanes": 2})
-    with pytest.raises(ValueError, match="options are"):
-        split_variant("ce_fused:partials_from=peer")
-    assert strategies_of("gemm_rs", [plain]) == strategies_of("gemm_ar", [plain]) == [plain]
-    assert strategies_of("ag_gemm", ["fused:copy_lanes=2"]) == []

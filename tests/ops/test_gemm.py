@@ -186,40 +186,6 @@ def test_ar_ce_fused_gathers_between_rounds(world, gather):
     world.run(_scatter_body, "ar", "ce_fused", "bf16", 3, None, gather=gather)
 
 
-@pytest.mark.parametrize(
-    "op, options",
-    [
-        ("rs", {}),
-        ("ar", {}),
-        ("ar", {"gather": "copy"}),
-        ("rs", {"copy_lanes": 1}),
-    ],
-)  # fmt: skip
-def test_ce_fused_plain_partials_on_copy_lanes(world, op, options):
-    """``ce_fused`` with the peers' partial tiles from launches of the plain GEMM (the
-    reducing kernel runs only the own tiles; with four chunks per owner GEMM+AR alternates
-    between the two, once per round) and its copies spread over one comm stream per peer
-    (or one), ragged rows, bias and ``out=``."""
-    kw = {"partials_from": "plain", "copy_lanes": "peers", **options}
-    world.run(_scatter_body, op, "ce_fused", "bf16", 3, None, **kw)
-    world.run(_scatter_body, op, "ce_fused", "bf16", 2, 4, [(120, 40, 24)], **kw)
-
-
-def test_ce_fused_plain_steps_alternate_with_the_rounds():
-    from interlace.ops._gemm import Segment
-    from interlace.ops._rs_variants import _steps
-
-    kinds = ["push"] * 6 + ["reduce", "push", "push", "reduce", "reduce"]
-    segs = [Segment(row0=i, rows=1, kind=k) for i, k in enumerate(kinds)]
-    released = [[i] for i in range(len(segs))]
-    by_kind = _steps(segs, released, cut=False, by_kind=True)
-    assert [(lo, hi) for lo, hi, _ in by_kind] == [(0, 6), (6, 7), (7, 9), (9, 11)]
-    assert [c for _, _, cs in by_kind for c in cs] == list(range(len(segs)))
-    assert [(lo, hi) for lo, hi, _ in _steps(segs, released, cut=False)] == [(0, 11)]
-    # the interpreter's cut alone: before a reduce that follows a push
-    assert [(lo, hi) for lo, hi, _ in _steps(segs, released, cut=True)] == [(0, 6), (6, 9), (9, 11)]
-
-
 def test_gather_order_reduces_each_own_chunk_one_round_late():
     from interlace.ops._rs_variants import gather_order
 
@@ -355,10 +321,6 @@ def _bad_inputs_body(group):
             lambda: interlace.GemmAR(group, max_m=4 * w, n=16, k=8, split=99),
             lambda: interlace.GemmAR(group, max_m=4 * w, n=16, k=8, dtype=torch.float32),
             lambda: interlace.GemmAR(group, max_m=4 * w, n=16, k=8, gather="nccl"),
-            lambda: interlace.GemmRS(group, max_m=4 * w, n=16, k=8, partials_from="peer"),
-            lambda: interlace.GemmRS(group, max_m=4 * w, n=16, k=8, copy_lanes=w),
-            lambda: interlace.GemmAR(group, max_m=4 * w, n=16, k=8, copy_lanes=0),
-            lambda: interlace.GemmAR(group, max_m=4 * w, n=16, k=8, copy_lanes="all"),
         ):
             with pytest.raises(InterlaceValueError):
                 bad()
@@ -455,8 +417,6 @@ def _graph_body(group, op, strategy="fused", **options):
         ("ar", "fused"),
         ("ar", "ce_fused"),
         ("ar", "ce_fused:gather=copy"),
-        ("rs", "ce_fused:partials_from=plain+copy_lanes=peers"),
-        ("ar", "ce_fused:partials_from=plain+copy_lanes=peers"),
         ("ar", "ce_scatter"),
     ],  # fmt: skip
 )
