@@ -207,8 +207,7 @@ def _predictor_record(ctx, mdl, model, m, n, k, dtype_name, a, b, limit, iters, 
     """Predicted against measured time over up to ``limit`` partitions (all of them when
     there are fewer; else the predictor's favourites and a spread of the rest)."""
     cands = tune.exhaustive_candidates(mdl, limit)
-    rows = tune.grade(ctx, m, cands, model=mdl, a=a, b=b, iters=max(5, iters // 2),
-                      warmup=2)  # fmt: skip
+    rows = tune.grade(ctx, m, cands, model=mdl, a=a, b=b, iters=iters, warmup=2)
     best = min(rows, key=lambda r: r["measured_ms"])
     chosen = rows[0]  # candidates come best predicted first
     return {
@@ -217,6 +216,7 @@ def _predictor_record(ctx, mdl, model, m, n, k, dtype_name, a, b, limit, iters, 
         "programs": mdl.layout.programs, "wave_ms": _r(mdl.wave_ms), "post_ms": _r(mdl.post_ms),
         "gemm_ms": _r(mdl.gemm_ms), "host0_ms": _r(mdl.host0_ms), "host_ms": _r(mdl.host_ms),
         "curve": mdl.curve.to_dict(),
+        "free_curve": mdl.free_curve.to_dict() if mdl.free_curve is not None else None,
         "partitions": [
             {"partition": r["partition"], "predicted_ms": _r(r["predicted_ms"]),
              "measured_ms": _r(r["measured_ms"])} for r in rows

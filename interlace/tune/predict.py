@@ -7,8 +7,16 @@ wave ``wave_ms`` and a measured curve ``comm(bytes)`` of the collective::
     t_p = t_m = 0
     for each group G_i:  t_p += wave_ms * |G_i|;  t_m = max(t_p, t_m) + comm(size_i)
 
-and the call ends at ``t_m`` plus the post-comm reorder (``post_ms``). A single group is the
-sequential path (cuBLAS, then the collective), predicted from its own measured GEMM time.
+and the call ends at ``t_m`` plus the post-comm reorder (``post_ms``). A collective runs
+slower while the GEMM holds its SMs and memory bandwidth than after it ends, so on a GPU
+there are two curves: ``comm`` measured with the GEMM running through the whole collective,
+``free`` with the collective alone; a collective that starts at ``t`` before the GEMM ends
+at ``t_end`` runs at the loaded pace until ``t_end`` and at the free pace after
+(:func:`comm_time`). (With one curve, measured while a single GEMM ran, the large sizes
+were mostly measured after that GEMM had ended: on 4 x H200 the predictor then read
+15-32 % off, most on partitions whose large groups overlap the GEMM.) A single group is
+the sequential path (cuBLAS, then the collective alone), predicted from its own measured
+GEMM time.
 Eager calls also wait for the host: the GEMM starts once it is launched (``host0_ms`` after
 the call begins, so ``t_p`` starts there) and group ``i``'s collective no earlier than its
 enqueue, ``host0_ms + (i + 1) * host_ms``; both are measured on a GPU (zero otherwise, which
@@ -22,12 +30,13 @@ and the host terms are fixed and the rest only grows with ``t_m``, so the prefix
 smallest ``t_m`` dominates.
 
 Measurements (``measure_model``): the collective's time over sizes (per machine, collective,
-world size and dtype; measured while the signalling GEMM runs beside it, on a GPU, so the
-curve sees the SMs and memory bandwidth the overlap really leaves it), the signalling GEMM
-alone (its wave time), the reorder kernel and cuBLAS. ``best_partition`` predicts (or, with
-``mode="exhaustive"``, measures the candidates) and caches the choice per shape, dtype,
-world size and device (``tune.cache``); rank 0 decides and broadcasts, so every rank runs
-the same partition. ``grade`` measures partitions against their predictions.
+world size and dtype), alone and, on a GPU, while signalling GEMMs run beside it for the
+whole collective (so the curve sees the SMs and memory bandwidth the overlap leaves it),
+the signalling GEMM alone (its wave time), the reorder kernel and cuBLAS.
+``best_partition`` predicts (or, with ``mode="exhaustive"``, measures the candidates) and
+caches the choice per shape, dtype, world size and device (``tune.cache``); rank 0 decides
+and broadcasts, so every rank runs the same partition. ``grade`` measures partitions
+against their predictions.
 """
 
 from __future__ import annotations
@@ -59,10 +68,14 @@ CURVE_MIN_BYTES = 1 << 16
 class CommCurve:
     """Time of a collective against the bytes each rank hands it (increasing sizes),
     interpolated linearly; below the first point the first time (latency), above the last
-    the last segment's slope (bandwidth)."""
+    the last segment's slope (bandwidth). ``follow_ms``: how much less a collective costs
+    when another one ran before it in the same call (measured back to back at the
+    smallest size: the first pays for the ranks arriving at different times, and for
+    latency the next ones overlap)."""
 
     sizes: list[int]
     times_ms: list[float]
+    follow_ms: float = 0.0
 
     def __post_init__(self):
         if not self.sizes or len(self.sizes) != len(self.times_ms):
@@ -83,17 +96,49 @@ class CommCurve:
 
     @classmethod
     def from_dict(cls, d: dict) -> CommCurve:
-        return cls([int(x) for x in d["sizes"]], [float(x) for x in d["times_ms"]])
+        return cls(
+            [int(x) for x in d["sizes"]], [float(x) for x in d["times_ms"]],
+            float(d.get("follow_ms", 0.0)),
+        )  # fmt: skip
 
 
-def predict(waves, group_bytes, wave_ms: float, comm_ms, host0_ms=0.0, host_ms=0.0) -> float:
+def comm_time(nbytes: int, start: float, gemm_end: float, comm_ms, free_ms=None) -> float:
+    """Time of a collective of ``nbytes`` that starts at ``start``: at the loaded pace
+    (``comm_ms(bytes) -> ms``) while the GEMM runs, until ``gemm_end``, and at the free pace
+    (``free_ms``; None: the loaded one throughout) for the share left after it. Its end,
+    ``start + comm_time(...)``, never moves earlier when ``start`` moves later (the search
+    relies on it)."""
+    loaded = comm_ms(nbytes)
+    if free_ms is None or start + loaded <= gemm_end:
+        return loaded
+    if start >= gemm_end:
+        return free_ms(nbytes)
+    overlapped = gemm_end - start
+    return overlapped + (1.0 - overlapped / loaded) * free_ms(nbytes)
+
+
+def followed(cost: float, follow_ms: float) -> float:
+    """A collective's time when another one ran before it in the call: ``follow_ms`` less,
+    and never below a quarter of ``cost`` (so that a later start still never ends
+    earlier)."""
+    return max(cost - follow_ms, 0.25 * cost)
+
+
+def predict(
+    waves, group_bytes, wave_ms: float, comm_ms, host0_ms=0.0, host_ms=0.0, free_ms=None,
+    follow_ms=0.0,
+) -> float:  # fmt: skip
     """End of the last collective for groups of ``waves[i]`` waves handing
-    ``group_bytes[i]`` bytes to the collective (``comm_ms(bytes) -> ms``); the host terms
-    as in the module docstring."""
+    ``group_bytes[i]`` bytes to the collective (paced by :func:`comm_time`, each after the
+    first ``follow_ms`` less, :func:`followed`); the host terms as in the module
+    docstring."""
     t_p, t_m = host0_ms, 0.0
+    gemm_end = host0_ms + wave_ms * sum(waves)
     for i, (w, size) in enumerate(zip(waves, group_bytes)):
         t_p += wave_ms * w
-        t_m = max(t_p, t_m, host0_ms + (i + 1) * host_ms) + comm_ms(size)
+        start = max(t_p, t_m, host0_ms + (i + 1) * host_ms)
+        cost = comm_time(size, start, gemm_end, comm_ms, free_ms)
+        t_m = start + (followed(cost, follow_ms) if i else cost)
     return t_m
 
 
@@ -123,16 +168,21 @@ def enumerate_partitions(n_waves: int, max_first: int = MAX_FIRST, max_last: int
 @dataclass
 class Model:
     """What the predictor knows about one shape: its layout, the GEMM's time per wave, the
-    collective's curve, the reorder kernel's time and the sequential path's GEMM time."""
+    collective's curves (beside the GEMM; alone), the reorder kernel's time and the
+    sequential path's GEMM time."""
 
     layout: Layout
     itemsize: int
     wave_ms: float
-    curve: CommCurve
+    curve: CommCurve  # the collective while the GEMM runs (alone where nothing else)
     post_ms: float = 0.0
     gemm_ms: float = 0.0  # cuBLAS alone, for the single-group (sequential) path
     host0_ms: float = 0.0  # host time from the call to the GEMM's launch
     host_ms: float = 0.0  # host time to enqueue one group (wait kernel + collective)
+    free_curve: CommCurve | None = None  # the collective alone (None: ``curve``)
+
+    def _free_ms(self):
+        return None if self.free_curve is None else self.free_curve.time_ms
 
     def group_bytes(self, partition) -> list[int]:
         lay = self.layout
@@ -144,10 +194,13 @@ class Model:
     def predict(self, partition) -> float:
         """Predicted time of a call with ``partition`` (ms)."""
         partition = tuple(partition)
-        if len(partition) == 1:
-            return self.gemm_ms + self.curve.time_ms(self.group_bytes(partition)[0])
+        if len(partition) == 1:  # cuBLAS, then the collective alone
+            return self.gemm_ms + (self.free_curve or self.curve).time_ms(
+                self.group_bytes(partition)[0]
+            )
         t = predict(partition, self.group_bytes(partition), self.wave_ms, self.curve.time_ms,
-                    self.host0_ms, self.host_ms)  # fmt: skip
+                    self.host0_ms, self.host_ms, self._free_ms(),
+                    self.curve.follow_ms)  # fmt: skip
         return t + self.post_ms
 
     def ranked(self, max_first: int = MAX_FIRST, max_last: int = MAX_LAST):
@@ -163,7 +216,8 @@ class Model:
         wave prefixes and group counts (exact for the recurrence; see the module
         docstring)."""
         lay, n = self.layout, self.layout.n_waves
-        comm = self.curve.time_ms
+        comm, free, follow = self.curve.time_ms, self._free_ms(), self.curve.follow_ms
+        gemm_end = self.host0_ms + self.wave_ms * n
         unit = lay.parts * lay.unit * self.itemsize
         # best[j][w] = (t_m, sizes): the best prefix of w waves cut into j groups
         best = [[None] * (n + 1) for _ in range(n + 1)]
@@ -180,7 +234,9 @@ class Model:
                     if end == n and (end - start > max_last or j == 1):
                         continue  # one group is the sequential path, below
                     size = (tiles_end - start * lay.programs) * unit
-                    t_m = max(t_p, prev[0], ready) + comm(size)
+                    begin = max(t_p, prev[0], ready)
+                    cost = comm_time(size, begin, gemm_end, comm, free)
+                    t_m = begin + (followed(cost, follow) if j > 1 else cost)
                     if best[j][end] is None or t_m < best[j][end][0]:
                         best[j][end] = (t_m, (*prev[1], end - start))
         single = (n,)
@@ -288,7 +344,10 @@ def measure_curve(
 ) -> CommCurve:
     """The collective's time at sizes doubling from ``CURVE_MIN_BYTES`` to ``max_bytes``
     (and ``max_bytes`` itself). ``loaded`` (default: on a GPU, when ``a``/``b`` are given):
-    each collective runs on the comm stream beside the signalling GEMM, as in a call."""
+    each collective runs on the comm stream while signalling GEMMs (no signals) run back to
+    back on the current one, as many as it takes to outlast the collective; else it runs
+    alone (on a GPU behind a device-side sleep, as the loaded one, so that both leave the
+    host's enqueue latency out)."""
     group = ctx.group
     loaded = (group.backend == "cuda" and a is not None) if loaded is None else loaded
     sizes, s = [], min(CURVE_MIN_BYTES, max_bytes)
@@ -297,13 +356,29 @@ def measure_curve(
         s *= 2
     sizes.append(max_bytes)
     plan = _probe_plan(ctx, a.shape[0], b.shape[1]) if loaded else None
-    times = []
+    if plan is None:
+        loaded = False
+    if group.backend != "cuda":
+        times = [
+            time_ms(group, lambda size=size: ctx.comm_only(size), iters, warmup) for size in sizes
+        ]
+        return CommCurve(sizes, monotone(times))
+    gemm_ms = 0.0
+    if loaded:
+        gemm_ms = device_ms(group, lambda: ctx.launch_gemm(plan, a, b, signal=False), iters, warmup)
+    times, follow = [], 0.0
     for size in sizes:
-        if plan is None:
-            times.append(time_ms(group, lambda size=size: ctx.comm_only(size), iters, warmup))
-        else:
-            times.append(_loaded_comm_ms(ctx, plan, a, b, size, iters, warmup))
-    return CommCurve(sizes, monotone(times))
+        gemms = 0
+        first = size == sizes[0]  # also timed back to back, for ``follow_ms``
+        if loaded:  # enough GEMMs for the sleep and three times the collectives alone
+            alone = _comm_ms(ctx, None, a, b, size, 0, max(2, iters // 3), 1)
+            alone *= 1 + FOLLOW_REPS if first else 1
+            gemms = 1 + math.ceil((HOLD_MS + 3 * alone) / max(gemm_ms, 1e-3))
+        times.append(_comm_ms(ctx, plan, a, b, size, gemms, iters, warmup))
+        if first:  # what each collective after the first costs
+            more = _comm_ms(ctx, plan, a, b, size, gemms, iters, warmup, 1 + FOLLOW_REPS)
+            follow = max(0.0, times[0] - (more - times[0]) / FOLLOW_REPS)
+    return CommCurve(sizes, monotone(times), follow)
 
 
 def monotone(times: list[float]) -> list[float]:
@@ -321,14 +396,18 @@ def monotone(times: list[float]) -> list[float]:
 #: the host has enqueued the collective by then, so its launch latency, which the
 #: recurrence models apart (``host_ms``), stays out of the curve.
 HOLD_CYCLES = 400_000
+#: ... and that sleep in ms, rounded up (for how long the GEMMs must run before it ends).
+HOLD_MS = 0.25
+#: Collectives timed back to back after a first one, for ``CommCurve.follow_ms``.
+FOLLOW_REPS = 3
 
 
-def _loaded_comm_ms(ctx, plan, a, b, nbytes, iters, warmup) -> float:
-    """Median time of the collective on the comm stream while the signalling GEMM runs on
-    the current one (events on the comm stream; the GEMM's counters are cleared after).
-    The start event waits behind a short device-side sleep, so the time is the
-    collective's own, not the host's enqueue latency (without it, the curve measured on
-    2 x H200 read 0.09 ms for 64 KB, and the predictor then favoured a single group)."""
+def _comm_ms(ctx, plan, a, b, nbytes, gemms, iters, warmup, reps=1) -> float:
+    """Median time of ``reps`` back-to-back collectives on the comm stream (events on that
+    stream, behind a device-side sleep, so the time is the collectives' own and not the
+    host's enqueue latency: without the sleep the curve measured on 2 x H200 read 0.09 ms
+    for 64 KB, and the predictor then favoured a single group), while ``gemms`` signalling
+    GEMMs (no signals) run back to back on the current stream; max over ranks."""
     group = ctx.group
     hold = getattr(torch.cuda, "_sleep", None)
     times = []
@@ -336,16 +415,17 @@ def _loaded_comm_ms(ctx, plan, a, b, nbytes, iters, warmup) -> float:
         torch.cuda.synchronize()
         dist.barrier(group=group.process_group, device_ids=[group.device.index])
         stream = fork(group)
-        ctx.launch_gemm(plan, a, b)
+        for _ in range(gemms):
+            ctx.launch_gemm(plan, a, b, signal=False)
         with use_stream(stream):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if hold is not None:
                 hold(HOLD_CYCLES)
             start.record()
-            ctx.comm_only(nbytes)
+            for _ in range(reps):
+                ctx.comm_only(nbytes)
             end.record()
         join(group, stream)
-        ctx.counters.zero_()
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(start.elapsed_time(end))
@@ -380,11 +460,17 @@ def measure_model(
         comm_group=_comm_group_tag(ctx),
     )
     need = lay.group_bytes(lay.n_tiles, item)
-    curve_key = cache.cache_key("comm_curve", **common)
-    curve = _cached(ctx, curve_key, use_cache)
-    if curve is None or curve["sizes"][-1] < need:
-        curve = measure_curve(ctx, need, a=a, b=b, iters=iters, warmup=warmup).to_dict()
-        _store(ctx, curve_key, curve, use_cache)
+    curves = {}
+    kinds = ("loaded", "free") if ctx.group.backend == "cuda" else ("free",)
+    for kind in kinds:  # the collective beside the GEMM (a GPU), and alone
+        key = cache.cache_key("comm_curve", curve=kind, **common)
+        curve = _cached(ctx, key, use_cache)
+        if curve is None or curve["sizes"][-1] < need:
+            curve = measure_curve(
+                ctx, need, a=a, b=b, iters=iters, warmup=warmup, loaded=kind == "loaded"
+            ).to_dict()
+            _store(ctx, key, curve, use_cache)
+        curves[kind] = CommCurve.from_dict(curve)
     block = [lay.block_m, lay.block_n]
     shape_key = cache.cache_key(
         "gemm_waves", m=m, n=n, k=ctx.k, programs=lay.programs, block=block,
@@ -412,9 +498,10 @@ def measure_model(
         if plan is not None and ctx.group.backend == "cuda":
             nums.update(_host_costs(ctx, plan, a, b))
         _store(ctx, shape_key, nums, use_cache)
-    curve = CommCurve.from_dict(curve)
-    return Model(lay, item, nums["wave_ms"], curve, nums["post_ms"], nums["gemm_ms"],
-                 nums.get("host0_ms", 0.0), nums.get("host_ms", 0.0))  # fmt: skip
+    free = curves["free"] if "loaded" in curves else None
+    return Model(lay, item, nums["wave_ms"], curves.get("loaded", curves["free"]),
+                 nums["post_ms"], nums["gemm_ms"], nums.get("host0_ms", 0.0),
+                 nums.get("host_ms", 0.0), free)  # fmt: skip
 
 
 def _host_costs(ctx, plan, a, b, reps: int = 20) -> dict:
@@ -579,6 +666,7 @@ __all__ = [
     "MAX_LAST",
     "Model",
     "best_partition",
+    "comm_time",
     "device_name",
     "enumerate_partitions",
     "exhaustive_candidates",

@@ -18,6 +18,7 @@ from interlace.tune import (
     Model,
     best_partition,
     cache,
+    comm_time,
     enumerate_partitions,
     exhaustive_candidates,
     grade,
@@ -58,6 +59,27 @@ def test_recurrence_by_hand():
     assert predict([1, 1, 1], [1, 1, 1], 1.0, comm, 0.5, 2.0) == pytest.approx(7.0)
 
 
+def test_comm_time_beside_the_gemm_then_alone():
+    loaded, free = (lambda n: 4.0), (lambda n: 2.0)
+    assert comm_time(1, 0.0, 10.0, loaded, free) == 4.0  # ends before the GEMM does
+    assert comm_time(1, 12.0, 10.0, loaded, free) == 2.0  # starts after it
+    # 2 ms beside the GEMM do half the work at the loaded pace, the rest goes at the free one
+    assert comm_time(1, 8.0, 10.0, loaded, free) == pytest.approx(2.0 + 0.5 * 2.0)
+    assert comm_time(1, 12.0, 10.0, loaded) == 4.0  # one curve: the loaded pace throughout
+    ends = [t / 10 + comm_time(1, t / 10, 10.0, loaded, free) for t in range(0, 140)]
+    assert all(b >= a - 1e-12 for a, b in zip(ends, ends[1:]))  # a later start never ends earlier
+    # the recurrence: the GEMM ends at 2 ms; group 0 starts at 1 (a quarter done by 2,
+    # then 0.75 * 2 ms), group 1 at 3.5 (free pace)
+    assert predict([1, 1], [1, 1], 1.0, loaded, free_ms=free) == pytest.approx(5.5)
+    assert predict([1, 1], [1, 1], 1.0, loaded) == pytest.approx(9.0)
+    # a collective after the first costs follow_ms less (never under a quarter)
+    assert predict([1, 1], [1, 1], 1.0, loaded, follow_ms=1.5) == pytest.approx(9.0 - 1.5)
+    assert predict([1, 1], [1, 1], 1.0, loaded, follow_ms=5.0) == pytest.approx(5.0 + 1.0)
+    c = CommCurve([1, 2], [1.0, 2.0], follow_ms=0.25)
+    assert CommCurve.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    assert CommCurve.from_dict({"sizes": [1], "times_ms": [1.0]}).follow_ms == 0.0
+
+
 def _compositions(n):
     for cuts in itertools.product([0, 1], repeat=n - 1):
         sizes, run = [], 1
@@ -88,15 +110,19 @@ def _model(rng, n_waves, programs=7, world=2):
     # a latency + bandwidth curve, sometimes comm bound, sometimes compute bound
     sizes = [1 << s for s in range(10, 22)]
     lat, bw = rng.uniform(0.01, 0.3), rng.uniform(2e4, 4e5)
-    curve = CommCurve(sizes, [lat + s / bw for s in sizes])
+    curve = CommCurve(sizes, [lat + s / bw for s in sizes], rng.choice([0.0, 0.5 * lat]))
     host = rng.choice([0.0, rng.uniform(0, 0.2)])  # sometimes the host is the bottleneck
+    # mostly a faster curve for the collective alone (after the GEMM)
+    speed = rng.uniform(1.0, 2.0)
+    free = CommCurve(sizes, [lat / speed + s / (bw * speed) for s in sizes])
     return Model(lay, 2, rng.uniform(0.05, 0.5), curve, post_ms=rng.uniform(0, 0.1),
-                 gemm_ms=rng.uniform(0.5, 5), host0_ms=2 * host, host_ms=host)  # fmt: skip
+                 gemm_ms=rng.uniform(0.5, 5), host0_ms=2 * host, host_ms=host,
+                 free_curve=free if rng.random() < 0.7 else None)  # fmt: skip
 
 
 def test_search_is_exact_on_synthetic_curves():
     rng = random.Random(0)
-    for trial in range(60):
+    for trial in range(120):
         model = _model(rng, rng.randrange(1, 11))
         ranked = model.ranked()
         t, p = model.best_predicted()
@@ -109,16 +135,21 @@ def test_model_prediction_parts():
     rng = random.Random(1)
     model = _model(rng, 5)
     lay = model.layout
-    # a single group is cuBLAS + the whole collective
+    assert model.free_curve is not None
+    # a single group is cuBLAS + the whole collective, alone
     total = lay.n_tiles * lay.unit * 2
     assert model.group_bytes([5]) == [total]
-    assert model.predict([5]) == pytest.approx(model.gemm_ms + model.curve.time_ms(total))
+    assert model.predict([5]) == pytest.approx(model.gemm_ms + model.free_curve.time_ms(total))
     # several: the recurrence plus the reorder; the last group holds the partial wave
     sizes = model.group_bytes([2, 2, 1])
     assert sum(sizes) == total and sizes[0] == 2 * lay.programs * lay.unit * 2
     want = predict([2, 2, 1], sizes, model.wave_ms, model.curve.time_ms, model.host0_ms,
-                   model.host_ms) + model.post_ms  # fmt: skip
+                   model.host_ms, model.free_curve.time_ms,
+                   model.curve.follow_ms) + model.post_ms  # fmt: skip
     assert model.predict([2, 2, 1]) == pytest.approx(want)
+    one = predict([2, 2, 1], sizes, model.wave_ms, model.curve.time_ms, model.host0_ms,
+                  model.host_ms, follow_ms=model.curve.follow_ms) + model.post_ms  # fmt: skip
+    assert want <= one  # the free pace is the faster one here
 
 
 def test_exhaustive_candidates():
@@ -198,6 +229,35 @@ def test_best_partition_on_cpu_world(tmp_path):
     assert results[0]["p"] == results[1]["p"] and results[0]["q"] == results[1]["q"]
     kinds = {name.split("-")[0] for name in results[0]["files"]}
     assert kinds == {"comm_curve", "gemm_waves", "partition"}
+
+
+def _curves_body(group):
+    """The measured model: on a GPU a curve beside the GEMM and one alone, both
+    non-decreasing, with a non-negative ``follow_ms``; on the cpu backend one curve."""
+    from interlace.ops.signal_reorder import SignalReorderGemmAR
+
+    m = 8 * 37 if group.backend == "cpu" else 4096
+    n, k = (64, 24) if group.backend == "cpu" else (4096, 512)
+    ar = SignalReorderGemmAR(group, max_m=m, n=n, k=k)
+    try:
+        assert ar.waves(m) > 1  # the loaded curve needs a GEMM of several waves
+        model = measure_model(ar, m, iters=2, warmup=1, use_cache=False)
+        curves = [model.curve] + ([model.free_curve] if model.free_curve else [])
+        assert (len(curves) == 2) == (group.backend == "cuda")
+        for c in curves:
+            assert all(t > 0 for t in c.times_ms)
+            assert c.times_ms == sorted(c.times_ms)
+            assert c.sizes[-1] >= model.layout.group_bytes(model.layout.n_tiles, 2)
+            assert c.follow_ms >= 0
+        t, p = model.best_predicted()
+        assert t > 0 and sum(p) == ar.waves(m)
+    finally:
+        ar.close()
+    return True
+
+
+def test_measure_model_curves(world):
+    world.run(_curves_body)
 
 
 def test_monotone_curve_drops_small_size_outliers():
