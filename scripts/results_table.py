@@ -45,7 +45,9 @@ def dense_table(records: list[dict]) -> str:
 
 
 def ratio_table(records: list[dict]) -> str:
-    """Per (op, model, M): each strategy's eager / graph time over the bound."""
+    """Per (op, model, M): each strategy's eager / graph time over the bound, and its
+    eager time over cuBLAS + NCCL's (``x`` the record's baseline; timed interleaved with
+    the strategy in files that have ``t_none_solo_ms``)."""
     by = {}
     for r in records:
         if r.get("op") in OPS and r.get("t_gemm_ms") and r.get("t_comm_ms"):
@@ -56,6 +58,7 @@ def ratio_table(records: list[dict]) -> str:
         cells = [
             f"{r['strategy']} {_f(r['t_ms'] and r['t_ms'] / bound, 2)}/"
             f"{_f(r.get('t_graph_ms') and r['t_graph_ms'] / bound, 2)}"
+            f" x{_f(r['t_ms'] and r.get('t_none_ms') and r['t_ms'] / r['t_none_ms'], 2)}"
             for r in rs
         ]
         none = _f(rs[0]["t_none_ms"] / bound, 2)

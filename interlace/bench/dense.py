@@ -4,7 +4,10 @@ For each shape of the public table (DESIGN.md, "Measuring") one rank body times,
 run, cuBLAS alone, the NCCL collective alone, both back to back (``none``), torch's fused op
 where one exists, and every interlace strategy eager and replayed from a CUDA graph; it also
 checks each strategy against a float32 reference. Timings are per-rank medians, then the max
-over ranks, so every rank returns the same records.
+over ranks, so every rank returns the same records. Each strategy's eager calls are timed
+interleaved, call by call, with cuBLAS + NCCL's (``t_none_ms`` of its record), so that the
+comparison the targets make is not decided by drift between two moments of the run;
+``t_none_solo_ms`` is cuBLAS + NCCL timed alone at the start of the shape.
 
 ``M, N, K`` are the GEMM each rank runs: AG+GEMM gathers ``[M/W, K]`` shards and multiplies
 by a ``[K, N]`` column shard; GEMM+RS / GEMM+AR multiply ``[M, K]`` by ``[K, N]`` with ``K``
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .timing import graph_of, max_over_ranks, median_ms
+from .timing import graph_of, max_over_ranks, median_ms, paired_median_ms
 
 #: model -> (hidden H, intermediate I)
 MODELS = {"llama-7b": (4096, 11008), "llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}
@@ -30,7 +33,9 @@ MS = (2048, 8192)
 #: op -> name of its context class in ``interlace``
 OPS = {"ag_gemm": "AGGemm", "gemm_rs": "GemmRS", "gemm_ar": "GemmAR"}
 MAX_REL_ERR = 2e-2
-TIME_KEYS = ("t_ms", "t_graph_ms", "t_none_ms", "t_torch_ms", "t_gemm_ms", "t_comm_ms")
+TIME_KEYS = (
+    "t_ms", "t_graph_ms", "t_none_ms", "t_none_solo_ms", "t_torch_ms", "t_gemm_ms", "t_comm_ms"
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -308,17 +313,18 @@ def _check_strategy(group, cls, shape, strategy, dtype, cases):
     return ctx, worst, getattr(ctx, "last_strategy", None)
 
 
-def _run_strategy(group, cls, shape, strategy, dtype, cases, clock, graph_clock):
-    """Check one strategy on ``cases``, then time it on the first case's inputs; returns
-    ``(t_ms, t_graph_ms, rel_err, last_strategy, notes)`` of this rank."""
+def _run_strategy(group, cls, shape, strategy, dtype, cases, pair_clock, graph_clock):
+    """Check one strategy on ``cases``, then time it on the first case's inputs, its calls
+    interleaved with cuBLAS + NCCL's; returns ``(t_ms, t_none_ms, t_graph_ms, rel_err,
+    last_strategy, notes)`` of this rank."""
     ctx, err, last = _check_strategy(group, cls, shape, strategy, dtype, cases)
     a, b = cases[0][:2]
     try:
-        t = clock(lambda: ctx(a, b))
+        t, t_none = pair_clock(lambda: ctx(a, b))
         t_graph, why = graph_clock(lambda: ctx(a, b))
     finally:
         ctx.close()
-    return t, t_graph, err, last, [why] if why else []
+    return t, t_none, t_graph, err, last, [why] if why else []
 
 
 def _shape_records(group, shape, strategies, dtype_name, iters, warmup, graph, timed):
@@ -344,6 +350,9 @@ def _shape_records(group, shape, strategies, dtype_name, iters, warmup, graph, t
     def clock(fn):
         return median_ms(group, fn, iters, warmup) if timed and fn is not None else None
 
+    def pair_clock(fn):  # fn's time and cuBLAS + NCCL's, their calls interleaved
+        return paired_median_ms(group, [fn, none], iters, warmup) if timed else (None, None)
+
     def graph_clock(fn):
         return _graph_ms(group, fn, iters, warmup) if timed and graph else (None, None)
 
@@ -352,7 +361,7 @@ def _shape_records(group, shape, strategies, dtype_name, iters, warmup, graph, t
         {
             "t_gemm_ms": clock(gemm),
             "t_comm_ms": clock(comm),
-            "t_none_ms": clock(none),
+            "t_none_solo_ms": clock(none),
             "t_torch_ms": clock(fused),
         },
     )
@@ -361,11 +370,11 @@ def _shape_records(group, shape, strategies, dtype_name, iters, warmup, graph, t
     for strategy in strategies:
         if timed and group.rank == 0:  # where a run that times out stopped
             print(f"{op} {shape.model} M={shape.M}: {strategy}", flush=True)
-        t = t_graph = err = last = None
+        t = t_none = t_graph = err = last = None
         notes = [torch_note] if torch_note else []
         try:
-            t, t_graph, err, last, more = _run_strategy(
-                group, cls, shape, strategy, dtype, cases, clock, graph_clock
+            t, t_none, t_graph, err, last, more = _run_strategy(
+                group, cls, shape, strategy, dtype, cases, pair_clock, graph_clock
             )
             notes += more
         except Exception as e:
@@ -373,7 +382,9 @@ def _shape_records(group, shape, strategies, dtype_name, iters, warmup, graph, t
                 raise
             notes.append(f"failed: {type(e).__name__}: {str(e)[:160]}")
             torch.cuda.synchronize()
-        agreed = max_over_ranks(group, {"t_ms": t, "t_graph_ms": t_graph, "rel_err": err})
+        agreed = max_over_ranks(
+            group, {"t_ms": t, "t_none_ms": t_none, "t_graph_ms": t_graph, "rel_err": err}
+        )
         err = agreed.pop("rel_err")
         if not timed and (err is None or err > MAX_REL_ERR):
             raise AssertionError(f"{op}/{strategy}: relative error {err} against fp32")
