@@ -210,6 +210,7 @@ def _predictor_record(ctx, mdl, model, m, n, k, dtype_name, a, b, limit, iters, 
     rows = tune.grade(ctx, m, cands, model=mdl, a=a, b=b, iters=iters, warmup=2)
     best = min(rows, key=lambda r: r["measured_ms"])
     chosen = rows[0]  # candidates come best predicted first
+    ablation = {name: _r(err) for name, err in tune.errors_without(mdl, rows).items()}
     return {
         "op": "signal_reorder_predictor", "strategy": "signal_reorder", "model": model,
         "dtype": dtype_name, "M": m, "N": n, "K": k, "n_waves": mdl.layout.n_waves,
@@ -222,6 +223,7 @@ def _predictor_record(ctx, mdl, model, m, n, k, dtype_name, a, b, limit, iters, 
              "measured_ms": _r(r["measured_ms"])} for r in rows
         ],
         "mean_abs_err": _r(tune.mean_abs_error(rows)),
+        "mean_abs_err_without": ablation,
         # t_ms: what following the predictor gives (DESIGN.md: every record has one)
         "t_ms": _r(chosen["measured_ms"]),
         "best_predicted": chosen["partition"], "t_best_predicted_ms": _r(chosen["measured_ms"]),

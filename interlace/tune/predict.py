@@ -45,7 +45,7 @@ import bisect
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -372,13 +372,16 @@ def measure_curve(
         first = size == sizes[0]  # also timed back to back, for ``follow_ms``
         if loaded:  # enough GEMMs for the sleep and three times the collectives alone
             alone = _comm_ms(ctx, None, a, b, size, 0, max(2, iters // 3), 1)
-            alone *= 1 + FOLLOW_REPS if first else 1
+            alone *= 2 + FOLLOW_REPS if first else 1
             gemms = 1 + math.ceil((HOLD_MS + 3 * alone) / max(gemm_ms, 1e-3))
         times.append(_comm_ms(ctx, plan, a, b, size, gemms, iters, warmup))
-        if first:  # what each collective after the first costs
-            more = _comm_ms(ctx, plan, a, b, size, gemms, iters, warmup, 1 + FOLLOW_REPS)
-            follow = max(0.0, times[0] - (more - times[0]) / FOLLOW_REPS)
-    return CommCurve(sizes, monotone(times), follow)
+        if first:  # 2 and 2 + FOLLOW_REPS back to back (one alone is the noisiest point)
+            two = _comm_ms(ctx, plan, a, b, size, gemms, iters, warmup, 2)
+            more = _comm_ms(ctx, plan, a, b, size, gemms, iters, warmup, 2 + FOLLOW_REPS)
+            each = max(0.0, (more - two) / FOLLOW_REPS)  # a collective after another
+            follow = max(0.0, (two - each) - each)  # the first one's extra
+    times = monotone(times)
+    return CommCurve(sizes, times, min(follow, 0.75 * times[0]))
 
 
 def monotone(times: list[float]) -> list[float]:
@@ -398,8 +401,8 @@ def monotone(times: list[float]) -> list[float]:
 HOLD_CYCLES = 400_000
 #: ... and that sleep in ms, rounded up (for how long the GEMMs must run before it ends).
 HOLD_MS = 0.25
-#: Collectives timed back to back after a first one, for ``CommCurve.follow_ms``.
-FOLLOW_REPS = 3
+#: ``CommCurve.follow_ms`` from 2 and ``2 + FOLLOW_REPS`` collectives back to back.
+FOLLOW_REPS = 4
 
 
 def _comm_ms(ctx, plan, a, b, nbytes, gemms, iters, warmup, reps=1) -> float:
@@ -654,6 +657,20 @@ def best_partition(
     return list(choice)
 
 
+def errors_without(model: Model, rows) -> dict[str, float]:
+    """The mean absolute error of ``grade`` rows against the model without each of its
+    later parts: ``one_curve`` (the loaded pace throughout, no free curve) and
+    ``no_follow`` (``follow_ms`` zero): what each part buys, from the same measurements."""
+    variants = {
+        "one_curve": replace(model, free_curve=None),
+        "no_follow": replace(model, curve=replace(model.curve, follow_ms=0.0)),
+    }
+    return {
+        name: mean_abs_error([{**r, "predicted_ms": m.predict(r["partition"])} for r in rows])
+        for name, m in variants.items()
+    }
+
+
 def mean_abs_error(rows) -> float:
     """Mean of ``|predicted - measured| / measured`` over ``grade`` rows."""
     errs = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows]
@@ -669,6 +686,7 @@ __all__ = [
     "comm_time",
     "device_name",
     "enumerate_partitions",
+    "errors_without",
     "exhaustive_candidates",
     "grade",
     "mean_abs_error",

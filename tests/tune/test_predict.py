@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -20,6 +21,7 @@ from interlace.tune import (
     cache,
     comm_time,
     enumerate_partitions,
+    errors_without,
     exhaustive_candidates,
     grade,
     mean_abs_error,
@@ -150,6 +152,24 @@ def test_model_prediction_parts():
     one = predict([2, 2, 1], sizes, model.wave_ms, model.curve.time_ms, model.host0_ms,
                   model.host_ms, follow_ms=model.curve.follow_ms) + model.post_ms  # fmt: skip
     assert want <= one  # the free pace is the faster one here
+
+
+def test_errors_without_each_part():
+    model = _model(random.Random(1), 5)
+    model = replace(model, curve=replace(model.curve, follow_ms=0.05))
+    parts = [(5,), (2, 2, 1), (1, 3, 1)]
+    rows = [{"partition": list(p), "measured_ms": model.predict(p)} for p in parts]
+    errs = errors_without(model, rows)
+    assert set(errs) == {"one_curve", "no_follow"}
+    # the measurements are the full model's own predictions: each ablation is off by what
+    # its part adds (the single group uses neither)
+    for name, variant in (
+        ("one_curve", replace(model, free_curve=None)),
+        ("no_follow", replace(model, curve=replace(model.curve, follow_ms=0.0))),
+    ):
+        want = sum(abs(variant.predict(p) / model.predict(p) - 1) for p in parts) / 3
+        assert errs[name] == pytest.approx(want)
+    assert errs["no_follow"] > 0
 
 
 def test_exhaustive_candidates():
