@@ -68,14 +68,10 @@ CURVE_MIN_BYTES = 1 << 16
 class CommCurve:
     """Time of a collective against the bytes each rank hands it (increasing sizes),
     interpolated linearly; below the first point the first time (latency), above the last
-    the last segment's slope (bandwidth). ``follow_ms``: how much less a collective costs
-    when another one ran before it in the same call (measured back to back at the
-    smallest size: the first pays for the ranks arriving at different times, and for
-    latency the next ones overlap)."""
+    the last segment's slope (bandwidth)."""
 
     sizes: list[int]
     times_ms: list[float]
-    follow_ms: float = 0.0
 
     def __post_init__(self):
         if not self.sizes or len(self.sizes) != len(self.times_ms):
@@ -96,10 +92,7 @@ class CommCurve:
 
     @classmethod
     def from_dict(cls, d: dict) -> CommCurve:
-        return cls(
-            [int(x) for x in d["sizes"]], [float(x) for x in d["times_ms"]],
-            float(d.get("follow_ms", 0.0)),
-        )  # fmt: skip
+        return cls([int(x) for x in d["sizes"]], [float(x) for x in d["times_ms"]])
 
 
 def comm_time(nbytes: int, start: float, gemm_end: float, comm_ms, free_ms=None) -> float:
@@ -117,28 +110,18 @@ def comm_time(nbytes: int, start: float, gemm_end: float, comm_ms, free_ms=None)
     return overlapped + (1.0 - overlapped / loaded) * free_ms(nbytes)
 
 
-def followed(cost: float, follow_ms: float) -> float:
-    """A collective's time when another one ran before it in the call: ``follow_ms`` less,
-    and never below a quarter of ``cost`` (so that a later start still never ends
-    earlier)."""
-    return max(cost - follow_ms, 0.25 * cost)
-
-
 def predict(
-    waves, group_bytes, wave_ms: float, comm_ms, host0_ms=0.0, host_ms=0.0, free_ms=None,
-    follow_ms=0.0,
-) -> float:  # fmt: skip
+    waves, group_bytes, wave_ms: float, comm_ms, host0_ms=0.0, host_ms=0.0, free_ms=None
+) -> float:
     """End of the last collective for groups of ``waves[i]`` waves handing
-    ``group_bytes[i]`` bytes to the collective (paced by :func:`comm_time`, each after the
-    first ``follow_ms`` less, :func:`followed`); the host terms as in the module
-    docstring."""
+    ``group_bytes[i]`` bytes to the collective (paced by :func:`comm_time`); the host terms
+    as in the module docstring."""
     t_p, t_m = host0_ms, 0.0
     gemm_end = host0_ms + wave_ms * sum(waves)
     for i, (w, size) in enumerate(zip(waves, group_bytes)):
         t_p += wave_ms * w
         start = max(t_p, t_m, host0_ms + (i + 1) * host_ms)
-        cost = comm_time(size, start, gemm_end, comm_ms, free_ms)
-        t_m = start + (followed(cost, follow_ms) if i else cost)
+        t_m = start + comm_time(size, start, gemm_end, comm_ms, free_ms)
     return t_m
 
 
@@ -199,8 +182,7 @@ class Model:
                 self.group_bytes(partition)[0]
             )
         t = predict(partition, self.group_bytes(partition), self.wave_ms, self.curve.time_ms,
-                    self.host0_ms, self.host_ms, self._free_ms(),
-                    self.curve.follow_ms)  # fmt: skip
+                    self.host0_ms, self.host_ms, self._free_ms())  # fmt: skip
         return t + self.post_ms
 
     def ranked(self, max_first: int = MAX_FIRST, max_last: int = MAX_LAST):
@@ -216,7 +198,7 @@ class Model:
         wave prefixes and group counts (exact for the recurrence; see the module
         docstring)."""
         lay, n = self.layout, self.layout.n_waves
-        comm, free, follow = self.curve.time_ms, self._free_ms(), self.curve.follow_ms
+        comm, free = self.curve.time_ms, self._free_ms()
         gemm_end = self.host0_ms + self.wave_ms * n
         unit = lay.parts * lay.unit * self.itemsize
         # best[j][w] = (t_m, sizes): the best prefix of w waves cut into j groups
@@ -235,8 +217,7 @@ class Model:
                         continue  # one group is the sequential path, below
                     size = (tiles_end - start * lay.programs) * unit
                     begin = max(t_p, prev[0], ready)
-                    cost = comm_time(size, begin, gemm_end, comm, free)
-                    t_m = begin + (followed(cost, follow) if j > 1 else cost)
+                    t_m = begin + comm_time(size, begin, gemm_end, comm, free)
                     if best[j][end] is None or t_m < best[j][end][0]:
                         best[j][end] = (t_m, (*prev[1], end - start))
         single = (n,)
@@ -366,22 +347,14 @@ def measure_curve(
     gemm_ms = 0.0
     if loaded:
         gemm_ms = device_ms(group, lambda: ctx.launch_gemm(plan, a, b, signal=False), iters, warmup)
-    times, follow = [], 0.0
+    times = []
     for size in sizes:
         gemms = 0
-        first = size == sizes[0]  # also timed back to back, for ``follow_ms``
-        if loaded:  # enough GEMMs for the sleep and three times the collectives alone
+        if loaded:  # enough GEMMs for the sleep and three times the collective alone
             alone = _comm_ms(ctx, None, a, b, size, 0, max(2, iters // 3), 1)
-            alone *= 2 + FOLLOW_REPS if first else 1
             gemms = 1 + math.ceil((HOLD_MS + 3 * alone) / max(gemm_ms, 1e-3))
         times.append(_comm_ms(ctx, plan, a, b, size, gemms, iters, warmup))
-        if first:  # 2 and 2 + FOLLOW_REPS back to back (one alone is the noisiest point)
-            two = _comm_ms(ctx, plan, a, b, size, gemms, iters, warmup, 2)
-            more = _comm_ms(ctx, plan, a, b, size, gemms, iters, warmup, 2 + FOLLOW_REPS)
-            each = max(0.0, (more - two) / FOLLOW_REPS)  # a collective after another
-            follow = max(0.0, (two - each) - each)  # the first one's extra
-    times = monotone(times)
-    return CommCurve(sizes, times, min(follow, 0.75 * times[0]))
+    return CommCurve(sizes, monotone(times))
 
 
 def monotone(times: list[float]) -> list[float]:
@@ -401,16 +374,14 @@ def monotone(times: list[float]) -> list[float]:
 HOLD_CYCLES = 400_000
 #: ... and that sleep in ms, rounded up (for how long the GEMMs must run before it ends).
 HOLD_MS = 0.25
-#: ``CommCurve.follow_ms`` from 2 and ``2 + FOLLOW_REPS`` collectives back to back.
-FOLLOW_REPS = 4
 
 
-def _comm_ms(ctx, plan, a, b, nbytes, gemms, iters, warmup, reps=1) -> float:
-    """Median time of ``reps`` back-to-back collectives on the comm stream (events on that
-    stream, behind a device-side sleep, so the time is the collectives' own and not the
-    host's enqueue latency: without the sleep the curve measured on 2 x H200 read 0.09 ms
-    for 64 KB, and the predictor then favoured a single group), while ``gemms`` signalling
-    GEMMs (no signals) run back to back on the current stream; max over ranks."""
+def _comm_ms(ctx, plan, a, b, nbytes, gemms, iters, warmup) -> float:
+    """Median time of the collective on the comm stream (events on that stream, behind a
+    device-side sleep, so the time is the collective's own and not the host's enqueue
+    latency: without the sleep the curve measured on 2 x H200 read 0.09 ms for 64 KB, and
+    the predictor then favoured a single group), while ``gemms`` signalling GEMMs (no
+    signals) run back to back on the current stream; max over ranks."""
     group = ctx.group
     hold = getattr(torch.cuda, "_sleep", None)
     times = []
@@ -425,8 +396,7 @@ def _comm_ms(ctx, plan, a, b, nbytes, gemms, iters, warmup, reps=1) -> float:
             if hold is not None:
                 hold(HOLD_CYCLES)
             start.record()
-            for _ in range(reps):
-                ctx.comm_only(nbytes)
+            ctx.comm_only(nbytes)
             end.record()
         join(group, stream)
         torch.cuda.synchronize()
@@ -658,13 +628,10 @@ def best_partition(
 
 
 def errors_without(model: Model, rows) -> dict[str, float]:
-    """The mean absolute error of ``grade`` rows against the model without each of its
-    later parts: ``one_curve`` (the loaded pace throughout, no free curve) and
-    ``no_follow`` (``follow_ms`` zero): what each part buys, from the same measurements."""
-    variants = {
-        "one_curve": replace(model, free_curve=None),
-        "no_follow": replace(model, curve=replace(model.curve, follow_ms=0.0)),
-    }
+    """The mean absolute error of ``grade`` rows against the model without its free curve
+    (``one_curve``: the loaded pace throughout): what the second curve buys, from the same
+    measurements."""
+    variants = {"one_curve": replace(model, free_curve=None)}
     return {
         name: mean_abs_error([{**r, "predicted_ms": m.predict(r["partition"])} for r in rows])
         for name, m in variants.items()

@@ -74,12 +74,6 @@ def test_comm_time_beside_the_gemm_then_alone():
     # then 0.75 * 2 ms), group 1 at 3.5 (free pace)
     assert predict([1, 1], [1, 1], 1.0, loaded, free_ms=free) == pytest.approx(5.5)
     assert predict([1, 1], [1, 1], 1.0, loaded) == pytest.approx(9.0)
-    # a collective after the first costs follow_ms less (never under a quarter)
-    assert predict([1, 1], [1, 1], 1.0, loaded, follow_ms=1.5) == pytest.approx(9.0 - 1.5)
-    assert predict([1, 1], [1, 1], 1.0, loaded, follow_ms=5.0) == pytest.approx(5.0 + 1.0)
-    c = CommCurve([1, 2], [1.0, 2.0], follow_ms=0.25)
-    assert CommCurve.from_dict(json.loads(json.dumps(c.to_dict()))) == c
-    assert CommCurve.from_dict({"sizes": [1], "times_ms": [1.0]}).follow_ms == 0.0
 
 
 def _compositions(n):
@@ -112,7 +106,7 @@ def _model(rng, n_waves, programs=7, world=2):
     # a latency + bandwidth curve, sometimes comm bound, sometimes compute bound
     sizes = [1 << s for s in range(10, 22)]
     lat, bw = rng.uniform(0.01, 0.3), rng.uniform(2e4, 4e5)
-    curve = CommCurve(sizes, [lat + s / bw for s in sizes], rng.choice([0.0, 0.5 * lat]))
+    curve = CommCurve(sizes, [lat + s / bw for s in sizes])
     host = rng.choice([0.0, rng.uniform(0, 0.2)])  # sometimes the host is the bottleneck
     # mostly a faster curve for the collective alone (after the GEMM)
     speed = rng.uniform(1.0, 2.0)
@@ -146,30 +140,23 @@ def test_model_prediction_parts():
     sizes = model.group_bytes([2, 2, 1])
     assert sum(sizes) == total and sizes[0] == 2 * lay.programs * lay.unit * 2
     want = predict([2, 2, 1], sizes, model.wave_ms, model.curve.time_ms, model.host0_ms,
-                   model.host_ms, model.free_curve.time_ms,
-                   model.curve.follow_ms) + model.post_ms  # fmt: skip
+                   model.host_ms, model.free_curve.time_ms) + model.post_ms  # fmt: skip
     assert model.predict([2, 2, 1]) == pytest.approx(want)
     one = predict([2, 2, 1], sizes, model.wave_ms, model.curve.time_ms, model.host0_ms,
-                  model.host_ms, follow_ms=model.curve.follow_ms) + model.post_ms  # fmt: skip
+                  model.host_ms) + model.post_ms  # fmt: skip
     assert want <= one  # the free pace is the faster one here
 
 
-def test_errors_without_each_part():
+def test_errors_without_the_free_curve():
     model = _model(random.Random(1), 5)
-    model = replace(model, curve=replace(model.curve, follow_ms=0.05))
     parts = [(5,), (2, 2, 1), (1, 3, 1)]
     rows = [{"partition": list(p), "measured_ms": model.predict(p)} for p in parts]
     errs = errors_without(model, rows)
-    assert set(errs) == {"one_curve", "no_follow"}
-    # the measurements are the full model's own predictions: each ablation is off by what
-    # its part adds (the single group uses neither)
-    for name, variant in (
-        ("one_curve", replace(model, free_curve=None)),
-        ("no_follow", replace(model, curve=replace(model.curve, follow_ms=0.0))),
-    ):
-        want = sum(abs(variant.predict(p) / model.predict(p) - 1) for p in parts) / 3
-        assert errs[name] == pytest.approx(want)
-    assert errs["no_follow"] > 0
+    # the measurements are the model's own predictions: the ablation is off by what the
+    # free curve changes
+    one = replace(model, free_curve=None)
+    want = sum(abs(one.predict(p) / model.predict(p) - 1) for p in parts) / 3
+    assert errs == {"one_curve": pytest.approx(want)} and want > 0
 
 
 def test_exhaustive_candidates():
@@ -253,7 +240,7 @@ def test_best_partition_on_cpu_world(tmp_path):
 
 def _curves_body(group):
     """The measured model: on a GPU a curve beside the GEMM and one alone, both
-    non-decreasing, with a non-negative ``follow_ms``; on the cpu backend one curve."""
+    non-decreasing; on the cpu backend one curve."""
     from interlace.ops.signal_reorder import SignalReorderGemmAR
 
     m = 8 * 37 if group.backend == "cpu" else 4096
@@ -268,7 +255,6 @@ def _curves_body(group):
             assert all(t > 0 for t in c.times_ms)
             assert c.times_ms == sorted(c.times_ms)
             assert c.sizes[-1] >= model.layout.group_bytes(model.layout.n_tiles, 2)
-            assert c.follow_ms >= 0
         t, p = model.best_predicted()
         assert t > 0 and sum(p) == ar.waves(m)
     finally:
