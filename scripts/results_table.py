@@ -31,8 +31,12 @@ def dense_table(records: list[dict]) -> str:
         auto, fused = s.get("auto"), s.get("fused")
         ref = auto or fused
         bound = max(ref["t_gemm_ms"], ref["t_comm_ms"])
-        eager = {k: v["t_ms"] for k, v in s.items() if v.get("t_ms") and k != "auto"}
-        best = min(eager, key=eager.get)
+        eager = {  # strategies timed in the same run as ``ref`` (its baselines)
+            k: v["t_ms"]
+            for k, v in s.items()
+            if v.get("t_ms") and k != "auto" and v.get("run") == ref.get("run")
+        }
+        best = min(eager, key=eager.get) if eager else "-"
         g = auto.get("t_graph_ms") or (fused.get("t_graph_ms") if fused else None)
         lines.append(
             f"| {op} | {model} | {m} | {ref['N']} | {ref['K']} | {_f(ref['t_gemm_ms'])} | "
