@@ -4,9 +4,13 @@ of times per model."""
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 import interlace
+from interlace.bench.timing import _align
 from interlace.testing import World
 
 
@@ -17,6 +21,22 @@ def run_on_world(body, world_size: int = 2, *args, timeout: float = 500) -> list
         return world.run(body, *args)
     finally:
         world.close()
+
+
+def host_us(fn, group, aligned: bool = True, iters: int = 20) -> float:
+    """Median host time (µs) of ``fn()`` on this rank: each call after the device went idle
+    and the ranks met (``aligned``, the benchmark's protocol), or back to back."""
+    out = []
+    if not aligned:
+        _align(group)
+    for _ in range(iters):
+        if aligned:
+            _align(group)
+        t0 = time.perf_counter_ns()
+        fn()
+        out.append((time.perf_counter_ns() - t0) / 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(out)
 
 
 def llama3_8b_fused(group):

@@ -16,7 +16,7 @@ import statistics
 import time
 
 import torch
-from _probe import llama3_8b_fused, run_on_world
+from _probe import host_us, llama3_8b_fused, run_on_world
 
 from interlace.bench.timing import _align
 from interlace.ops import _context, _gemm, _launch
@@ -90,20 +90,6 @@ def _timeline(fn, group, iters=20):
     return statistics.median(totals), rows
 
 
-def _host_us(fn, group, aligned: bool, iters=20):
-    out = []
-    if not aligned:
-        _align(group)
-    for _ in range(iters):
-        if aligned:
-            _align(group)
-        t0 = time.perf_counter_ns()
-        fn()
-        out.append((time.perf_counter_ns() - t0) / 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(out)
-
-
 def body(group):
     _instrument()
     operands, contexts = llama3_8b_fused(group)
@@ -123,7 +109,7 @@ def body(group):
         total, rows = _timeline(fn, group)
         res["ops"][name] = {
             "aligned_us": total,
-            "back_to_back_us": _host_us(fn, group, aligned=False),
+            "back_to_back_us": host_us(fn, group, aligned=False),
             "rows": rows,
         }
     for ctx in (ag, rs, ar):

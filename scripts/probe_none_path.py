@@ -15,27 +15,14 @@ benchmark's protocol, ``paired_median_ms``), plus the host time of an aligned ca
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
-from _probe import run_on_world
+from _probe import host_us, run_on_world
 
 import interlace
 from interlace.bench.dense import MODELS, model_shape
-from interlace.bench.timing import _align, max_over_ranks, paired_median_ms
-
-
-def _host_us(fn, group, iters=20):
-    out = []
-    for _ in range(iters):
-        _align(group)
-        t0 = time.perf_counter_ns()
-        fn()
-        out.append((time.perf_counter_ns() - t0) / 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(out)
+from interlace.bench.timing import max_over_ranks, paired_median_ms
 
 
 def _op_row(group, op, model, m):
@@ -75,7 +62,7 @@ def _op_row(group, op, model, m):
         }
         times = paired_median_ms(group, list(calls.values()), iters=30, warmup=5)
         row = {f"{k}_ms": t for k, t in zip(calls, times)}
-        row.update({f"{k}_host_us": _host_us(fn, group) for k, fn in calls.items()})
+        row.update({f"{k}_host_us": host_us(fn, group) for k, fn in calls.items()})
         row["auto_ran_none"] = 1.0 if auto.last_strategy == "none" else 0.0
         return max_over_ranks(group, row)
     finally:
