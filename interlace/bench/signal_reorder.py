@@ -9,8 +9,10 @@ per shape, the same on every rank (per-rank medians, then the max over ranks):
 
 * ``op: gemm_ar, strategy: signal_reorder``: the DESIGN.md record, plus ``partition``,
   ``predicted_ms`` and ``comm_sms``.
-* ``op: signal_reorder_predictor``: up to ``grade_limit`` partitions, predicted against
-  measured (``partitions``), ``mean_abs_err``, and the measured time of the predicted best
+* ``op: signal_reorder_predictor``: the measured model (``curve`` beside the GEMM,
+  ``free_curve`` alone, wave, reorder and host times), up to ``grade_limit`` partitions
+  predicted against measured (``partitions``), ``mean_abs_err``, the same error without
+  the free curve (``mean_abs_err_without``), and the measured time of the predicted best
   against the best measured one (``gap``).
 * ``op: reorder_rmsnorm``: the fused reorder-RMSNorm of the [M, H] result (``t_ms``)
   against the same kernel on a normal row-major tensor (``t_plain_ms``), torch's RMSNorm
