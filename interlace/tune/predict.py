@@ -13,10 +13,10 @@ there are two curves: ``comm`` measured with the GEMM running through the whole 
 ``free`` with the collective alone; a collective that starts at ``t`` before the GEMM ends
 at ``t_end`` runs at the loaded pace until ``t_end`` and at the free pace after
 (:func:`comm_time`). (With one curve, measured while a single GEMM ran, the large sizes
-were mostly measured after that GEMM had ended: on 4 x H200 the predictor then read
-15-32 % off, most on partitions whose large groups overlap the GEMM.) A single group is
-the sequential path (cuBLAS, then the collective alone), predicted from its own measured
-GEMM time.
+were mostly measured after that GEMM had ended: on 4 x H200 the predictor read 15-32 %
+off; with the two, 4-9 % on another machine, and 2-39 % with the loaded curve alone.) A
+single group is the sequential path (cuBLAS, then the collective alone), predicted from
+its own measured GEMM time.
 Eager calls also wait for the host: the GEMM starts once it is launched (``host0_ms`` after
 the call begins, so ``t_p`` starts there) and group ``i``'s collective no earlier than its
 enqueue, ``host0_ms + (i + 1) * host_ms``; both are measured on a GPU (zero otherwise, which
