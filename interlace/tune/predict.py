@@ -14,7 +14,7 @@ there are two curves: ``comm`` measured with the GEMM running through the whole 
 at ``t_end`` runs at the loaded pace until ``t_end`` and at the free pace after
 (:func:`comm_time`). (With one curve, measured while a single GEMM ran, the large sizes
 were mostly measured after that GEMM had ended: on 4 x H200 the predictor read 15-32 %
-off; with the two, 4-9 % on another machine, and 2-39 % with the loaded curve alone.) A
+off; with the two, 4-9 % on another machine, and 9-53 % with the loaded curve alone.) A
 single group is the sequential path (cuBLAS, then the collective alone), predicted from
 its own measured GEMM time.
 Eager calls also wait for the host: the GEMM starts once it is launched (``host0_ms`` after
