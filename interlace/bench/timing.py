@@ -90,14 +90,16 @@ def max_over_ranks(group, values: dict) -> dict:
 
 def graph_of(group, fn):
     """Capture one call of ``fn`` in a CUDA graph (after a warm-up call on a side stream),
-    on every rank at once; returns the graph to ``replay()``."""
+    on every rank at once (``group=None``: this process alone); returns the graph to
+    ``replay()``."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    dist.barrier(group=group.process_group, device_ids=[group.device.index])
+    if group is not None:
+        dist.barrier(group=group.process_group, device_ids=[group.device.index])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()

@@ -207,10 +207,18 @@ def gemm_segments_kernel(
     tiles_n = tl.cdiv(N, BLOCK_N)
     out_ty = c.dtype.element_ty
     b_desc = None
+    a_all_desc = None
     if USE_TMA:
         b_desc = tl.make_tensor_descriptor(
             b, shape=[K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N]
         )
+        if not HAS_OWN_A:
+            # every segment reads ``a``: one descriptor for the launch, not one per
+            # segment (building one on the device costs each program a global write and
+            # a tensormap fence at every segment)
+            a_all_desc = tl.make_tensor_descriptor(
+                a, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
+            )
     for s in range(seg_first, n_seg):
         row_of = seg + s * SEG_COLS
         tile0 = tl.load(row_of + SEG_TILE0)
@@ -256,12 +264,13 @@ def gemm_segments_kernel(
                     push_dst = peer_ptr_aligned(recv, recv_table, rank, owner)
                     push_dst += (rank.to(tl.int64) * recv_rows + out_row0) * N
                     owner_sig = signal_base(sig_table, owner) + notify_slot
-            a_desc = None
+            a_desc = a_all_desc
             c_desc = None
             if USE_TMA:
-                a_desc = tl.make_tensor_descriptor(
-                    a_src, shape=[a_rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
-                )
+                if HAS_OWN_A:  # A's source changes with the segment
+                    a_desc = tl.make_tensor_descriptor(
+                        a_src, shape=[a_rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
+                    )
                 # Where this segment's tiles go: ``c`` or, for a push, the owner's receive
                 # rows (a TMA store to a peer: asynchronous, so the program goes on to its
                 # next tile while the tile crosses NVLink). Bounded by the segment's rows:
@@ -318,7 +327,7 @@ def gemm_segments_kernel(
                 if kind == KIND_PUSH:
                     if USE_TMA:
                         bulk_stores_done()
-                    notify(owner_sig, mine, ADD=True)
+                    notify(owner_sig, mine, ADD=True, LOCAL=STAGE_PUSHES)
                 if BROADCAST:
                     if kind == KIND_REDUCE:
                         for i in tl.static_range(1, WORLD):
@@ -329,12 +338,13 @@ def gemm_segments_kernel(
                         if notify_slot > 0:
                             if USE_TMA:
                                 bulk_stores_done()
-                            notify(sig + notify_slot, mine, ADD=True)
+                            notify(sig + notify_slot, mine, ADD=True, LOCAL=True)
             if NOTIFY_STORES:
                 if notify_slot > 0:
                     if USE_TMA:
                         bulk_stores_done()
-                    notify(sig + notify_slot, (end - first + n_prog - 1) // n_prog, ADD=True)
+                    mine = (end - first + n_prog - 1) // n_prog
+                    notify(sig + notify_slot, mine, ADD=True, LOCAL=True)
     if BROADCAST:
         # The last program also waits for every peer's broadcast of the rows it owns, so
         # the kernel ends only when the whole all-reduced output is in place on this rank.
@@ -389,11 +399,12 @@ def _scatter_epilogue(
     in_tile = r[:, None] * N + cols[None, :]
     is_push = kind == KIND_PUSH
     keep = kind != KIND_PUSH
-    ok = guard(mask & (kind == KIND_REDUCE), token, expected)
-    for i in range(1, WORLD):
-        # one peer's partial at a time (a loop, not unrolled: unrolled with four ranks the
-        # loads were hoisted together and spilled registers); masked, not branched: the
-        # flattened tile loop cannot hold a branch with results
+    ok = guard(mask, token, expected)
+    # The flattened tile loop cannot hold a branch with results, but it can hold a loop
+    # whose trip count depends on the kind: a reduce tile adds its peers' partials, one
+    # peer at a time (unrolled with four ranks the loads were hoisted together and spilled
+    # registers); any other tile runs no iteration, so it pays for no masked-off loads.
+    for i in range(1, tl.where(kind == KIND_REDUCE, WORLD, 1)):
         p = (rank + i) % WORLD
         part_base = recv + (p * recv_rows + out_row0 + tile_row).to(tl.int64) * N
         part = tl.load(part_base + in_tile, mask=ok, other=0.0)
@@ -406,11 +417,11 @@ def _scatter_epilogue(
     if BROADCAST:
         if USE_TMA:  # the partial to its owner; own rows: out of bounds, no store
             c_desc.store([tl.where(is_push, tile_row, rows), col], val)
-        # every rank's all-reduce output gets the reduced tile
-        for i in tl.static_range(WORLD):
+        # every rank's all-reduce output gets the reduced tile (a push tile: no iteration)
+        for i in range(0, tl.where(keep, WORLD, 0)):
             q = (rank + i) % WORLD
             dst = peer_ptr_aligned(c, out_table, rank, q) + (row0 + tile_row).to(tl.int64) * N
-            tl.store(dst + in_tile, val, mask=mask & keep)
+            tl.store(dst + in_tile, val, mask=mask)
     else:
         if USE_TMA:  # the partial to its owner, or the reduced tile into ``c``
             c_desc.store([tile_row, col], val)

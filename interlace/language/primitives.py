@@ -61,16 +61,24 @@ def peer_ptr_aligned(local, table, rank, peer):
 
 
 @triton.jit
-def notify(sig, value, ADD: tl.constexpr = False):
+def notify(sig, value, ADD: tl.constexpr = False, LOCAL: tl.constexpr = False):
     """Release-store ``value`` into signal ``sig`` (or release-add it when ``ADD``).
 
     The CTA barrier first makes every thread's earlier stores part of what the release
-    publishes: Triton issues a scalar atomic from a single thread."""
+    publishes: Triton issues a scalar atomic from a single thread. ``LOCAL``: the signal
+    and every reader of the data are on this GPU (a wait kernel, then the copy engine in
+    stream order), so the release needs only GPU scope, not a system-wide fence."""
     tl.debug_barrier()
-    if ADD:
-        tl.atomic_add(sig, value, sem="release", scope="sys")
+    if LOCAL:
+        if ADD:
+            tl.atomic_add(sig, value, sem="release", scope="gpu")
+        else:
+            tl.atomic_xchg(sig, value, sem="release", scope="gpu")
     else:
-        tl.atomic_xchg(sig, value, sem="release", scope="sys")
+        if ADD:
+            tl.atomic_add(sig, value, sem="release", scope="sys")
+        else:
+            tl.atomic_xchg(sig, value, sem="release", scope="sys")
 
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")

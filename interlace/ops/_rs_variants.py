@@ -104,6 +104,61 @@ def _steps(segments, released, cut: bool) -> list:
     return steps
 
 
+class CeFusedLayout(NamedTuple):
+    """What one rank's ``ce_fused`` GEMM computes, in its order: the checked schedule,
+    its chunks in compute order, one segment per chunk, and each chunk's number in the
+    schedule's row order (its signal slots are numbered by it)."""
+
+    schedule: schedule.Schedule
+    chunks: list
+    segments: list
+    slot_of: dict
+
+
+def cef_layout(
+    world: int, rank: int, m: int, n: int, cfg: _gemm.GemmConfig, split: int, *,
+    all_reduce: bool, gather_epilogue: bool, arrival: int, done: int,
+) -> CeFusedLayout:  # fmt: skip
+    """The ``ce_fused`` GEMM's segments for ``rank`` (no buffers: the probes build the
+    same kernel layout on one GPU). Chunks for other ranks are staged locally and counted
+    in ``done + chunk``; this rank's own chunks wait for one arrival flag per peer (from
+    ``arrival + chunk * (world - 1)``), then reduce in their epilogue. Reduce-scatter: own
+    chunks last; all-reduce: in rounds (:func:`gather_order`). ``gather_epilogue``: own
+    chunks raise the peers' broadcast counters (after the arrival flags), which every
+    staged chunk waits for at the kernel's end; else (all-reduce) they count their reduced
+    tiles in ``done`` for the gather copies."""
+    m_loc = m // world
+    template = schedule.partition_all_reduce if all_reduce else schedule.full_mesh_reduce_scatter
+    sched = template(world, m_loc, split, backend="ce", align=cfg.block_m)
+    schedule.check(sched)
+    slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
+    broadcast = arrival + world * MAX_SPLIT * (world - 1)
+    chunks = [c for c, _ in schedule.chunk_order(sched, rank)]
+    if all_reduce:
+        chunks = gather_order(chunks, rank, world)
+    segments = []
+    for chunk in chunks:
+        o, cid = chunk.owner, slot_of[chunk.id]
+        common = dict(row0=chunk.lo, rows=chunk.rows, owner=o, out_row0=chunk.lo - o * m_loc)
+        if o != rank:
+            final = tiles_of(chunk.rows, n, cfg) if gather_epilogue else 0
+            segments.append(
+                Segment(
+                    kind="push", notify=done + cid, final_slot=broadcast + cid,
+                    final_expected=final, **common,
+                )
+            )  # fmt: skip
+        else:
+            notify = broadcast + cid if gather_epilogue else done + cid if all_reduce else 0
+            segments.append(
+                Segment(
+                    kind="reduce", wait_first=arrival + cid * (world - 1),
+                    wait_count=world - 1, wait_expected=1, notify=notify, **common,
+                )
+            )  # fmt: skip
+    return CeFusedLayout(sched, chunks, segments, slot_of)
+
+
 class ScatterVariants:
     """Mixed into the GEMM+RS context; uses its pad, buffers, plans and GEMM configs.
 
@@ -255,39 +310,26 @@ class ScatterVariants:
         w, r = self.world_size, self.rank
         m_loc, rows = m // w, self.max_m // w
         cfg = self._cfg(m, n, self.k)
-        template = (
-            schedule.partition_all_reduce if self.BROADCAST else schedule.full_mesh_reduce_scatter
-        )
-        sched = template(w, m_loc, self._split_of("ce_fused"), backend="ce", align=cfg.block_m)
-        schedule.check(sched)
-        slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
         arrival = self._cef_set_slots(s)[0]
-        broadcast = arrival + w * MAX_SPLIT * (w - 1)
         bcast = self.BROADCAST and self.gather == "epilogue"
         copy_gather = self.BROADCAST and not bcast
         done, gathered = self.pad.offset("ce_done"), self.pad.offset("ce_gathered")
-        chunks = [c for c, _ in schedule.chunk_order(sched, r)]
-        if self.BROADCAST:
-            chunks = gather_order(chunks, r, w)
-        own_number = {c.id: i + 1 for i, c in enumerate(x for x in chunks if x.owner == r)}
+        layout = cef_layout(
+            w, r, m, n, cfg, self._split_of("ce_fused"), all_reduce=self.BROADCAST,
+            gather_epilogue=bcast, arrival=arrival, done=done,
+        )  # fmt: skip
+        own_number = {c.id: i + 1 for i, c in enumerate(x for x in layout.chunks if x.owner == r)}
         sends, gathers = {}, {}  # per chunk: its reduce-scatter copy; its gather copies
-        for t in schedule.transfers(sched, r):
+        for t in schedule.transfers(layout.schedule, r):
             if t.reduce:
                 sends[t.chunk_id] = t
             else:
                 gathers.setdefault(t.chunk_id, []).append(t)
-        segments, released = [], []
-        for chunk in chunks:
-            o, cid = chunk.owner, slot_of[chunk.id]
+        segments, released = layout.segments, []
+        for chunk in layout.chunks:
+            o, cid = chunk.owner, layout.slot_of[chunk.id]
             tiles = tiles_of(chunk.rows, n, cfg)
-            common = dict(row0=chunk.lo, rows=chunk.rows, owner=o, out_row0=chunk.lo - o * m_loc)
             if o != r:
-                segments.append(
-                    Segment(
-                        kind="push", notify=done + cid, final_slot=broadcast + cid,
-                        final_expected=tiles if bcast else 0, **common,
-                    )
-                )  # fmt: skip
                 t = sends[chunk.id]
                 lo, hi = t.lo - o * m_loc, t.hi - o * m_loc  # in the owner's rows
                 dst = self.recv.peers[o][s].view(-1)[(r * rows + lo) * n : (r * rows + hi) * n]
@@ -298,13 +340,6 @@ class ScatterVariants:
                     )
                 ])  # fmt: skip
                 continue
-            segments.append(
-                Segment(
-                    kind="reduce", wait_first=arrival + cid * (w - 1), wait_count=w - 1,
-                    wait_expected=1, **common,
-                    notify=broadcast + cid if bcast else done + cid if copy_gather else 0,
-                )
-            )  # fmt: skip
             released.append([  # gather="copy": the reduced rows to every peer
                 self._copy(
                     self._rows(self.result.peers[t.dst], t.lo, t.hi, n),

@@ -1,0 +1,250 @@
+"""What does the GEMM+RS / GEMM+AR ``ce_fused`` kernel cost by itself, on one GPU?
+
+One process emulates rank ``--rank`` of ``--world-size`` ranks: the kernel runs the
+segments that rank runs (``ops._rs_variants.cef_layout``), with every wait already met
+(the peers' partials lie in a local receive buffer and their arrival flags are raised
+before the first launch), the all-reduce's broadcast stores going to ``world`` local
+result buffers. So the times are the kernel's own work, with no communication and no
+synchronisation: what the op's GEMM would take if every copy landed in time.
+
+Each variant is checked against a float32 reference first (outputs poisoned), then timed
+as a CUDA graph of ``--reps`` launches, every variant's graph replayed once per round for
+``--iters`` rounds (per-launch median, ms):
+
+* ``cublas``: ``torch.matmul``; ``plain`` / ``plain_room``: the segment GEMM with plain
+  stores, with the op's config (``with_epilogue_room``) for the latter;
+* ``rs_stage``: every chunk staged (the push epilogue path for every tile, no reduction);
+* ``rs_cef`` / ``ar_cef``: the GEMM+RS / GEMM+AR (``gather="epilogue"``) layouts;
+* ``*_before``: the same with the kernel module named by ``--before`` (e.g. a copy of
+  an earlier ``kernels/gemm.py`` saved as ``interlace/kernels/_gemm_before.py``), so
+  two kernel versions are compared in one run on one machine.
+
+    python scripts/probe_kernel_layout.py [--world-size 4] [--m 8192 2048] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+from dataclasses import replace
+
+import torch
+
+from interlace.bench.dense import MODELS, model_shape
+from interlace.bench.timing import graph_of, paired_median_ms
+from interlace.ops import _gemm
+from interlace.ops._rs_variants import cef_layout
+
+SPINS = 1 << 22  # every wait is met before the launch; bounded all the same
+ARRIVAL, DONE, PAD = 64, 8, 4096  # signal slots (any layout that does not overlap)
+
+
+class Emulated:
+    """One rank's ``ce_fused`` kernel on one GPU, its waits met in advance."""
+
+    MODES = ("plain", "stage", "rs", "ar")
+
+    def __init__(self, world, rank, m, n, k, mode, split=2, kernel=None, device=None):
+        """``mode``: ``rs`` / ``ar``: the GEMM+RS / GEMM+AR (``gather="epilogue"``) layout;
+        ``stage``: every chunk staged (no reduction); ``plain``: the same chunks as plain
+        store segments (no push epilogue, no signals). ``split``: chunks per owner (the
+        op's default for ``ce_fused`` is 2)."""
+        dev = device or torch.device("cuda", torch.cuda.current_device())
+        backend = "cuda" if dev.type == "cuda" else "cpu"  # cpu: Triton's interpreter
+        all_reduce = mode == "ar"
+        self.world, self.rank, self.m, self.n, self.mode = world, rank, m, n, mode
+        self.all_reduce = all_reduce
+        m_loc = m // world
+        self.cfg = _gemm.gemm_config(m, n, k, backend)
+        if backend == "cuda" and mode != "plain":
+            self.cfg = _gemm.with_epilogue_room(self.cfg)
+        layout = cef_layout(
+            world, rank, m, n, self.cfg, split, all_reduce=all_reduce,
+            gather_epilogue=all_reduce, arrival=ARRIVAL, done=DONE,
+        )  # fmt: skip
+        segments = layout.segments
+        if mode in ("stage", "plain"):
+            kind = "push" if mode == "stage" else "store"
+            segments = [replace(s, kind=kind, wait_count=0, final_expected=0) for s in segments]
+        self.segments = segments
+        gen = torch.Generator(device=dev).manual_seed(1234 + rank)
+        self.backend = backend
+        self.a = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
+        self.b = torch.randn(k, n, device=dev, dtype=torch.bfloat16, generator=gen) / math.sqrt(k)
+        self.recv = torch.randn(world, m_loc, n, device=dev, dtype=torch.bfloat16, generator=gen)
+        self.stage = torch.empty(m * n, device=dev, dtype=torch.bfloat16)
+        self.pads = [torch.zeros(PAD, device=dev, dtype=torch.int32) for _ in range(world)]
+        sig = self.pads[rank]
+        for s in segments:  # the peers' copies and broadcasts have all landed
+            if s.kind == "reduce":
+                sig[s.wait_first : s.wait_first + s.wait_count] = s.wait_expected
+            if s.final_expected:
+                sig[s.final_slot] = s.final_expected
+        self.results = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(world)]
+        own_rows = m if mode == "plain" else m_loc  # plain: every row into one output
+        own_out = torch.empty(own_rows, n, device=dev, dtype=torch.bfloat16)
+        self.out = self.results[rank] if all_reduce else own_out
+        self.err = torch.zeros(4, dtype=torch.int32, device=dev)  # read after the launch
+        table = _gemm.segment_table(segments, n, self.cfg, dev)
+        grid = _gemm.programs_for(
+            _gemm.total_tiles(segments, n, self.cfg), dev, backend, comm_sms=1
+        )  # fmt: skip
+        ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)  # noqa: E731
+        self._keep = (ptrs(self.pads), ptrs(self.results), ptrs([self.recv] * world))
+        previous = _gemm.gemm_segments_kernel
+        if kernel is not None:  # the launcher takes the module's kernel when it is made
+            _gemm.gemm_segments_kernel = kernel
+        fixed = dict(
+            recv=self.recv, recv_rows=m_loc, recv_table=self._keep[2], push=True,
+            stage=self.stage, broadcast=all_reduce, sig_table=self._keep[0],
+            out_table=self._keep[1] if all_reduce else None,
+        )  # fmt: skip
+        try:
+            self.run = _gemm.launcher(
+                m, n, k, self.cfg, grid, table, len(segments), dtype=torch.bfloat16,
+                device=dev, sig=sig, err=self.err.data_ptr(), rank=rank, max_spins=SPINS,
+                world=world, **({} if mode == "plain" else fixed),
+            )  # fmt: skip
+        finally:
+            _gemm.gemm_segments_kernel = previous
+
+    def __call__(self):
+        self.run(self.a, self.b, self.out, None)
+
+    def check(self) -> float:
+        """Largest relative error (vs float32) over what the launch wrote."""
+        for t in (self.stage, self.out, *self.results):
+            t.fill_(float("nan"))
+        self()
+        if self.backend == "cuda":
+            torch.cuda.synchronize()
+        if int(self.err[0]):
+            raise RuntimeError(f"a wait timed out: {self.err.tolist()}")
+        full = self.a.float() @ self.b.float()
+        m_loc, n, r = self.m // self.world, self.n, self.rank
+        staged = self.stage.view(self.m, n)
+        worst = 0.0
+        for s in self.segments:
+            lo, hi = s.row0, s.row0 + s.rows
+            if s.kind == "store":
+                got, ref = self.out[lo:hi].float(), full[lo:hi]
+            elif s.kind == "push":
+                got, ref = staged[lo:hi].float(), full[lo:hi]
+            else:
+                ref = full[lo:hi] + sum(
+                    self.recv[p, lo - r * m_loc : hi - r * m_loc].float()
+                    for p in range(self.world) if p != r
+                )  # fmt: skip
+                outs = self.results if self.all_reduce else [self.out]
+                row0 = lo if self.all_reduce else lo - r * m_loc
+                for o in outs:
+                    got = o[row0 : row0 + s.rows].float()
+                    worst = max(worst, _rel(got, ref))
+                continue
+            worst = max(worst, _rel(got, ref))
+        return worst
+
+
+def _rel(got, ref) -> float:
+    if not torch.isfinite(got).all():
+        return math.inf
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def graph_of_calls(fn, reps: int):
+    """``reps`` calls of ``fn`` captured in one CUDA graph."""
+
+    def many():
+        for _ in range(reps):
+            fn()
+
+    return graph_of(None, many)
+
+
+def _baselines(m, n, k, errors) -> dict:
+    """cuBLAS and the plain segment GEMM (its own config, and the op's) on fresh operands:
+    name -> callable (checked here)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(99)
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(k, n, device=dev, dtype=torch.bfloat16, generator=gen) / math.sqrt(k)
+    c = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+    ref = a.float() @ b.float()
+    base = _gemm.gemm_config(m, n, k)
+    calls = {"cublas": lambda: torch.matmul(a, b, out=c)}
+    for name, cfg in (("plain", base), ("plain_room", _gemm.with_epilogue_room(base))):
+        c.fill_(float("nan"))
+        _gemm.matmul(a, b, out=c, cfg=cfg)
+        errors[name] = _rel(c.float(), ref)
+        calls[name] = lambda cfg=cfg: _gemm.matmul(a, b, out=c, cfg=cfg)
+    return calls
+
+
+def shape_row(model, m, world, rank, reps, iters, before):
+    """Every variant of one shape, checked, then timed interleaved: round ``i`` replays
+    each variant's graph once before round ``i + 1`` replays any (``paired_median_ms``),
+    so the machine's drift during the run reaches every variant alike."""
+    shape = model_shape("gemm_rs", model, m, world)
+    m, n, k = shape.M, shape.N, shape.K
+    variants = {  # name: (mode, split)
+        "seg_plain": ("plain", 2), "rs_stage": ("stage", 2), "rs_cef": ("rs", 2),
+        "ar_cef": ("ar", 2), "rs_stage_s1": ("stage", 1), "rs_cef_s1": ("rs", 1),
+    }  # fmt: skip
+    errors = {}
+    calls = _baselines(m, n, k, errors)
+    kernels = {"": None}
+    if before is not None:
+        kernels["_before"] = before
+    for name, (mode, split) in variants.items():
+        for suffix, kernel in kernels.items():
+            emu = Emulated(world, rank, m, n, k, mode, split, kernel=kernel)
+            errors[name + suffix] = emu.check()
+            calls[name + suffix] = emu
+    graphs = {name: graph_of_calls(fn, reps) for name, fn in calls.items()}
+    times = paired_median_ms(None, [g.replay for g in graphs.values()], iters=iters, warmup=2)
+    row = {name: t / reps for name, t in zip(graphs, times)}
+    return dict(model=model, M=m, N=n, K=k, world_size=world, rank=rank, ms=row, rel_err=errors)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--m", type=int, nargs="+", default=[8192, 2048])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--reps", type=int, default=5, help="launches per graph replay")
+    p.add_argument("--iters", type=int, default=25, help="interleaved rounds")
+    p.add_argument("--before", default=None, help="module of an earlier kernel to compare")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    before = None
+    if args.before:
+        before = importlib.import_module(args.before).gemm_segments_kernel
+    rows = []
+    for m in args.m:
+        for model in args.models:
+            row = shape_row(model, m, args.world_size, args.rank, args.reps, args.iters, before)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    meta = dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__,
+        triton=importlib.import_module("triton").__version__, rows=rows,
+    )  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(meta, f, indent=1)
+    cols = list(rows[0]["ms"])
+    print(f"ce_fused kernel layouts on one GPU, as rank {args.rank} of {args.world_size}, ms")
+    width = [max(8, len(c) + 1) for c in cols]
+    print(f"{'model':12s}{'M':>6s}" + "".join(f"{c:>{w}s}" for c, w in zip(cols, width)))
+    for r in rows:
+        times = "".join(f"{r['ms'][c]:{w}.3f}" for c, w in zip(cols, width))
+        print(f"{r['model']:12s}{r['M']:6d}" + times)
+    worst = max(v for r in rows for v in r["rel_err"].values())
+    print(f"largest relative error vs float32: {worst:.2e}")
+
+
+if __name__ == "__main__":
+    main()
