@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 
 from ..errors import InterlaceError, InterlaceTypeError, InterlaceValueError
 from ..language.primitives import barrier_kernel
-from ..runtime import ErrorWord, Group, SignalPad, default_max_spins
+from ..runtime import ErrorWord, Group, SignalPad, default_max_spins, graphs
 from ._launch import PreparedLaunch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -128,6 +129,7 @@ class OpContext:
         self._capture = self.group.backend == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
 
     _capture = False
+    eager_graphs = False
 
     def _capturing(self) -> bool:
         """This call is being captured in a CUDA graph (as noted by ``_begin``)."""
@@ -136,6 +138,54 @@ class OpContext:
     def _end(self) -> None:
         if self.group.backend == "cpu":  # everything already ran: report now
             self.error.raise_if_set(self.op_name, self.pad.describe)
+
+    def _init_eager_graphs(self, eager_graphs: bool) -> None:
+        """``eager_graphs``: replay eager calls from CUDA graphs (:meth:`_enqueue`); on the
+        CPU backend there are no graphs and calls run as they are."""
+        if eager_graphs and self.group.backend == "cuda" and not graphs.available():
+            raise InterlaceValueError(
+                f"{self.op_name}: eager_graphs needs a CUDA driver with the graph-update "
+                "calls (CUDA 12.4 or later)"
+            )
+        self.eager_graphs = bool(eager_graphs) and self.group.backend == "cuda"
+        self._graphs: dict = {}  # call kind -> EagerGraph, or the reason it cannot be one
+
+    def _enqueue(self, strategy: str, run, *operands) -> None:
+        """Enqueue this call's device work, ``run()``. With ``eager_graphs`` (an eager call
+        on a GPU) the first call of each kind (strategy, buffer set, operand shapes) runs
+        ``run()`` itself (it compiles, builds plans and runs their one-time waits); the
+        second captures it into a CUDA graph (:class:`~interlace.runtime.graphs.EagerGraph`)
+        and every call of that kind then replays the graph with its own ``operands``: one
+        launch from the host instead of every kernel, copy and signal write. The device
+        work is the same, so ranks need not agree on it."""
+        if not self.eager_graphs or self._capturing():
+            run()
+            return
+        s = getattr(self, "_next_set", None)  # the buffer set this call will use
+        key = (strategy, s, tuple(None if t is None else t.shape for t in operands))
+        graph = self._graphs.get(key)
+        if graph is None:
+            self._graphs[key] = "seen"  # the first call of this kind runs eagerly
+            run()
+            return
+        if isinstance(graph, str):
+            if graph != "seen":  # this kind cannot be replayed (why: ``graph``)
+                run()
+                return
+            try:
+                graph = graphs.EagerGraph(run, operands)  # runs run()'s host code only
+            except graphs.GraphUnsupported as e:
+                self._graphs[key] = str(e)
+                if s is not None:
+                    self._next_set = s  # the capture advanced it; the eager call will
+                warnings.warn(f"{self.op_name}: {e}; these calls run eagerly", stacklevel=3)
+                run()
+                return
+            graph.next_set = getattr(self, "_next_set", None)
+            self._graphs[key] = graph
+        graph.launch(operands)
+        if s is not None:
+            self._next_set = graph.next_set  # as run() would have left it
 
     # ------------------------------------------------------------------ device helpers
     def _barrier(self, clear_first: int = 0, clear_count: int = 0) -> None:

@@ -113,7 +113,7 @@ class _OverlappedGemm(OpContext):
     def __init__(
         self, group, max_m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
         strategy: str = "auto", split: int | None = None, comm_sms: int = 16,
-        config: GemmConfig | None = None, max_spins=None,
+        config: GemmConfig | None = None, max_spins=None, eager_graphs: bool = False,
     ):  # fmt: skip
         if strategy not in self.STRATEGIES:
             raise InterlaceValueError(
@@ -135,6 +135,7 @@ class _OverlappedGemm(OpContext):
         self.last_strategy: str | None = None
         self._plans: dict = {}  # eager plans; plans first built inside a capture are kept
         self._captured_plans: dict = {}  # apart: their tables fill only when a graph replays
+        self._init_eager_graphs(eager_graphs)
 
     @staticmethod
     def _regions(world: int) -> dict[str, int]:
@@ -263,7 +264,8 @@ class AGGemm(AlternatingSets, _OverlappedGemm):
         if strategy == "none":
             self._baseline(a_shard, b, bias, out)
         elif strategy == "fused":
-            self._fused(a_shard, b, bias, out)
+            run = lambda: self._fused(a_shard, b, bias, out)  # noqa: E731
+            self._enqueue(strategy, run, a_shard, b, bias, out)
         else:
             self._sm_pull(a_shard, b, bias, out)
         self.last_strategy = strategy
@@ -428,7 +430,7 @@ class _ScatterGemm(AlternatingSets, ScatterVariants, _OverlappedGemm):
             cls = SignalReorderGemmAR if self.BROADCAST else SignalReorderGemmRS
             self._signal_reorder = cls(
                 group, self.max_m, self.n, self.k, dtype, config=self.config,
-                max_spins=self.max_spins,
+                max_spins=self.max_spins, eager_graphs=self.eager_graphs,
             )  # fmt: skip
         elif strategy == "ce_fused" or self._auto_ce_fused():
             # a receive buffer per buffer set (AlternatingSets); ``fused`` uses the first
@@ -638,14 +640,10 @@ class GemmRS(_ScatterGemm):
                 out += bias
         elif strategy == "signal_reorder":
             out = self._signal_reorder(a, b, bias=bias, out=out)
-        elif strategy == "ce_scatter":
-            self._ce_scatter(a, b, bias, out)
-        elif strategy == "ce_fused":
-            self._ce_fused(a, b, bias, out)
-        elif strategy == "ring":
-            self._ring(a, b, bias, out)
         else:
-            self._fused(a, b, bias, out)
+            run = {"ce_scatter": self._ce_scatter, "ce_fused": self._ce_fused, "ring": self._ring}
+            run = run.get(strategy, self._fused)
+            self._enqueue(strategy, lambda: run(a, b, bias, out), a, b, bias, out)
         self.last_strategy = strategy
         self._end()
         return out
@@ -697,6 +695,21 @@ class GemmAR(_ScatterGemm):
             view = self._result_views[(m, n)] = self.result.local.view(-1)[: m * n].view(m, n)
         return view
 
+    def _overlapped_call(self, strategy, a, b, bias, out):
+        """The strategies that reduce into this context's symmetric result: that buffer's
+        view, or ``out`` holding a copy of it."""
+        result = self._result_view(a.shape[0], b.shape[1])
+        run = {"ce_scatter": self._ce_all_reduce, "ce_fused": self._ce_fused}
+        run = run.get(strategy, self._fused)
+
+        def enqueue():
+            run(a, b, bias, result)
+            if out is not None:
+                out.copy_(result)
+
+        self._enqueue(strategy, enqueue, a, b, bias, out)
+        return result if out is None else out
+
     def __call__(self, a, b, bias=None, out=None):
         self._check_call(a, b, bias, self.max_m)
         self._rows_check(a)
@@ -712,15 +725,7 @@ class GemmAR(_ScatterGemm):
         elif strategy == "signal_reorder":
             result = self._signal_reorder(a, b, bias=bias, out=out)
         else:
-            result = self._result_view(m, n)
-            if strategy == "ce_scatter":
-                self._ce_all_reduce(a, b, bias, result)
-            elif strategy == "ce_fused":
-                self._ce_fused(a, b, bias, result)
-            else:
-                self._fused(a, b, bias, result)
-            if out is not None:
-                result = out.copy_(result)
+            result = self._overlapped_call(strategy, a, b, bias, out)
         self.last_strategy = strategy
         self._end()
         return result

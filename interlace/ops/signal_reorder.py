@@ -304,6 +304,7 @@ class SignalReorderGemm(OpContext):
         self, group: Group, max_m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
         *, comm_sms: int | None = None, config: _gemm.GemmConfig | None = None,
         eps: float = 1e-6, max_spins: int | None = None, comm_group=None,
+        eager_graphs: bool = False,
     ):  # fmt: skip
         # OpContext without its signal pad: this strategy needs no symmetric memory.
         if not isinstance(group, Group):
@@ -343,6 +344,7 @@ class SignalReorderGemm(OpContext):
         self.last_partition: tuple[int, ...] | None = None
         self._plans: dict = {}
         self._layouts: dict = {}
+        self._init_eager_graphs(eager_graphs)
 
     def _check_comm_sms(self, comm_sms) -> int:
         if self.group.backend != "cuda":
@@ -482,7 +484,13 @@ class SignalReorderGemm(OpContext):
         if len(plan.groups) == 1:
             self._sequential(a, b, bias, out, norm_weight)
         else:
-            self._overlapped(plan, a, b, bias, out, norm_weight)
+            # the operands the launches read or write (the bias: only where it is added)
+            used_bias = bias if self._adds_bias(plan.layout, bias) else None
+            self._enqueue(
+                ("signal_reorder", plan.partition),
+                lambda: self._overlapped(plan, a, b, bias, out, norm_weight),
+                a, b, used_bias, out, norm_weight,
+            )  # fmt: skip
         self.last_partition = plan.partition
         self._end()
         return out
@@ -507,15 +515,18 @@ class SignalReorderGemm(OpContext):
         )  # fmt: skip
         self._collective(lay, first, count)
 
+    def _adds_bias(self, lay: Layout, bias) -> bool:
+        """Bias once in a sum: rank 0 adds it before the reduction; all-to-all adds it on
+        every rank (each sends its own rows)."""
+        return bias is not None and (self.rank == 0 or lay.op == "all_to_all")
+
     def launch_gemm(self, plan: Plan, a, b, bias=None, signal: bool = True) -> None:
         """The signalling GEMM alone, on the current stream (it raises the counters; only
         the wait kernels reset them). ``signal=False``: no counters (probes only)."""
         lay, cfg = plan.layout, plan.cfg
         if plan.use_tma and a.is_cuda:
             install_scratch_allocator()
-        # Bias once in a sum: rank 0 adds it before the reduction; all-to-all adds it on
-        # every rank (each sends its own rows).
-        has_bias = bias is not None and (self.rank == 0 or lay.op == "all_to_all")
+        has_bias = self._adds_bias(lay, bias)
         launch(
             signal_gemm_kernel, lay.programs, a, b, self.send,
             bias if has_bias else self.send, lay.m, lay.n, self.k,

@@ -1,5 +1,6 @@
 """Host side: groups, symmetric buffers, signal pads, comm streams, copy-engine transfers."""
 
+from . import graphs
 from .group import Group, interpreter_enabled
 from .signals import ErrorWord, SignalPad, default_max_spins
 from .streams import (
@@ -21,6 +22,7 @@ __all__ = [
     "SymmetricTensor",
     "comm_stream",
     "copy_and_signal",
+    "graphs",
     "default_max_spins",
     "fork",
     "fork_from_mark",

@@ -62,10 +62,15 @@ def enabled() -> bool:
     return torch.cuda.is_available() and _lib() is not None
 
 
-def _check(result: int, what: str) -> None:
+def check(result: int, what: str) -> None:
+    """Raise :class:`InterlaceError` naming ``what`` and the driver's error, unless
+    ``result`` is 0 (``CUDA_SUCCESS``)."""
     if result != 0:
         name = ctypes.c_char_p()
-        _lib()["cuGetErrorName"](result, ctypes.byref(name))
+        try:
+            ctypes.CDLL("libcuda.so.1").cuGetErrorName(result, ctypes.byref(name))
+        except (OSError, AttributeError):
+            pass
         text = name.value.decode() if name.value else f"error {result}"
         raise InterlaceError(f"{what} failed: {text}")
 
@@ -77,21 +82,21 @@ def current_stream(device_index: int) -> int:
 
 def record(event: int, stream: int) -> None:
     """``cuEventRecord(event, stream)``."""
-    _check(_lib()["cuEventRecord"](event, stream), "cuEventRecord")
+    check(_lib()["cuEventRecord"](event, stream), "cuEventRecord")
 
 
 def wait(stream: int, event: int) -> None:
     """Make ``stream`` wait for the last record of ``event``."""
-    _check(_lib()["cuStreamWaitEvent"](stream, event, 0), "cuStreamWaitEvent")
+    check(_lib()["cuStreamWaitEvent"](stream, event, 0), "cuStreamWaitEvent")
 
 
 def copy(dst: int, src: int, nbytes: int, stream: int) -> None:
     """Copy ``nbytes`` from device address ``src`` to ``dst`` on ``stream`` (copy engine;
     either may be a peer's memory mapped into this process)."""
-    _check(_lib()["cuMemcpyAsync"](dst, src, nbytes, stream), "cuMemcpyAsync")
+    check(_lib()["cuMemcpyAsync"](dst, src, nbytes, stream), "cuMemcpyAsync")
 
 
 def write_value32(address: int, value: int, stream: int) -> None:
     """Write the 32-bit ``value`` at device address ``address`` from ``stream``, after the
     work enqueued before it."""
-    _check(_lib()["cuStreamWriteValue32_v2"](stream, address, value, 0), "cuStreamWriteValue32")
+    check(_lib()["cuStreamWriteValue32_v2"](stream, address, value, 0), "cuStreamWriteValue32")

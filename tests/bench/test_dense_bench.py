@@ -207,6 +207,7 @@ def test_strategy_variants_for_the_ablation():
 
     assert split_variant("fused") == ("fused", {})
     assert split_variant("sm_pull:comm_sms=8+split=2") == ("sm_pull", {"comm_sms": 8, "split": 2})
+    assert split_variant("auto:eager_graphs=1") == ("auto", {"eager_graphs": 1})
     with pytest.raises(ValueError, match="options are"):
         split_variant("fused:warps=4")
     with pytest.raises(ValueError, match="options are"):

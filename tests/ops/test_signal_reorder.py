@@ -296,6 +296,48 @@ def test_cuda_graph_replay(op, size):
     get_world("cuda", size).run(_graph_body, op)
 
 
+def _eager_graph_body(group, op):
+    """``eager_graphs=True``: repeated eager calls with fresh inputs, new outputs, the
+    fused RMSNorm on every other call; every result against the reference, and the
+    overlapped calls end up replayed from graphs."""
+    dev, dtype = group.device, torch.bfloat16
+    m_loc, n, k = 384, 512, 256
+    gen = torch.Generator().manual_seed(3 + group.rank)
+    shared = torch.Generator().manual_seed(5)  # bias and norm weight: the same on all ranks
+    kw = _gpu_programs_kw(group)
+    m = 4 * m_loc  # several waves at any world size
+    ctx = CLASSES[op](group, max_m=m, n=n, k=k, eager_graphs=True, **kw)
+    try:
+        assert len(ctx.partition_for(m)) > 1
+        b = rand(gen, k, n, dtype=dtype, device=dev, scale=0.2)
+        bias = rand(shared, n, dtype=dtype, device=dev)
+        weight = rand(shared, n, dtype=dtype, device=dev).abs()
+        for i in range(6):
+            a = rand(gen, m, k, dtype=dtype, device=dev)
+            norm = weight if i % 2 else None
+            ref = _reference(group, op, a, b, bias)
+            ref = _norm_ref(ref, norm) if norm is not None else ref
+            out = nans(*ref.shape, dtype=dtype, device=dev)
+            y = ctx(a, b, bias=bias, out=out, norm_weight=norm)
+            sync(group)
+            assert y.data_ptr() == out.data_ptr()
+            assert rel_err(y, ref) < TOL, (op, i, rel_err(y, ref))
+        ctx.check()
+        assert any(not isinstance(g, str) for g in ctx._graphs.values()), ctx._graphs
+    finally:
+        ctx.close()
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", list(CLASSES))
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_eager_graphs(op, size):
+    from tests.conftest import get_world
+
+    get_world("cuda", size).run(_eager_graph_body, op)
+
+
 @pytest.mark.parametrize("strips", [1, 4])
 def test_signal_gemm_is_software_pipelined(strips):
     """The per-tile counter release must not stop Triton from pipelining the persistent

@@ -1,0 +1,270 @@
+"""Eager calls replayed from a CUDA graph: the host cost of an op's launches paid once.
+
+An overlapped op enqueues a GEMM, copies, signal writes and stream forks on every call;
+from Python that is 35-170 µs of host time per call on the GPU machines measured, which an
+eager call (device idle when it starts) exposes in full, while the same work replayed
+from a CUDA graph starts in a few µs. :class:`EagerGraph` captures the work of one call
+once (nothing runs during the capture) and replays it for later calls that have the same
+shapes but their own tensors: before each launch, every kernel parameter and every copy
+address that pointed into one of the capture's *operands* (the call's inputs and output)
+is moved by that operand's displacement (``cuGraphExecKernelNodeSetParams``,
+``cuGraphExecMemcpyNodeSetParams``). Everything else the graph touches (the context's own
+buffers, signals, tables) stays where it was, as in an eager call of the same context.
+
+Operands are matched by address range, so they must not overlap each other in memory
+(:func:`EagerGraph` raises :class:`GraphUnsupported` then, and for nodes it cannot
+re-point: copies that are not one contiguous row, kernels launched through ``extra``).
+Driver calls go through ``ctypes`` on ``libcuda``, as in :mod:`.driver`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import itertools
+
+import torch
+
+from ..errors import InterlaceError
+from . import driver
+
+_u64, _uint, _vp, _size = ctypes.c_uint64, ctypes.c_uint, ctypes.c_void_p, ctypes.c_size_t
+
+# CUgraphNodeType
+_KERNEL, _MEMCPY = 0, 1
+_CUDA_ERROR_INVALID_VALUE = 1
+
+
+class GraphUnsupported(InterlaceError):
+    """The call's work cannot be replayed from a graph with new operands (see the module
+    docstring); the caller runs it eagerly."""
+
+
+class _KernelNodeParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
+    _fields_ = [
+        ("func", _vp), ("gridDimX", _uint), ("gridDimY", _uint), ("gridDimZ", _uint),
+        ("blockDimX", _uint), ("blockDimY", _uint), ("blockDimZ", _uint),
+        ("sharedMemBytes", _uint), ("kernelParams", _vp), ("extra", _vp), ("kern", _vp),
+        ("ctx", _vp),
+    ]  # fmt: skip
+
+
+class _Memcpy3D(ctypes.Structure):  # CUDA_MEMCPY3D
+    _fields_ = [
+        ("srcXInBytes", _size), ("srcY", _size), ("srcZ", _size), ("srcLOD", _size),
+        ("srcMemoryType", ctypes.c_int), ("srcHost", _vp), ("srcDevice", _u64),
+        ("srcArray", _vp), ("reserved0", _vp), ("srcPitch", _size), ("srcHeight", _size),
+        ("dstXInBytes", _size), ("dstY", _size), ("dstZ", _size), ("dstLOD", _size),
+        ("dstMemoryType", ctypes.c_int), ("dstHost", _vp), ("dstDevice", _u64),
+        ("dstArray", _vp), ("reserved1", _vp), ("dstPitch", _size), ("dstHeight", _size),
+        ("WidthInBytes", _size), ("Height", _size), ("Depth", _size),
+    ]  # fmt: skip
+
+
+_SIGNATURES = {
+    "cuGraphGetNodes": (_vp, _vp, ctypes.POINTER(_size)),
+    "cuGraphNodeGetType": (_vp, ctypes.POINTER(ctypes.c_int)),
+    "cuGraphKernelNodeGetParams_v2": (_vp, ctypes.POINTER(_KernelNodeParams)),
+    "cuGraphExecKernelNodeSetParams_v2": (_vp, _vp, ctypes.POINTER(_KernelNodeParams)),
+    "cuFuncGetParamInfo": (_vp, _size, ctypes.POINTER(_size), ctypes.POINTER(_size)),
+    "cuGraphMemcpyNodeGetParams": (_vp, ctypes.POINTER(_Memcpy3D)),
+    "cuGraphExecMemcpyNodeSetParams": (_vp, _vp, ctypes.POINTER(_Memcpy3D), _vp),
+    "cuCtxGetCurrent": (ctypes.POINTER(_vp),),
+    "cuGraphLaunch": (_vp, _u64),
+}
+
+
+@functools.cache
+def _calls() -> dict:
+    """The driver functions used here; raises :class:`GraphUnsupported` if one is missing
+    (a driver older than CUDA 12.4 has no ``cuFuncGetParamInfo``)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise GraphUnsupported(f"eager graphs: libcuda not found ({e})") from None
+    calls = {}
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            raise GraphUnsupported(f"eager graphs: the driver has no {name}")
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        calls[name] = fn
+    return calls
+
+
+def _call(name: str, *args) -> int:
+    return _calls()[name](*args)
+
+
+def _checked(name: str, *args) -> None:
+    result = _call(name, *args)
+    if result != 0:
+        driver.check(result, name)
+
+
+def _ranges(operands) -> list[tuple[int, int]]:
+    """``(start, end)`` byte range of each operand; raises if two overlap."""
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in operands]
+    ordered = sorted(spans)
+    for (_, end), (start, _) in zip(ordered, ordered[1:]):
+        if start < end:
+            raise GraphUnsupported("eager graphs: two operands overlap in memory")
+    return spans
+
+
+def _owner(address: int, spans) -> int | None:
+    """The index of the operand whose range holds ``address``, or None."""
+    for i, (start, end) in enumerate(spans):
+        if start <= address < end:
+            return i
+    return None
+
+
+class _KernelPatch:
+    """A kernel node with parameters that point into operands: its parameter values, held
+    in our own buffers, and which 8-byte words of them to move by which operand's
+    displacement (a parameter may be a struct holding pointers, as torch's kernels take)."""
+
+    def __init__(self, node: int, params: _KernelNodeParams, spans):
+        if not params.kernelParams or params.extra:
+            raise GraphUnsupported("eager graphs: a kernel node without kernelParams")
+        if not params.func:
+            raise GraphUnsupported("eager graphs: a kernel node without a CUfunction")
+        values, self.moves = [], []  # moves: (word in a parameter buffer, captured, operand)
+        slots = ctypes.cast(params.kernelParams, ctypes.POINTER(_vp))
+        offset, size = _size(), _size()
+        for i in itertools.count():
+            result = _call(
+                "cuFuncGetParamInfo", params.func, i, ctypes.byref(offset), ctypes.byref(size)
+            )  # fmt: skip
+            if result == _CUDA_ERROR_INVALID_VALUE:  # past the last parameter
+                break
+            if result != 0:
+                driver.check(result, "cuFuncGetParamInfo")
+            n = size.value
+            buf = ctypes.create_string_buffer(ctypes.string_at(slots[i], n), n)
+            values.append(buf)
+            for at in range(0, n - 7, 8):
+                word = _u64.from_buffer(buf, at)
+                owner = _owner(word.value, spans)
+                if owner is not None:
+                    self.moves.append((word, word.value, owner))
+        self.node, self._values = node, values
+        self._pointers = (_vp * len(values))(*(ctypes.addressof(b) for b in values))
+        self.params = _KernelNodeParams.from_buffer_copy(params)
+        self.params.kernelParams = ctypes.cast(self._pointers, _vp)
+
+    def apply(self, exec_: int, moved) -> None:
+        for word, value, owner in self.moves:
+            word.value = value + moved[owner]
+        _checked("cuGraphExecKernelNodeSetParams_v2", exec_, self.node, ctypes.byref(self.params))
+
+
+class _CopyPatch:
+    """A copy node whose source or destination lies in an operand."""
+
+    def __init__(self, node: int, params: _Memcpy3D, spans):
+        self.node, self.params = node, params
+        self.moves = []  # (field, captured address, operand)
+        for side in ("src", "dst"):
+            address = getattr(params, f"{side}Device") + getattr(params, f"{side}XInBytes")
+            owner = _owner(address, spans)
+            if owner is None:
+                continue
+            flat = params.Height <= 1 and params.Depth <= 1
+            if not flat or getattr(params, f"{side}Y") or getattr(params, f"{side}Z"):
+                raise GraphUnsupported("eager graphs: an operand copy of several rows")
+            setattr(params, f"{side}Device", address)  # one address, no offset
+            setattr(params, f"{side}XInBytes", 0)
+            self.moves.append((f"{side}Device", address, owner))
+
+    def apply(self, exec_: int, moved, ctx: int) -> None:
+        for field, address, owner in self.moves:
+            setattr(self.params, field, address + moved[owner])
+        _checked("cuGraphExecMemcpyNodeSetParams", exec_, self.node, ctypes.byref(self.params), ctx)
+
+
+class EagerGraph:
+    """``enqueue()`` (the device work of one call, on the current stream) captured once,
+    with ``operands`` the tensors that call reads and writes; :meth:`launch` replays it
+    with other operands of the same sizes, in the same order (None where the capture had
+    None). Raises :class:`GraphUnsupported` if the capture cannot be re-pointed."""
+
+    def __init__(self, enqueue, operands):
+        self._present = [i for i, t in enumerate(operands) if t is not None]
+        present = [operands[i] for i in self._present]
+        self._device = torch.cuda.current_device()
+        spans = _ranges(present)
+        self._starts = [start for start, _ in spans]
+        self._sizes = [end - start for start, end in spans]
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            enqueue()
+        graph.instantiate()
+        self._graph = graph  # owns the graph, its instance and its memory pool
+        self._exec = graph.raw_cuda_graph_exec()
+        self._kernels, self._copies = self._patches(graph.raw_cuda_graph(), spans)
+        used = {owner for p in (*self._kernels, *self._copies) for *_, owner in p.moves}
+        if len(used) < len(present):  # something reads it that cannot be re-pointed
+            raise GraphUnsupported("eager graphs: an operand no node could be re-pointed at")
+        ctx = _vp()
+        _checked("cuCtxGetCurrent", ctypes.byref(ctx))
+        self._ctx = ctx.value
+        self._last = list(self._starts)  # the operands the instance now points at
+
+    @staticmethod
+    def _patches(raw_graph: int, spans):
+        count = _size(0)
+        _checked("cuGraphGetNodes", raw_graph, None, ctypes.byref(count))
+        nodes = (_vp * count.value)()
+        _checked("cuGraphGetNodes", raw_graph, nodes, ctypes.byref(count))
+        kernels, copies = [], []
+        kind = ctypes.c_int()
+        for node in nodes:
+            _checked("cuGraphNodeGetType", node, ctypes.byref(kind))
+            if kind.value == _KERNEL:
+                params = _KernelNodeParams()
+                _checked("cuGraphKernelNodeGetParams_v2", node, ctypes.byref(params))
+                patch = _KernelPatch(node, params, spans)
+                if patch.moves:
+                    kernels.append(patch)
+            elif kind.value == _MEMCPY:
+                params = _Memcpy3D()
+                _checked("cuGraphMemcpyNodeGetParams", node, ctypes.byref(params))
+                patch = _CopyPatch(node, params, spans)
+                if patch.moves:
+                    copies.append(patch)
+        return kernels, copies
+
+    @property
+    def patched_nodes(self) -> int:
+        """Kernel and copy nodes re-pointed at each call's operands."""
+        return len(self._kernels) + len(self._copies)
+
+    def launch(self, operands) -> None:
+        """Replay on the current stream with ``operands``: the same sizes, in the same
+        order, None where the capture had None (the caller's key guarantees it)."""
+        present = [operands[i] for i in self._present]
+        starts = [t.data_ptr() for t in present]
+        if starts != self._last:
+            for t, size in zip(present, self._sizes):
+                if t.numel() * t.element_size() != size:
+                    raise InterlaceError("eager graph: an operand's size differs")
+            moved = [new - old for new, old in zip(starts, self._starts)]
+            for patch in self._kernels:
+                patch.apply(self._exec, moved)
+            for patch in self._copies:
+                patch.apply(self._exec, moved, self._ctx)
+            self._last = starts
+        _checked("cuGraphLaunch", self._exec, driver.current_stream(self._device))
+
+
+def available() -> bool:
+    """The driver has every call eager graphs need (and a GPU is there)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        _calls()
+    except GraphUnsupported:
+        return False
+    return True
