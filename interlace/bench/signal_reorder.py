@@ -8,7 +8,8 @@ to back (``none``), and ``SignalReorderGemmAR`` with the partition the predictor
 per shape, the same on every rank (per-rank medians, then the max over ranks):
 
 * ``op: gemm_ar, strategy: signal_reorder``: the DESIGN.md record, plus ``partition``,
-  ``predicted_ms`` and ``comm_sms``.
+  ``predicted_ms`` and ``comm_sms``; ``t_eager_graphs_ms``: the same eager calls with
+  ``eager_graphs`` (replayed from a CUDA graph the context captured; GPUs only).
 * ``op: signal_reorder_predictor``: the measured model (``curve`` beside the GEMM,
   ``free_curve`` alone, wave, reorder and host times), up to ``grade_limit`` partitions
   predicted against measured (``partitions``), ``mean_abs_err``, the same error without
@@ -173,7 +174,15 @@ def _shape_records(group, model, m, n, k, dtype_name, iters, warmup, grade_limit
             except Exception as e:  # noqa: BLE001 - recorded as a note, the run goes on
                 torch.cuda.synchronize()
                 notes.append(f"graph failed: {type(e).__name__}: {str(e)[:160]}")
-        agreed = max_over_ranks(group, {"t_ms": t, "t_graph_ms": t_graph, "rel_err": err})
+        t_eager_graphs = None
+        if timed and group.backend == "cuda":  # the same calls, replayed from eager graphs
+            ctx._init_eager_graphs(True)
+            t_eager_graphs = clock(lambda: ctx(a, b))
+            ctx._init_eager_graphs(False)
+        agreed = max_over_ranks(
+            group, {"t_ms": t, "t_graph_ms": t_graph, "t_eager_graphs_ms": t_eager_graphs,
+                    "rel_err": err},
+        )  # fmt: skip
         err = agreed.pop("rel_err")
         bound = None
         if base["t_gemm_ms"] and base["t_comm_ms"]:
@@ -322,12 +331,13 @@ def _fmt(x, spec=".3f"):
 
 def print_summary(records: list[dict]) -> None:
     """Short tables: speed-up against cuBLAS + NCCL, the predictor, the reorder cost."""
-    print("gemm_ar signal_reorder: model M | t_ms graph_ms none_ms gemm_ms comm_ms | x none | "
-          "partition | rel_err")  # fmt: skip
+    print("gemm_ar signal_reorder: model M | t_ms eager_graphs_ms graph_ms none_ms gemm_ms "
+          "comm_ms | x none | partition | rel_err")  # fmt: skip
     for r in records:
         if r["op"] == "gemm_ar":
             ratio = r["t_none_ms"] / r["t_ms"] if r.get("t_ms") and r.get("t_none_ms") else None
             print(f"  {r['model']:>10} {r['M']:>5} | {_fmt(r.get('t_ms'))} "
+                  f"{_fmt(r.get('t_eager_graphs_ms'))} "
                   f"{_fmt(r.get('t_graph_ms'))} {_fmt(r.get('t_none_ms'))} "
                   f"{_fmt(r.get('t_gemm_ms'))} {_fmt(r.get('t_comm_ms'))} | {_fmt(ratio, '.2f')} "
                   f"| {r.get('partition')} | {r.get('rel_err')} {r.get('note', '')}")  # fmt: skip
@@ -337,6 +347,12 @@ def print_summary(records: list[dict]) -> None:
     if speedups:
         geo = math.exp(sum(map(math.log, speedups)) / len(speedups))
         print(f"  geomean x none at M=8192: {geo:.3f}")
+    graphed = [r["t_none_ms"] / r["t_eager_graphs_ms"] for r in records
+               if r["op"] == "gemm_ar" and r.get("M") == 8192 and r.get("t_eager_graphs_ms")
+               and r.get("t_none_ms")]  # fmt: skip
+    if graphed:
+        geo = math.exp(sum(map(math.log, graphed)) / len(graphed))
+        print(f"  geomean x none at M=8192 with eager_graphs: {geo:.3f}")
     for r in records:
         if r["op"] == "signal_reorder_predictor":
             print(f"predictor {r['model']} M={r['M']}: waves {r['n_waves']}, mean abs err "
