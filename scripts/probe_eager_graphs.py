@@ -6,7 +6,7 @@ with and without ``eager_graphs``, plus the host time of one aligned call and th
 op replayed from a CUDA graph the user captured. Every result is checked against the
 op without graphs first.
 
-    python scripts/probe_eager_graphs.py [--world-size 1] [--tp 4] [--json F]
+    python scripts/probe_eager_graphs.py [--world-size 1] [--tp 4] [--json F] [--profile]
 """
 
 from __future__ import annotations
@@ -63,7 +63,39 @@ def _row(group, op, strategy, model, m, tp):
     return dict(op=op, strategy=strategy, model=model, M=shape.M, N=shape.N, K=shape.K, **row)
 
 
-def body(group, tp, ms, models):
+def _profile(group, op, strategy, model, m, tp, calls=300) -> str:
+    """cProfile of ``calls`` graph-backed eager calls (after warm-up): where the host time
+    before the graph launch goes."""
+    import cProfile
+    import io
+    import pstats
+
+    w, dev = group.world_size, group.device
+    shape = model_shape(op, model, m, tp)
+    rows = shape.M // w if op == "ag_gemm" else shape.M
+    a = torch.randn(rows, shape.K, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(shape.K, shape.N, device=dev, dtype=torch.bfloat16) * 0.05
+    ctx = CLASSES[op](group, shape.M, shape.N, shape.K, strategy=strategy, eager_graphs=True)
+    try:
+        for _ in range(6):
+            ctx(a, b)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            ctx(a, b)
+        prof.disable()
+        torch.cuda.synchronize()
+    finally:
+        ctx.close()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    return f"== {op} {strategy} {model} M {m}, {calls} calls\n" + text.getvalue()
+
+
+def body(group, tp, ms, models, profile):
+    if profile:
+        return [_profile(group, op, strategy, models[0], ms[0], tp) for op, strategy in CASES]
     return [
         _row(group, op, strategy, model, m, tp)
         for op, strategy in CASES
@@ -79,8 +111,12 @@ def main():
     p.add_argument("--ms", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true", help="cProfile the graph-backed calls")
     args = p.parse_args()
-    rows = run_on_world(body, args.world_size, args.tp, args.ms, args.models)[0]
+    rows = run_on_world(body, args.world_size, args.tp, args.ms, args.models, args.profile)[0]
+    if args.profile:
+        print("\n".join(rows))
+        return
     meta = dict(
         device=torch.cuda.get_device_name(), world_size=args.world_size, tp_shapes=args.tp,
         torch=torch.__version__, rows=rows,

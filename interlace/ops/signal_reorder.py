@@ -417,6 +417,7 @@ class SignalReorderGemm(OpContext):
         """Use ``partition`` for calls with ``M = m`` (and ``n``) that pass none."""
         n = self.n if n is None else n
         self.partitions[(m, n)] = check_partition(partition, self.waves(m, n), self.op_name)
+        self._plans.pop((m, n, None), None)  # the default plan of this shape changed
 
     def partition_for(self, m: int, n: int | None = None) -> tuple[int, ...]:
         """The partition a call with ``M = m`` takes when it passes none."""
@@ -424,9 +425,13 @@ class SignalReorderGemm(OpContext):
         return self.partitions.get((m, n)) or tuple(default_partition(self.waves(m, n)))
 
     def plan(self, m: int, n: int, partition=None) -> Plan:
-        """The launch plan of a call (cached per shape and partition)."""
+        """The launch plan of a call (cached per shape and partition; a call that passes
+        no partition finds its plan in one lookup, until ``set_partition`` changes it)."""
         if partition is None:
-            partition = self.partition_for(m, n)
+            found = self._plans.get((m, n, None))
+            if found is None:
+                found = self._plans[(m, n, None)] = self.plan(m, n, self.partition_for(m, n))
+            return found
         lay = self.layout(m, n)
         sizes = check_partition(partition, lay.n_waves, self.op_name)
         key = (m, n, sizes)
@@ -450,7 +455,8 @@ class SignalReorderGemm(OpContext):
     # ------------------------------------------------------------------ the call
     def _check_call(self, a, b, bias, norm_weight) -> tuple[int, int]:
         self._begin()
-        _gemm.check_gemm_call(self, a, b, bias)
+        if not _gemm.operands_fit(self, a, b, bias, self.max_m):  # the common case: one
+            _gemm.check_gemm_call(self, a, b, bias)  # expression; else the clear errors
         m, n = a.shape[0], b.shape[1]
         if not 1 <= m <= self.max_m:
             raise InterlaceValueError(
