@@ -13,8 +13,10 @@ as a CUDA graph of ``--reps`` launches, every variant's graph replayed once per 
 
 * ``cublas``: ``torch.matmul``; ``plain`` / ``plain_room``: the segment GEMM with plain
   stores, with the op's config (``with_epilogue_room``) for the latter;
+* ``seg_plain``: the chunks as plain store segments (what segments cost by themselves);
 * ``rs_stage``: every chunk staged (the push epilogue path for every tile, no reduction);
 * ``rs_cef`` / ``ar_cef``: the GEMM+RS / GEMM+AR (``gather="epilogue"``) layouts;
+  ``*_s1``: one chunk per owner;
 * ``*_before``: the same with the kernel module named by ``--before`` (e.g. a copy of
   an earlier ``kernels/gemm.py`` saved as ``interlace/kernels/_gemm_before.py``), so
   two kernel versions are compared in one run on one machine.
@@ -64,6 +66,7 @@ class Emulated:
             world, rank, m, n, self.cfg, split, all_reduce=all_reduce,
             gather_epilogue=all_reduce, arrival=ARRIVAL, done=DONE,
         )  # fmt: skip
+        self.chunks, self.slot_of = layout.chunks, layout.slot_of
         segments = layout.segments
         if mode in ("stage", "plain"):
             kind = "push" if mode == "stage" else "store"
@@ -122,15 +125,26 @@ class Emulated:
             torch.cuda.synchronize()
         if int(self.err[0]):
             raise RuntimeError(f"a wait timed out: {self.err.tolist()}")
-        full = self.a.float() @ self.b.float()
         m_loc, n, r = self.m // self.world, self.n, self.rank
+        if self.mode in ("stage", "rs"):  # each staged chunk's counter, after one launch
+            sig = self.pads[r].tolist()
+            for c in self.chunks:
+                if c.owner == r:  # (own rows: reduced, or in ``stage`` mode counted apart)
+                    continue
+                want = _gemm.tiles_of(c.rows, n, self.cfg)
+                got = sig[DONE + self.slot_of[c.id]]
+                if got != want:
+                    raise RuntimeError(f"chunk {c.id}: counter {got}, expected {want}")
+        full = self.a.float() @ self.b.float()
         staged = self.stage.view(self.m, n)
         worst = 0.0
-        for s in self.segments:
-            lo, hi = s.row0, s.row0 + s.rows
-            if s.kind == "store":
+        for c in self.chunks:  # what each chunk's rows must hold
+            lo, hi = c.lo, c.lo + c.rows
+            kind = {"plain": "store", "stage": "push"}.get(self.mode)
+            kind = kind or ("push" if c.owner != r else "reduce")
+            if kind == "store":
                 got, ref = self.out[lo:hi].float(), full[lo:hi]
-            elif s.kind == "push":
+            elif kind == "push":
                 got, ref = staged[lo:hi].float(), full[lo:hi]
             else:
                 ref = full[lo:hi] + sum(
@@ -140,7 +154,7 @@ class Emulated:
                 outs = self.results if self.all_reduce else [self.out]
                 row0 = lo if self.all_reduce else lo - r * m_loc
                 for o in outs:
-                    got = o[row0 : row0 + s.rows].float()
+                    got = o[row0 : row0 + c.rows].float()
                     worst = max(worst, _rel(got, ref))
                 continue
             worst = max(worst, _rel(got, ref))

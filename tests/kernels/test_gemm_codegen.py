@@ -20,9 +20,12 @@ pytestmark = pytest.mark.skipif(
     cuda_compile_unavailable() is not None, reason=str(cuda_compile_unavailable())
 )
 
+# Every constexpr named (one left out would be compiled as a run-time integer, and its
+# branches both kept, unlike any launch).
 BASE = dict(
     BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, WORLD=2, USE_TMA=True, HAS_BIAS=False,
-    HAS_PUSH=False, BROADCAST=False, HAS_OWN_A=False, SUBTILE=False,
+    HAS_PUSH=False, BROADCAST=False, HAS_OWN_A=False, SUBTILE=False, ENTRY_BARRIER=False,
+    EXIT_CLEAR=False, NOTIFY_STORES=False, STAGE_PUSHES=False,
 )  # fmt: skip
 VARIANTS = {
     "plain": {},
