@@ -341,18 +341,13 @@ def print_summary(records: list[dict]) -> None:
                   f"{_fmt(r.get('t_graph_ms'))} {_fmt(r.get('t_none_ms'))} "
                   f"{_fmt(r.get('t_gemm_ms'))} {_fmt(r.get('t_comm_ms'))} | {_fmt(ratio, '.2f')} "
                   f"| {r.get('partition')} | {r.get('rel_err')} {r.get('note', '')}")  # fmt: skip
-    speedups = [r["t_none_ms"] / r["t_ms"] for r in records
-                if r["op"] == "gemm_ar" and r.get("M") == 8192 and r.get("t_ms")
-                and r.get("t_none_ms")]  # fmt: skip
-    if speedups:
-        geo = math.exp(sum(map(math.log, speedups)) / len(speedups))
-        print(f"  geomean x none at M=8192: {geo:.3f}")
-    graphed = [r["t_none_ms"] / r["t_eager_graphs_ms"] for r in records
-               if r["op"] == "gemm_ar" and r.get("M") == 8192 and r.get("t_eager_graphs_ms")
-               and r.get("t_none_ms")]  # fmt: skip
-    if graphed:
-        geo = math.exp(sum(map(math.log, graphed)) / len(graphed))
-        print(f"  geomean x none at M=8192 with eager_graphs: {geo:.3f}")
+    for key, label in (("t_ms", ""), ("t_eager_graphs_ms", " with eager_graphs")):
+        speedups = [r["t_none_ms"] / r[key] for r in records
+                    if r["op"] == "gemm_ar" and r.get("M") == 8192 and r.get(key)
+                    and r.get("t_none_ms")]  # fmt: skip
+        if speedups:
+            geo = math.exp(sum(map(math.log, speedups)) / len(speedups))
+            print(f"  geomean x none at M=8192{label}: {geo:.3f}")
     for r in records:
         if r["op"] == "signal_reorder_predictor":
             print(f"predictor {r['model']} M={r['M']}: waves {r['n_waves']}, mean abs err "

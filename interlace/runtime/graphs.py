@@ -218,23 +218,22 @@ class EagerGraph:
         _checked("cuGraphGetNodes", raw_graph, None, ctypes.byref(count))
         nodes = (_vp * count.value)()
         _checked("cuGraphGetNodes", raw_graph, nodes, ctypes.byref(count))
-        kernels, copies = [], []
+        # node type -> (its parameters, the call that reads them, its patch, found)
+        found = {
+            _KERNEL: (_KernelNodeParams, "cuGraphKernelNodeGetParams_v2", _KernelPatch, []),
+            _MEMCPY: (_Memcpy3D, "cuGraphMemcpyNodeGetParams", _CopyPatch, []),
+        }
         kind = ctypes.c_int()
         for node in nodes:
             _checked("cuGraphNodeGetType", node, ctypes.byref(kind))
-            if kind.value == _KERNEL:
-                params = _KernelNodeParams()
-                _checked("cuGraphKernelNodeGetParams_v2", node, ctypes.byref(params))
-                patch = _KernelPatch(node, params, spans)
+            if kind.value in found:
+                struct, getter, patch_of, patches = found[kind.value]
+                params = struct()
+                _checked(getter, node, ctypes.byref(params))
+                patch = patch_of(node, params, spans)
                 if patch.moves:
-                    kernels.append(patch)
-            elif kind.value == _MEMCPY:
-                params = _Memcpy3D()
-                _checked("cuGraphMemcpyNodeGetParams", node, ctypes.byref(params))
-                patch = _CopyPatch(node, params, spans)
-                if patch.moves:
-                    copies.append(patch)
-        return kernels, copies
+                    patches.append(patch)
+        return found[_KERNEL][3], found[_MEMCPY][3]
 
     @property
     def patched_nodes(self) -> int:
