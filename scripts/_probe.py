@@ -53,9 +53,9 @@ def llama3_8b_fused(group):
         b_rs=torch.randn(inter // w, h, device=dev, dtype=torch.bfloat16) * 0.05,
     )
     contexts = dict(
-        ag=interlace.AGGemm(group, m, inter // w, h, strategy="fused"),
-        rs=interlace.GemmRS(group, m, h, inter // w, strategy="fused"),
-        ar=interlace.GemmAR(group, m, h, inter // w, strategy="fused"),
+        ag=interlace.AGGemm(group, m, inter // w, h, strategy="fused", eager_graphs=False),
+        rs=interlace.GemmRS(group, m, h, inter // w, strategy="fused", eager_graphs=False),
+        ar=interlace.GemmAR(group, m, h, inter // w, strategy="fused", eager_graphs=False),
     )
     return operands, contexts
 

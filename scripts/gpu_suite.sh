@@ -6,7 +6,7 @@
 # TESTS=0 skips the GPU tests, TEST_PATHS / TEST_K pick some of them (pytest paths, -k),
 # TEST_TIMEOUT / BENCH_TIMEOUT / P2P_TIMEOUT / SR_TIMEOUT in seconds (P2P_TIMEOUT=0 skips p2p_ring), PROBE=1 adds the host-overhead probe,
 # STRATEGIES: the dense strategies (default: all but signal_reorder, which has its own run,
-# plus auto with graph-backed eager calls),
+# plus auto without graph-backed eager calls),
 # SAVE_CACHE=1 packs Triton's cache (.triton_cache/, kept on a warm machine) into $OUT so a
 # later call on a fresh machine can carry it instead of compiling every kernel again.
 # Extra arguments go to `python -m interlace bench`, e.g. --models llama3-8b --ms 8192.
@@ -39,7 +39,7 @@ case "$SUITE" in p2p_ring|signal_reorder|none) MAIN_SUITE="" ;; esac
 bench_rc=skipped
 if [ -n "$MAIN_SUITE" ]; then
     timeout -k 10 "$BENCH_TIMEOUT" python3 -m interlace bench --suite "$MAIN_SUITE" --out "$OUT" \
-        --strategies "${STRATEGIES:-auto,auto:eager_graphs=1,fused,ce_fused,ce_scatter,ring,sm_pull,none}" "$@" > "$OUT/bench.log" 2>&1
+        --strategies "${STRATEGIES:-auto,auto:eager_graphs=0,fused,ce_fused,ce_scatter,ring,sm_pull,none}" "$@" > "$OUT/bench.log" 2>&1
     bench_rc=$?
 fi
 # The two strategies with their own runners (sliced layers; wave-group search).

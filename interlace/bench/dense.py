@@ -120,7 +120,7 @@ def split_variant(strategy: str) -> tuple[str, dict]:
     return name, options
 
 
-VARIANT_OPTIONS = ("split", "comm_sms", "eager_graphs")  # eager_graphs=1: graph-backed eager calls
+VARIANT_OPTIONS = ("split", "comm_sms", "eager_graphs")  # eager_graphs=0: no eager graphs
 #: context options that take a word, and their words
 WORD_OPTIONS = {"gather": ("copy", "epilogue")}
 #: options only some ops take: kept for an op whose class has the attribute

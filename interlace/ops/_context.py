@@ -139,15 +139,20 @@ class OpContext:
         if self.group.backend == "cpu":  # everything already ran: report now
             self.error.raise_if_set(self.op_name, self.pad.describe)
 
-    def _init_eager_graphs(self, eager_graphs: bool) -> None:
-        """``eager_graphs``: replay eager calls from CUDA graphs (:meth:`_enqueue`); on the
-        CPU backend there are no graphs and calls run as they are."""
-        if eager_graphs and self.group.backend == "cuda" and not graphs.available():
+    def _init_eager_graphs(self, eager_graphs: bool | None) -> None:
+        """``eager_graphs``: replay eager calls from CUDA graphs (:meth:`_enqueue`). None
+        (the default): wherever the driver has the graph-update calls; True: raise where
+        it has not; False: never. On the CPU backend there are no graphs and calls run as
+        they are."""
+        cuda = self.group.backend == "cuda"
+        if eager_graphs is None:
+            eager_graphs = cuda and graphs.available()
+        elif eager_graphs and cuda and not graphs.available():
             raise InterlaceValueError(
                 f"{self.op_name}: eager_graphs needs a CUDA driver with the graph-update "
                 "calls (CUDA 12.4 or later)"
             )
-        self.eager_graphs = bool(eager_graphs) and self.group.backend == "cuda"
+        self.eager_graphs = bool(eager_graphs) and cuda
         self._graphs: dict = {}  # call kind -> EagerGraph, or the reason it cannot be one
 
     def _enqueue(self, strategy: str, run, *operands) -> None:

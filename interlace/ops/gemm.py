@@ -113,7 +113,7 @@ class _OverlappedGemm(OpContext):
     def __init__(
         self, group, max_m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
         strategy: str = "auto", split: int | None = None, comm_sms: int = 16,
-        config: GemmConfig | None = None, max_spins=None, eager_graphs: bool = False,
+        config: GemmConfig | None = None, max_spins=None, eager_graphs: bool | None = None,
     ):  # fmt: skip
         if strategy not in self.STRATEGIES:
             raise InterlaceValueError(

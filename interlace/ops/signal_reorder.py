@@ -304,7 +304,7 @@ class SignalReorderGemm(OpContext):
         self, group: Group, max_m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
         *, comm_sms: int | None = None, config: _gemm.GemmConfig | None = None,
         eps: float = 1e-6, max_spins: int | None = None, comm_group=None,
-        eager_graphs: bool = False,
+        eager_graphs: bool | None = None,
     ):  # fmt: skip
         # OpContext without its signal pad: this strategy needs no symmetric memory.
         if not isinstance(group, Group):

@@ -126,11 +126,16 @@ class _KernelPatch:
     displacement (a parameter may be a struct holding pointers, as torch's kernels take)."""
 
     def __init__(self, node: int, params: _KernelNodeParams, spans):
-        if not params.kernelParams or params.extra:
-            raise GraphUnsupported("eager graphs: a kernel node without kernelParams")
+        values, self.moves = [], []  # moves: (word in a parameter buffer, captured, operand)
+        self.node = node
+        if not params.kernelParams:  # e.g. NCCL's kernels: one parameter buffer (``extra``)
+            if _extra_buffer_points_into(params.extra, spans):
+                raise GraphUnsupported(
+                    "eager graphs: an operand in a kernel launched with a parameter buffer"
+                )
+            return  # it reads none of the operands: left as captured
         if not params.func:
             raise GraphUnsupported("eager graphs: a kernel node without a CUfunction")
-        values, self.moves = [], []  # moves: (word in a parameter buffer, captured, operand)
         slots = ctypes.cast(params.kernelParams, ctypes.POINTER(_vp))
         offset, size = _size(), _size()
         for i in itertools.count():
@@ -149,7 +154,7 @@ class _KernelPatch:
                 owner = _owner(word.value, spans)
                 if owner is not None:
                     self.moves.append((word, word.value, owner))
-        self.node, self._values = node, values
+        self._values = values
         self._pointers = (_vp * len(values))(*(ctypes.addressof(b) for b in values))
         self.params = _KernelNodeParams.from_buffer_copy(params)
         self.params.kernelParams = ctypes.cast(self._pointers, _vp)
@@ -158,6 +163,28 @@ class _KernelPatch:
         for word, value, owner in self.moves:
             word.value = value + moved[owner]
         _checked("cuGraphExecKernelNodeSetParams_v2", exec_, self.node, ctypes.byref(self.params))
+
+
+def _extra_buffer_points_into(extra: int | None, spans) -> bool:
+    """Whether a kernel launched with ``extra`` (``CU_LAUNCH_PARAM_BUFFER_POINTER``, its
+    parameters in one buffer) holds an address inside an operand; raises where ``extra``
+    cannot be read."""
+    if not extra:
+        raise GraphUnsupported("eager graphs: a kernel node with no parameters to read")
+    items = ctypes.cast(extra, ctypes.POINTER(_vp))
+    buffer = size = None
+    for i in range(0, 16, 2):  # (key, value) pairs up to CU_LAUNCH_PARAM_END (0)
+        key = items[i] or 0
+        if key == 0:
+            break
+        if key == 1:  # CU_LAUNCH_PARAM_BUFFER_POINTER
+            buffer = items[i + 1]
+        elif key == 2:  # CU_LAUNCH_PARAM_BUFFER_SIZE (a pointer to a size_t)
+            size = ctypes.cast(items[i + 1], ctypes.POINTER(_size))[0]
+    if buffer is None or size is None:
+        raise GraphUnsupported("eager graphs: a kernel node's parameter buffer is unreadable")
+    words = (_u64 * (size // 8)).from_address(buffer)
+    return any(_owner(w, spans) is not None for w in words)
 
 
 class _CopyPatch:
@@ -198,8 +225,17 @@ class EagerGraph:
         self._starts = [start for start, _ in spans]
         self._sizes = [end - start for start, end in spans]
         graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            enqueue()
+        # Captured on a side stream (the caller's may be the legacy default stream, which
+        # cannot capture), without ``torch.cuda.graph``'s synchronize, gc and empty_cache.
+        side, caller = torch.cuda.Stream(), torch.cuda.current_stream()
+        side.wait_stream(caller)
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                enqueue()
+            finally:
+                graph.capture_end()
+        caller.wait_stream(side)
         graph.instantiate()
         self._graph = graph  # owns the graph, its instance and its memory pool
         self._exec = graph.raw_cuda_graph_exec()

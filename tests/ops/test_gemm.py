@@ -524,7 +524,8 @@ def _eager_graph_logic_calls(group, op, strategy):
     cls = {"ag": interlace.AGGemm, "rs": interlace.GemmRS, "ar": interlace.GemmAR}[op]
     m_loc, n, k = 37, 40, 24
     ctx = cls(group, w * m_loc, n, k, strategy=strategy)
-    ctx.eager_graphs = True  # the CPU backend turns it off; the logic is what is tested
+    assert ctx.eager_graphs is False  # no graphs on the CPU backend, whatever the default
+    ctx.eager_graphs = True  # the logic is what is tested here
     gen = torch.Generator().manual_seed(11 + group.rank)
     bgen = torch.Generator().manual_seed(3)  # a bias is the same on every rank
     sets = []
