@@ -157,7 +157,8 @@ class OpContext:
 
     def _enqueue(self, strategy: str, run, *operands) -> None:
         """Enqueue this call's device work, ``run()``. With ``eager_graphs`` (an eager call
-        on a GPU) the first call of each kind (strategy, buffer set, operand shapes) runs
+        on a GPU) the first call of each kind (strategy, buffer set, operand shapes and
+        16-byte alignments) runs
         ``run()`` itself (it compiles, builds plans and runs their one-time waits); the
         second captures it into a CUDA graph (:class:`~interlace.runtime.graphs.EagerGraph`)
         and every call of that kind then replays the graph with its own ``operands``: one
@@ -167,7 +168,12 @@ class OpContext:
             run()
             return
         s = getattr(self, "_next_set", None)  # the buffer set this call will use
-        key = (strategy, s, tuple(None if t is None else t.shape for t in operands))
+        # Triton specialises a kernel on its pointers' 16-byte alignment: a replay with an
+        # operand aligned otherwise than the captured one would run the wrong kernel
+        key = (
+            strategy, s, tuple(None if t is None else t.shape for t in operands),
+            tuple(t is not None and t.data_ptr() % 16 == 0 for t in operands),
+        )  # fmt: skip
         graph = self._graphs.get(key)
         if graph is None:
             self._graphs[key] = "seen"  # the first call of this kind runs eagerly

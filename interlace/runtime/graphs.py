@@ -278,13 +278,17 @@ class EagerGraph:
 
     def launch(self, operands) -> None:
         """Replay on the current stream with ``operands``: the same sizes, in the same
-        order, None where the capture had None (the caller's key guarantees it)."""
+        order, None where the capture had None, each 16-byte aligned where the captured one
+        was and only there (Triton specialised the kernels on it; the caller's key
+        guarantees all of it)."""
         present = [operands[i] for i in self._present]
         starts = [t.data_ptr() for t in present]
         if starts != self._last:
-            for t, size in zip(present, self._sizes):
+            for t, size, old in zip(present, self._sizes, self._starts):
                 if t.numel() * t.element_size() != size:
                     raise InterlaceError("eager graph: an operand's size differs")
+                if (t.data_ptr() % 16 == 0) != (old % 16 == 0):  # what Triton specialised on
+                    raise InterlaceError("eager graph: an operand's 16-byte alignment differs")
             moved = [new - old for new, old in zip(starts, self._starts)]
             for patch in self._kernels:
                 patch.apply(self._exec, moved)

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from interlace.runtime import driver, graphs
+from interlace.errors import InterlaceError
 from interlace.runtime.graphs import EagerGraph, GraphUnsupported
 
 
@@ -95,3 +96,17 @@ def test_unreachable_operand_is_refused():
     torch.cuda.synchronize()
     with pytest.raises(GraphUnsupported, match="re-pointed"):
         EagerGraph(lambda: _affine_kernel[(1,)](x, y, 1024, BLOCK=1024), [x, y, w])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_operand_aligned_otherwise_is_refused():
+    """Triton specialises a kernel on its pointers' 16-byte alignment: a replay with an
+    operand aligned otherwise than the captured one raises instead of faulting."""
+    x, y, _, _ = _operands(1024, 0)
+    _affine_kernel[(1,)](x, y, 1024, BLOCK=1024)
+    torch.cuda.synchronize()
+    graph = EagerGraph(lambda: _affine_kernel[(1,)](x, y, 1024, BLOCK=1024), [x, y])
+    shifted = torch.empty(1025, device="cuda")[1:]  # 4 bytes past a 16-byte boundary
+    with pytest.raises(InterlaceError, match="alignment"):
+        graph.launch([shifted, torch.empty(1024, device="cuda")])
