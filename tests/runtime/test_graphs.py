@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from interlace.runtime import driver, graphs
 from interlace.errors import InterlaceError
+from interlace.runtime import driver, graphs
 from interlace.runtime.graphs import EagerGraph, GraphUnsupported
 
 
