@@ -50,6 +50,11 @@ Strategies (``strategy=``):
 * ``auto``: ``fused``, unless the cost model says overlap cannot pay for its extra
   synchronisation (small problems): then ``none``. ``last_strategy`` says which ran.
 
+Eager calls (``eager_graphs``, on by default where the driver allows): each kind of call is
+captured once into a CUDA graph and replayed with the call's own tensors
+(``OpContext._enqueue``, ``runtime.graphs``), one launch instead of every kernel, copy and
+signal write.
+
 Results: AG+GEMM and GEMM+RS return a new tensor (or ``out``); GEMM+AR returns a view of
 the context's symmetric output buffer, valid until the next call (pass ``out=`` to keep it).
 Inputs: ``bfloat16`` or ``float16``, contiguous, any M, N, K (TMA is used when rows are
