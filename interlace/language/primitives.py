@@ -69,16 +69,10 @@ def notify(sig, value, ADD: tl.constexpr = False, LOCAL: tl.constexpr = False):
     and every reader of the data are on this GPU (a wait kernel, then the copy engine in
     stream order), so the release needs only GPU scope, not a system-wide fence."""
     tl.debug_barrier()
-    if LOCAL:
-        if ADD:
-            tl.atomic_add(sig, value, sem="release", scope="gpu")
-        else:
-            tl.atomic_xchg(sig, value, sem="release", scope="gpu")
+    if ADD:
+        tl.atomic_add(sig, value, sem="release", scope="gpu" if LOCAL else "sys")
     else:
-        if ADD:
-            tl.atomic_add(sig, value, sem="release", scope="sys")
-        else:
-            tl.atomic_xchg(sig, value, sem="release", scope="sys")
+        tl.atomic_xchg(sig, value, sem="release", scope="gpu" if LOCAL else "sys")
 
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")

@@ -171,8 +171,8 @@ class OpContext:
         # Triton specialises a kernel on its pointers' 16-byte alignment: a replay with an
         # operand aligned otherwise than the captured one would run the wrong kernel
         key = (
-            strategy, s, tuple(None if t is None else t.shape for t in operands),
-            tuple(t is not None and t.data_ptr() % 16 == 0 for t in operands),
+            strategy, s,
+            tuple(None if t is None else (t.shape, t.data_ptr() % 16 == 0) for t in operands),
         )  # fmt: skip
         graph = self._graphs.get(key)
         if graph is None:

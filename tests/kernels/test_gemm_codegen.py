@@ -103,3 +103,14 @@ def test_ag_consumer_a_loads_follow_the_wait():
     for ld in a_loads[1:]:
         assert ld.path.startswith(first.path), (first.path, ld.path)
         assert ld.path != first.path or ld.index > first.index
+
+
+@pytest.mark.parametrize(
+    "variant, scope",
+    [("gemm_rs", "sys"), ("gemm_rs_ce_fused", "gpu"), ("gemm_rs_ce_scatter", "gpu")],
+)
+def test_counter_release_scope(variant, scope):
+    """A counter a peer reads is released at system scope; one that only this GPU reads
+    (a staged chunk, for a wait kernel and the copy engine after it) at GPU scope."""
+    adds = set(re.findall(r"atom\.global\.(\w+)\.release\.add", _compiled(variant)["ptx"]))
+    assert adds == {scope}, adds
