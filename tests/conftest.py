@@ -39,6 +39,9 @@ def get_world(backend: str, size: int) -> World:
 WORLD_PARAMS = [pytest.param(("cpu", w), id=f"cpu{w}") for w in CPU_SIZES] + [
     pytest.param(("cuda", w), id=f"cuda{w}", marks=pytest.mark.gpu) for w in GPU_SIZES
 ]
+#: ``WORLD_PARAMS`` plus one GPU, for tests whose device code runs the same with one rank:
+#: ``@pytest.mark.parametrize("world", WITH_ONE_GPU, indirect=True)``
+WITH_ONE_GPU = [*WORLD_PARAMS, pytest.param(("cuda", 1), id="cuda1", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(params=WORLD_PARAMS)

@@ -41,6 +41,7 @@ from ..language.primitives import (
     notify,
     peer_ptr_aligned,
     signal_base,
+    wait_inline,
 )
 from ..language.tile import consumer_tile_wait
 
@@ -153,7 +154,7 @@ def _add_bias(acc, bias, col, N, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, 
 @triton.jit(
     do_not_specialize=[
         "rank", "n_seg", "recv_rows", "own_rows", "max_spins", "bar_slot", "go_slot",
-        "clear_first", "clear_count", "seg_first",
+        "clear_first", "clear_count", "seg_first", "own_tiles",
     ]
 )  # fmt: skip
 def gemm_segments_kernel(
@@ -162,14 +163,14 @@ def gemm_segments_kernel(
     seg, n_seg,
     recv, recv_table, recv_rows, out_table, stage,
     sig, sig_table, err, rank, max_spins,
-    bar_slot, go_slot, clear_first, clear_count, seg_first,
+    bar_slot, go_slot, clear_first, clear_count, seg_first, mt_seg, own_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, WORLD: tl.constexpr,
     USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_PUSH: tl.constexpr, BROADCAST: tl.constexpr, HAS_OWN_A: tl.constexpr,
     SUBTILE: tl.constexpr = False, ENTRY_BARRIER: tl.constexpr = False,
     EXIT_CLEAR: tl.constexpr = False, NOTIFY_STORES: tl.constexpr = False,
-    STAGE_PUSHES: tl.constexpr = False,
+    STAGE_PUSHES: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
 ):  # fmt: skip
     """See the module docstring. ``a_own`` ([own_rows, K]) is read by ``KIND_STORE_OWN``;
     ``recv`` ([WORLD, recv_rows, N], symmetric, table ``recv_table``) receives partials;
@@ -195,6 +196,10 @@ def gemm_segments_kernel(
     * ``seg_first``: the first segment whose tiles this launch computes (the interpreter
       cuts a ``ce_fused`` call into several launches); an all-reduce's final waits still
       scan every segment.
+    * ``ONE_LOOP`` (store segments only: see ``_one_loop``): a program runs its tiles of
+      every segment in one pipelined loop, not one loop per segment; ``mt_seg`` gives
+      the segment of each row of tiles, ``own_tiles`` the tiles of the leading
+      ``KIND_STORE_OWN`` segments.
 
     There is one main loop for every kind: only the epilogue branches. (A second
     instantiation of the pipelined loop, e.g. one per A source, cost 35 % on an H200.)"""
@@ -212,139 +217,146 @@ def gemm_segments_kernel(
         b_desc = tl.make_tensor_descriptor(
             b, shape=[K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N]
         )
-        if not HAS_OWN_A:
+        if not HAS_OWN_A and not ONE_LOOP:
             # every segment reads ``a``: one descriptor for the launch, not one per
             # segment (building one on the device costs each program a global write and
             # a tensormap fence at every segment)
             a_all_desc = tl.make_tensor_descriptor(
                 a, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
             )
-    for s in range(seg_first, n_seg):
-        row_of = seg + s * SEG_COLS
-        tile0 = tl.load(row_of + SEG_TILE0)
-        row0 = tl.load(row_of + SEG_ROW0)
-        rows = tl.load(row_of + SEG_ROWS)
-        kind = tl.load(row_of + SEG_KIND)
-        seg_mt = tl.cdiv(rows, BLOCK_M)
-        end = tile0 + seg_mt * tiles_n
-        first = tile0 + (pid - tile0 % n_prog + n_prog) % n_prog
-        if first < end:
-            owner = tl.load(row_of + SEG_OWNER)
-            out_row0 = tl.load(row_of + SEG_OUT_ROW0)
-            wait_count = tl.load(row_of + SEG_WAIT_COUNT)
-            expected = tl.load(row_of + SEG_WAIT_EXPECTED)
-            token = expected
-            if wait_count > 0:
-                token = consumer_tile_wait(
-                    sig, tl.load(row_of + SEG_WAIT_FIRST), wait_count, expected,
-                    err, rank, max_spins,
-                )  # fmt: skip
-            notify_slot = tl.load(row_of + SEG_NOTIFY)
-            # A's rows: this rank's shard read in place, or ``a``.
-            a_src = a
-            a_rows = M
-            a_row0 = row0
-            if HAS_OWN_A:
-                from_own = kind == KIND_STORE_OWN
-                a_src = tl.where(from_own, a_own, a)
-                a_rows = tl.where(from_own, own_rows, M)
-                a_row0 = tl.where(from_own, out_row0, row0)
-            # C's rows: the owner's frame for a reduce-scatter's own rows, else global.
-            c_row0 = row0
-            if HAS_PUSH and not BROADCAST:
-                c_row0 = tl.where(kind == KIND_REDUCE, out_row0, row0)
-            push_dst = c
-            owner_sig = sig
-            if HAS_PUSH:
-                if STAGE_PUSHES:  # local staging rows and counter: the copy engine ships
-                    push_dst = stage + row0.to(tl.int64) * N
-                    owner_sig = sig + notify_slot
-                else:
-                    # This rank's slot of the owner's receive buffer: recv[rank, out_row0 + r].
-                    push_dst = peer_ptr_aligned(recv, recv_table, rank, owner)
-                    push_dst += (rank.to(tl.int64) * recv_rows + out_row0) * N
-                    owner_sig = signal_base(sig_table, owner) + notify_slot
-            a_desc = a_all_desc
-            c_desc = None
-            if USE_TMA:
-                if HAS_OWN_A:  # A's source changes with the segment
-                    a_desc = tl.make_tensor_descriptor(
-                        a_src, shape=[a_rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
-                    )
-                # Where this segment's tiles go: ``c`` or, for a push, the owner's receive
-                # rows (a TMA store to a peer: asynchronous, so the program goes on to its
-                # next tile while the tile crosses NVLink). Bounded by the segment's rows:
-                # a tile overhanging the segment end never writes rows of the next segment.
-                # Stored in halves (``SUBTILE``, and always with pushes), the epilogue
-                # needs half the shared memory.
-                out_base = c + c_row0.to(tl.int64) * N
-                if HAS_PUSH:
-                    out_base = tl.where(kind == KIND_PUSH, push_dst, out_base)
-                c_desc = tl.make_tensor_descriptor(
-                    out_base, shape=[rows, N], strides=[N, 1],
-                    block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE or HAS_PUSH else BLOCK_N],
-                )  # fmt: skip
-            for g in tl.range(first, end, n_prog, flatten=True):
-                pid_m, pid_n = _tile_coords(g - tile0, seg_mt, tiles_n, GROUP_M)
-                col = pid_n * BLOCK_N
-                acc = _mma(
-                    a_src, b, a_desc, b_desc, a_row0 + pid_m * BLOCK_M, col, token, expected,
-                    a_rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA,
-                )  # fmt: skip
-                lrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-                # The epilogue does not branch on the kind (Triton 3.6 cannot flatten the
-                # tile loop around such branches): each store is masked by it and a TMA
-                # store is moved out of bounds. Signals are raised after the loop.
-                if HAS_PUSH:
-                    # In halves: the partials loaded beside the accumulator would
-                    # otherwise spill registers (measured with ptxas at 128x256).
-                    halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-                    left, right = tl.split(halves)
-                    for h in tl.static_range(2):
-                        _scatter_epilogue(
-                            left if h == 0 else right, col + h * (BLOCK_N // 2), kind, rows,
-                            row0, out_row0, c, c_desc, c_row0, pid_m * BLOCK_M, bias, recv,
-                            recv_rows, push_dst, out_table, N, token, expected, rank, out_ty,
-                            BLOCK_M, BLOCK_N // 2, WORLD, USE_TMA, HAS_BIAS, BROADCAST,
-                        )  # fmt: skip
-                else:
-                    cols = col + tl.arange(0, BLOCK_N)
-                    mask = (lrows < rows)[:, None] & (cols < N)[None, :]
-                    if NOTIFY_STORES:  # partial sums for other ranks: their owner adds it
-                        acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS, owner == rank)
-                    else:
-                        acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS)
-                    _store_tile(
-                        acc, c, c_desc, c_row0, pid_m * BLOCK_M, col, lrows, cols, N, mask,
-                        out_ty, BLOCK_M, BLOCK_N, USE_TMA, SUBTILE,
+    if ONE_LOOP:
+        _one_loop(
+            a, b, c, bias, M, N, K, a_own, own_rows, seg, n_seg, mt_seg, own_tiles, sig,
+            err, rank, max_spins, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_BIAS,
+            HAS_OWN_A, SUBTILE,
+        )  # fmt: skip
+    else:
+        for s in range(seg_first, n_seg):
+            row_of = seg + s * SEG_COLS
+            tile0 = tl.load(row_of + SEG_TILE0)
+            row0 = tl.load(row_of + SEG_ROW0)
+            rows = tl.load(row_of + SEG_ROWS)
+            kind = tl.load(row_of + SEG_KIND)
+            seg_mt = tl.cdiv(rows, BLOCK_M)
+            end = tile0 + seg_mt * tiles_n
+            first = tile0 + (pid - tile0 % n_prog + n_prog) % n_prog
+            if first < end:
+                owner = tl.load(row_of + SEG_OWNER)
+                out_row0 = tl.load(row_of + SEG_OUT_ROW0)
+                wait_count = tl.load(row_of + SEG_WAIT_COUNT)
+                expected = tl.load(row_of + SEG_WAIT_EXPECTED)
+                token = expected
+                if wait_count > 0:
+                    token = consumer_tile_wait(
+                        sig, tl.load(row_of + SEG_WAIT_FIRST), wait_count, expected,
+                        err, rank, max_spins,
                     )  # fmt: skip
-            # One release per (program, segment), outside the pipelined loop (a CTA barrier
-            # in it stops Triton from pipelining): it publishes every tile this program
-            # pushed or broadcast here; counters reach the chunk's tile count when all
-            # programs of all sources are done.
-            if HAS_PUSH:
-                mine = (end - first + n_prog - 1) // n_prog
-                if kind == KIND_PUSH:
-                    if USE_TMA:
-                        bulk_stores_done()
-                    notify(owner_sig, mine, ADD=True, LOCAL=STAGE_PUSHES)
-                if BROADCAST:
-                    if kind == KIND_REDUCE:
-                        for i in tl.static_range(1, WORLD):
-                            q = (rank + i) % WORLD
-                            notify(signal_base(sig_table, q) + notify_slot, mine, ADD=True)
-                if STAGE_PUSHES and not BROADCAST:  # all-reduce: for the gather copies
-                    if kind == KIND_REDUCE:
-                        if notify_slot > 0:
-                            if USE_TMA:
-                                bulk_stores_done()
-                            notify(sig + notify_slot, mine, ADD=True, LOCAL=True)
-            if NOTIFY_STORES:
-                if notify_slot > 0:
-                    if USE_TMA:
-                        bulk_stores_done()
+                notify_slot = tl.load(row_of + SEG_NOTIFY)
+                # A's rows: this rank's shard read in place, or ``a``.
+                a_src = a
+                a_rows = M
+                a_row0 = row0
+                if HAS_OWN_A:
+                    from_own = kind == KIND_STORE_OWN
+                    a_src = tl.where(from_own, a_own, a)
+                    a_rows = tl.where(from_own, own_rows, M)
+                    a_row0 = tl.where(from_own, out_row0, row0)
+                # C's rows: the owner's frame for a reduce-scatter's own rows, else global.
+                c_row0 = row0
+                if HAS_PUSH and not BROADCAST:
+                    c_row0 = tl.where(kind == KIND_REDUCE, out_row0, row0)
+                push_dst = c
+                owner_sig = sig
+                if HAS_PUSH:
+                    if STAGE_PUSHES:  # local staging rows and counter: the copy engine ships
+                        push_dst = stage + row0.to(tl.int64) * N
+                        owner_sig = sig + notify_slot
+                    else:
+                        # This rank's slot of the owner's receive buffer: recv[rank, out_row0 + r].
+                        push_dst = peer_ptr_aligned(recv, recv_table, rank, owner)
+                        push_dst += (rank.to(tl.int64) * recv_rows + out_row0) * N
+                        owner_sig = signal_base(sig_table, owner) + notify_slot
+                a_desc = a_all_desc
+                c_desc = None
+                if USE_TMA:
+                    if HAS_OWN_A:  # A's source changes with the segment
+                        a_desc = tl.make_tensor_descriptor(
+                            a_src, shape=[a_rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
+                        )
+                    # Where this segment's tiles go: ``c`` or, for a push, the owner's receive
+                    # rows (a TMA store to a peer: asynchronous, so the program goes on to its
+                    # next tile while the tile crosses NVLink). Bounded by the segment's rows:
+                    # a tile overhanging the segment end never writes rows of the next segment.
+                    # Stored in halves (``SUBTILE``, and always with pushes), the epilogue
+                    # needs half the shared memory.
+                    out_base = c + c_row0.to(tl.int64) * N
+                    if HAS_PUSH:
+                        out_base = tl.where(kind == KIND_PUSH, push_dst, out_base)
+                    c_desc = tl.make_tensor_descriptor(
+                        out_base, shape=[rows, N], strides=[N, 1],
+                        block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE or HAS_PUSH else BLOCK_N],
+                    )  # fmt: skip
+                for g in tl.range(first, end, n_prog, flatten=True):
+                    pid_m, pid_n = _tile_coords(g - tile0, seg_mt, tiles_n, GROUP_M)
+                    col = pid_n * BLOCK_N
+                    acc = _mma(
+                        a_src, b, a_desc, b_desc, a_row0 + pid_m * BLOCK_M, col, token, expected,
+                        a_rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA,
+                    )  # fmt: skip
+                    lrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                    # The epilogue does not branch on the kind (Triton 3.6 cannot flatten the
+                    # tile loop around such branches): each store is masked by it and a TMA
+                    # store is moved out of bounds. Signals are raised after the loop.
+                    if HAS_PUSH:
+                        # In halves: the partials loaded beside the accumulator would
+                        # otherwise spill registers (measured with ptxas at 128x256).
+                        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+                        left, right = tl.split(halves)
+                        for h in tl.static_range(2):
+                            _scatter_epilogue(
+                                left if h == 0 else right, col + h * (BLOCK_N // 2), kind, rows,
+                                row0, out_row0, c, c_desc, c_row0, pid_m * BLOCK_M, bias, recv,
+                                recv_rows, push_dst, out_table, N, token, expected, rank, out_ty,
+                                BLOCK_M, BLOCK_N // 2, WORLD, USE_TMA, HAS_BIAS, BROADCAST,
+                            )  # fmt: skip
+                    else:
+                        cols = col + tl.arange(0, BLOCK_N)
+                        mask = (lrows < rows)[:, None] & (cols < N)[None, :]
+                        if NOTIFY_STORES:  # partial sums for other ranks: their owner adds it
+                            acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS, owner == rank)
+                        else:
+                            acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS)
+                        _store_tile(
+                            acc, c, c_desc, c_row0, pid_m * BLOCK_M, col, lrows, cols, N, mask,
+                            out_ty, BLOCK_M, BLOCK_N, USE_TMA, SUBTILE,
+                        )  # fmt: skip
+                # One release per (program, segment), outside the pipelined loop (a CTA barrier
+                # in it stops Triton from pipelining): it publishes every tile this program
+                # pushed or broadcast here; counters reach the chunk's tile count when all
+                # programs of all sources are done.
+                if HAS_PUSH:
                     mine = (end - first + n_prog - 1) // n_prog
-                    notify(sig + notify_slot, mine, ADD=True, LOCAL=True)
+                    if kind == KIND_PUSH:
+                        if USE_TMA:
+                            bulk_stores_done()
+                        notify(owner_sig, mine, ADD=True, LOCAL=STAGE_PUSHES)
+                    if BROADCAST:
+                        if kind == KIND_REDUCE:
+                            for i in tl.static_range(1, WORLD):
+                                q = (rank + i) % WORLD
+                                notify(signal_base(sig_table, q) + notify_slot, mine, ADD=True)
+                    if STAGE_PUSHES and not BROADCAST:  # all-reduce: for the gather copies
+                        if kind == KIND_REDUCE:
+                            if notify_slot > 0:
+                                if USE_TMA:
+                                    bulk_stores_done()
+                                notify(sig + notify_slot, mine, ADD=True, LOCAL=True)
+                if NOTIFY_STORES:
+                    if notify_slot > 0:
+                        if USE_TMA:
+                            bulk_stores_done()
+                        mine = (end - first + n_prog - 1) // n_prog
+                        notify(sig + notify_slot, mine, ADD=True, LOCAL=True)
     if BROADCAST:
         # The last program also waits for every peer's broadcast of the rows it owns, so
         # the kernel ends only when the whole all-reduced output is in place on this rank.
@@ -359,6 +371,94 @@ def gemm_segments_kernel(
                     consumer_tile_wait(sig, slot, 1, fin, err, rank, max_spins)
     if EXIT_CLEAR:
         last_program_clears(sig, go_slot + 1, clear_first, clear_count)
+
+
+@triton.jit
+def _one_loop(
+    a, b, c, bias, M, N, K, a_own, own_rows, seg, n_seg, mt_seg, own_tiles, sig, err, rank,
+    max_spins, b_desc,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_OWN_A: tl.constexpr,
+    SUBTILE: tl.constexpr,
+):  # fmt: skip
+    """The store segments (``KIND_STORE``, leading ``KIND_STORE_OWN``) of a launch with a
+    program's tiles of all segments in one pipelined loop: the loop does not restart at
+    each segment (with about one tile per program and segment, the restarts cost 7-15 %
+    of AG+GEMM's kernel at TP 4 on an H200, ``scripts/probe_cross_segment.py``).
+
+    Each tile looks its segment up (``mt_seg``) and, the first time this program meets
+    the segment, waits for it with ``wait_inline`` (one PTX statement, which keeps the
+    loop pipelined); its A coordinate takes the token (``guard_coord``). Own rows come
+    from ``a_own`` in a first loop of their own (another A descriptor). TMA only, one
+    output descriptor over all of ``c``: the host enables this only when no tile of a
+    segment overhangs into another segment's rows (``_gemm.one_loop_tables``)."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    out_ty = c.dtype.element_ty
+    last = seg + (n_seg - 1) * SEG_COLS
+    total = tl.load(last + SEG_TILE0) + tl.cdiv(tl.load(last + SEG_ROWS), BLOCK_M) * tiles_n
+    c_desc = tl.make_tensor_descriptor(
+        c, shape=[M, N], strides=[N, 1],
+        block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE else BLOCK_N],
+    )  # fmt: skip
+    start = pid
+    if HAS_OWN_A:
+        own_desc = tl.make_tensor_descriptor(
+            a_own, shape=[own_rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
+        )
+        for g in tl.range(pid, own_tiles, n_prog, flatten=True):
+            row_of = seg + tl.load(mt_seg + g // tiles_n) * SEG_COLS
+            tile0 = tl.load(row_of + SEG_TILE0)
+            rows = tl.load(row_of + SEG_ROWS)
+            pid_m, pid_n = _tile_coords(g - tile0, tl.cdiv(rows, BLOCK_M), tiles_n, GROUP_M)
+            tile_row = pid_m * BLOCK_M
+            acc = _mma(
+                a_own, b, own_desc, b_desc, tl.load(row_of + SEG_OUT_ROW0) + tile_row,
+                pid_n * BLOCK_N, 0, 0, own_rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K, True,
+            )  # fmt: skip
+            _store_flat(
+                acc, bias, c_desc, tl.load(row_of + SEG_ROW0) + tile_row, pid_n * BLOCK_N, N,
+                out_ty, BLOCK_M, BLOCK_N, HAS_BIAS, SUBTILE,
+            )  # fmt: skip
+        start = own_tiles + (pid - own_tiles % n_prog + n_prog) % n_prog
+    a_desc = tl.make_tensor_descriptor(
+        a, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
+    )
+    waited = -1  # the last segment this program waited for
+    for g in tl.range(start, total, n_prog, flatten=True):
+        s = tl.load(mt_seg + g // tiles_n)
+        row_of = seg + s * SEG_COLS
+        tile0 = tl.load(row_of + SEG_TILE0)
+        row0 = tl.load(row_of + SEG_ROW0)
+        rows = tl.load(row_of + SEG_ROWS)
+        expected = tl.load(row_of + SEG_WAIT_EXPECTED)
+        slot = tl.load(row_of + SEG_WAIT_FIRST)
+        needed = (s != waited) & (tl.load(row_of + SEG_WAIT_COUNT) > 0)
+        token = wait_inline(sig + slot, expected, needed.to(tl.int32), err, rank, slot, max_spins)
+        waited = s
+        pid_m, pid_n = _tile_coords(g - tile0, tl.cdiv(rows, BLOCK_M), tiles_n, GROUP_M)
+        tile_row = row0 + pid_m * BLOCK_M
+        acc = _mma(
+            a, b, a_desc, b_desc, tile_row, pid_n * BLOCK_N, token, expected, M, N, K,
+            BLOCK_M, BLOCK_N, BLOCK_K, True,
+        )  # fmt: skip
+        _store_flat(
+            acc, bias, c_desc, tile_row, pid_n * BLOCK_N, N, out_ty, BLOCK_M, BLOCK_N, HAS_BIAS,
+            SUBTILE,
+        )  # fmt: skip
+
+
+@triton.jit
+def _store_flat(
+    acc, bias, c_desc, row, col, N, out_ty, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, SUBTILE: tl.constexpr,
+):  # fmt: skip
+    acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS)
+    _store_tile(
+        acc, c_desc, c_desc, 0, row, col, None, None, N, None, out_ty, BLOCK_M, BLOCK_N, True,
+        SUBTILE,
+    )  # fmt: skip
 
 
 @triton.jit

@@ -11,9 +11,10 @@ after the wait's acquire once Triton's software pipeliner has run.
   ``ttg.async_copy_global_to_local``, TMA copies, ``tt.descriptor_load``), where it sits,
   whether an acquire precedes it in its block, and which of its operands are computed from
   the result of an acquiring atomic (``tt.atomic_rmw`` / ``tt.atomic_cas`` with
-  ``acquire`` or ``acq_rel``), and how: in the same block (``"block"``: for a loop body,
-  the same iteration), from an enclosing block (``"outer"``) or through a loop-carried
-  value (``"carried"``: an earlier iteration, or the pipeliner's prologue).
+  ``acquire`` or ``acq_rel``, or inline PTX with an ``ld.acquire``), and how: in the same
+  block (``"block"``: for a loop body, the same iteration), from an enclosing block
+  (``"outer"``) or through a loop-carried value (``"carried"``: an earlier iteration, or
+  the pipeliner's prologue).
 * ``ptx_loads_before_acquire(ptx)`` lists the data loads of the PTX that no acquire
   precedes in their basic block.
 
@@ -205,6 +206,8 @@ def parse_ttgir(ttgir: str) -> list[Op]:
 
 
 def _is_acquire(op: Op) -> bool:
+    if op.kind == "tt.elementwise_inline_asm":  # e.g. ``primitives.wait_inline``
+        return "ld.acquire" in op.text
     return op.kind in ("tt.atomic_rmw", "tt.atomic_cas") and bool(
         re.search(r"\b(acquire|acq_rel)\b", op.text)
     )
@@ -342,7 +345,8 @@ def _load_roles(op: Op) -> dict[str, list[str]] | None:
                 out[role] = [_base(mm.group(1))]
         return out
     coords = re.search(r"\[([^\]]*)\]", args)
-    out = {"desc": vals[:1], "coord": _VALUE.findall(coords.group(1)) if coords else []}
+    coord = [_base(v) for v in _VALUE.findall(coords.group(1))] if coords else []
+    out = {"desc": vals[:1], "coord": coord}
     if op.kind == "ttng.async_tma_copy_global_to_local":
         rest = _VALUE.findall(args[coords.end() :] if coords else "")
         out.update({"dst": rest[:1], "barrier": rest[1:2], "pred": rest[2:3]})

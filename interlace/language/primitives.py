@@ -173,6 +173,66 @@ def wait(sig, expected, err, rank, slot, max_spins, EQUAL: tl.constexpr = False)
 
 
 @triton.jit
+def wait_inline(sig, expected, needed, err, rank, slot, max_spins):
+    """``wait`` as one inline-PTX statement, for a wait inside a software-pipelined loop:
+    Triton sees no loop or branch, so the loop around it stays one pipelined loop (a
+    ``wait`` there would stop Triton from pipelining it, and a scalar atomic adds CTA
+    barriers). Where ``needed`` is 0 it returns ``expected`` at once (an earlier wait of
+    this thread already acquired the signal). Same protocol as ``wait``: relaxed polls,
+    the error word read every ``ERROR_POLL`` spins, one acquiring load once met; on
+    timeout ``[2, rank, slot, seen]`` is recorded (first wins) and ``expected - 1``
+    returned. In the interpreter, ``wait``."""
+    if INTERPRETED:
+        token = expected
+        if needed != 0:
+            token = wait(sig, expected, err, rank, slot, max_spins)
+        return token
+    else:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .pred %p;
+            .reg .u32 %n, %t;
+            mov.b32 $0, $2;
+            setp.eq.u32 %p, $7, 0;
+            @%p bra DONE;
+            mov.u32 %n, 0;
+            POLL:
+            ld.relaxed.sys.global.u32 $0, [$1];
+            setp.ge.s32 %p, $0, $2;
+            @%p bra MET;
+            add.u32 %n, %n, 1;
+            setp.ge.u32 %p, %n, $5;
+            @%p bra TIMEOUT;
+            and.b32 %t, %n, 4095;
+            setp.ne.u32 %p, %t, 0;
+            @%p bra POLL;
+            ld.relaxed.sys.global.u32 %t, [$3];
+            setp.eq.u32 %p, %t, 0;
+            @%p bra POLL;
+            bra GIVEUP;
+            TIMEOUT:
+            atom.acq_rel.sys.global.cas.b32 %t, [$3], 0, 1;
+            setp.ne.u32 %p, %t, 0;
+            @%p bra GIVEUP;
+            st.relaxed.sys.global.u32 [$3+4], $4;
+            st.relaxed.sys.global.u32 [$3+8], $6;
+            st.relaxed.sys.global.u32 [$3+12], $0;
+            mov.u32 %t, 2;
+            st.release.sys.global.u32 [$3], %t;
+            GIVEUP:
+            sub.s32 $0, $2, 1;
+            bra DONE;
+            MET:
+            ld.acquire.sys.global.u32 $0, [$1];
+            DONE:
+            }""",
+            "=r,l,r,l,r,r,r,r",
+            [sig, expected, err.to(tl.pointer_type(tl.int32)), rank, max_spins, slot, needed],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def consume(sig, expected, err, rank, slot, max_spins):
     """Wait until ``*sig == expected``, then reset it to 0 in the same atomic step.
 

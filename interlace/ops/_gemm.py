@@ -139,6 +139,37 @@ def to_device(host: torch.Tensor, device) -> torch.Tensor:
     return table
 
 
+@dataclass(frozen=True)
+class OneLoop:
+    """What the kernel's ``ONE_LOOP`` mode reads besides the segment table."""
+
+    mt_seg: torch.Tensor  # int32 [rows of tiles]: the segment of each
+    own_tiles: int  # tiles of the leading ``store_own`` segments
+
+
+def one_loop_tables(segments: list[Segment], m: int, n: int, k: int, cfg, dtype, device):
+    """The tables of the kernel's one-loop mode for these segments, or None where it does
+    not apply: it needs TMA, more than one segment, only ``store`` segments after
+    ``store_own`` ones, at most one signal per segment, and no tile overhanging its
+    segment's last row into another segment's rows (each segment a multiple of
+    ``block_m`` rows, or ending at row ``m``)."""
+    if len(segments) < 2 or not tma_ok(k, n, dtype):
+        return None
+    own = 0
+    while own < len(segments) and segments[own].kind == "store_own":
+        own += 1
+    for s in segments[own:]:
+        if s.kind != "store" or s.wait_count > 1:
+            return None
+    if any(s.rows % cfg.block_m and s.row0 + s.rows != m for s in segments):
+        return None
+    mt_seg = []
+    for i, s in enumerate(segments):
+        mt_seg += [i] * cdiv(s.rows, cfg.block_m)
+    own_tiles = total_tiles(segments[:own], n, cfg)
+    return OneLoop(to_device(torch.tensor(mt_seg, dtype=torch.int32), device), own_tiles)
+
+
 def total_tiles(segments: list[Segment], n: int, cfg: GemmConfig) -> int:
     return sum(tiles_of(s.rows, n, cfg) for s in segments)
 
@@ -167,7 +198,7 @@ def launcher(
     own_rows=0, recv=None, recv_table=None, recv_rows=0, out_table=None, sig=None,
     sig_table=None, err=0, rank=0, max_spins=0, world=1, push=False, broadcast=False,
     own_a=False, bar_slot=None, go_slot=0, clear=None, notify_stores=False, stage=None,
-    seg_first=0,
+    seg_first=0, one_loop: OneLoop | None = None,
 ) -> GemmLaunch:  # fmt: skip
     """The segment GEMM of one plan, its fixed arguments bound once: call it with the
     operands ``(a, b, c, bias, a_own)`` (``bias`` / ``a_own`` None when absent), on the
@@ -176,8 +207,11 @@ def launcher(
     launch zeroes as it ends; ``notify_stores``: store segments count finished tiles in
     their notify slot (see the kernel); ``stage``: pushes go into this local buffer and
     count in local slots (``STAGE_PUSHES``); ``seg_first``: the first segment whose tiles
-    this launch computes."""
+    this launch computes; ``one_loop``: run the store segments in the kernel's one-loop
+    mode (``one_loop_tables``)."""
     use_tma = tma_ok(k, n, dtype)
+    if one_loop is not None and (push or notify_stores or stage is not None or not use_tma):
+        raise InterlaceValueError("the one-loop mode runs store segments only, with TMA")
     if use_tma and torch.device(device).type == "cuda":
         install_scratch_allocator()
     if not err:  # no waits can run; the kernel still needs a 64-bit address
@@ -190,6 +224,8 @@ def launcher(
         stage if stage is not None else segments_t,
         sig if sig is not None else segments_t, sig_table if sig_table is not None else segments_t,
         err, rank, max_spins, bar_slot or 0, go_slot, *(clear or (0, 0)), seg_first,
+        one_loop.mt_seg if one_loop is not None else segments_t,
+        one_loop.own_tiles if one_loop is not None else 0,
     )  # fmt: skip
     kwargs = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -197,7 +233,7 @@ def launcher(
         BROADCAST=broadcast, HAS_OWN_A=own_a, SUBTILE=cfg.subtile,
         ENTRY_BARRIER=bar_slot is not None, EXIT_CLEAR=clear is not None,
         NOTIFY_STORES=notify_stores, STAGE_PUSHES=stage is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ONE_LOOP=one_loop is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return GemmLaunch(PreparedLaunch(gemm_segments_kernel, grid, args, kwargs, OPERANDS))
 

@@ -338,20 +338,23 @@ class AGGemm(AlternatingSets, _OverlappedGemm):
                 comm.append(
                     (self.gathered.peers[t.dst][s, t.lo : t.hi], lo, hi, signal, arrival + t.signal)
                 )
-        plan = (cfg, table, len(segments), grid, comm, {}, s, self.gathered.local[s])
+        one_loop = _gemm.one_loop_tables(
+            segments, w * m_loc, n, self.k, cfg, self.dtype, self.group.device
+        )
+        plan = (cfg, table, len(segments), grid, comm, {}, s, self.gathered.local[s], one_loop)
         return self._keep_plan(key, plan)
 
     def _pull_programs(self) -> int:
         return self.comm_sms if self.group.backend == "cuda" else 2
 
     def _gemm(self, plan, a_shard, b, bias, out, m_loc):
-        cfg, table, n_seg, grid, _, launchers, s, gathered = plan
+        cfg, table, n_seg, grid, _, launchers, s, gathered, one_loop = plan
         run = launchers.get(bias is not None)
         if run is None:
             run = launchers[bias is not None] = _gemm.launcher(
                 self.world_size * m_loc, b.shape[1], self.k, cfg, grid, table, n_seg,
                 dtype=self.dtype, device=self.group.device, has_bias=bias is not None,
-                own_a=True, own_rows=m_loc, **self._signal_launch_args(s),
+                own_a=True, own_rows=m_loc, one_loop=one_loop, **self._signal_launch_args(s),
             )  # fmt: skip
         run(gathered, b, out, bias, a_shard)
 

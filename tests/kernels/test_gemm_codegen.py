@@ -25,11 +25,12 @@ pytestmark = pytest.mark.skipif(
 BASE = dict(
     BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, WORLD=2, USE_TMA=True, HAS_BIAS=False,
     HAS_PUSH=False, BROADCAST=False, HAS_OWN_A=False, SUBTILE=False, ENTRY_BARRIER=False,
-    EXIT_CLEAR=False, NOTIFY_STORES=False, STAGE_PUSHES=False,
+    EXIT_CLEAR=False, NOTIFY_STORES=False, STAGE_PUSHES=False, ONE_LOOP=False,
 )  # fmt: skip
 VARIANTS = {
     "plain": {},
     "ag_consumer": {"HAS_OWN_A": True},
+    "ag_consumer_one_loop": {"HAS_OWN_A": True, "ONE_LOOP": True, "EXIT_CLEAR": True},
     "gemm_rs": {"HAS_PUSH": True, "SUBTILE": True},
     "gemm_ar": {"HAS_PUSH": True, "BROADCAST": True, "SUBTILE": True},
     "gemm_rs_ce_scatter": {"NOTIFY_STORES": True, "HAS_BIAS": True},
@@ -52,7 +53,7 @@ def _compiled(variant: str) -> dict:
         constexprs = dict(BASE, **VARIANTS[variant])
         sig = {n: "i32" for n in gemm_segments_kernel.arg_names if n not in constexprs}
         sig.update({n: "*bf16" for n in ("a", "b", "c", "bias", "a_own", "recv", "stage")})
-        sig.update(seg="*i32", sig="*i32", err="i64")
+        sig.update(seg="*i32", sig="*i32", err="i64", mt_seg="*i32")
         sig.update({n: "*i64" for n in ("recv_table", "out_table", "sig_table")})
         _cache[variant] = compile_for_hopper(
             gemm_segments_kernel, sig, constexprs,
@@ -114,3 +115,20 @@ def test_counter_release_scope(variant, scope):
     (a staged chunk, for a wait kernel and the copy engine after it) at GPU scope."""
     adds = set(re.findall(r"atom\.global\.(\w+)\.release\.add", _compiled(variant)["ptx"]))
     assert adds == {scope}, adds
+
+
+def test_one_loop_a_loads_follow_the_wait():
+    """One-loop mode: every A load of the peers' rows, in the pipeliner's prologue and in
+    the loop, takes its coordinate from the inline-PTX acquire of its own tile
+    (``wait_inline``), in the same iteration or carried from the one that waited; the own
+    rows' loads (a descriptor of their own) wait for nothing."""
+    ttgir = _compiled("ag_consumer_one_loop")["ttgir"]
+    assert ttgir.count("ld.acquire.sys") >= 1
+    loads = [ld for ld in data_loads(ttgir) if "tma" in ld.kind]
+    a_loads = [ld for ld in loads if "%a_desc" in ld.text]
+    own_loads = [ld for ld in loads if "%own_desc" in ld.text]
+    assert a_loads and own_loads, [ld.text[:60] for ld in loads]
+    for ld in a_loads:
+        assert ld.guarded_by("coord") in ("block", "outer", "carried"), ld
+    for ld in own_loads:
+        assert ld.guarded_by("coord") is None, ld

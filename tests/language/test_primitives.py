@@ -23,9 +23,11 @@ from interlace.language.primitives import (
     tile_push,
     to_peer,
     wait,
+    wait_inline,
     wait_kernel,
 )
 from interlace.runtime import ErrorWord, SignalPad, default_max_spins, symm_empty
+from tests.conftest import WITH_ONE_GPU
 
 SHORT_SPINS = 200  # a wait that is meant to time out
 
@@ -65,6 +67,11 @@ def _expect_timeout(group, err, pad, op, signal, observed=None):
 def _wait_token_kernel(sig_ptr, slot, expected, err, rank, max_spins, out, EQUAL: tl.constexpr):
     tok = wait(sig_ptr + slot, expected, err, rank, slot, max_spins, EQUAL)
     tl.store(out, tok)
+
+
+@triton.jit
+def _wait_inline_kernel(sig_ptr, slot, expected, needed, err, rank, max_spins, out):
+    tl.store(out, wait_inline(sig_ptr + slot, expected, needed, err, rank, slot, max_spins))
 
 
 @triton.jit
@@ -602,3 +609,47 @@ def _barrier_clears_body(group):
 
 def test_barrier_clears_flags(world):
     world.run(_barrier_clears_body)
+
+
+def _wait_inline_body(group):
+    """``wait_inline`` (inline PTX on a GPU, ``wait`` in the interpreter) keeps ``wait``'s
+    protocol: a met signal returns the value seen; ``needed = 0`` returns ``expected``
+    without looking; an unmet one records ``[2, rank, slot, seen]`` and returns
+    ``expected - 1``; after an earlier timeout it gives up within ``ERROR_POLL`` spins
+    (its bound here would take hours) and keeps the first report."""
+    pad = SignalPad(group, {"data": 4})
+    err = ErrorWord(group)
+    out = torch.full((1,), -7, dtype=torch.int32, device=group.device)
+    base = pad.offset("data")
+
+    def run(slot, expected, needed, spins):
+        out.fill_(-7)
+        _wait_inline_kernel[(1,)](
+            pad.buffer.local, base + slot, expected, needed, err.address, group.rank, spins, out
+        )  # fmt: skip
+        _sync(group)
+        return int(out[0])
+
+    try:
+        pad.local("data")[1] = 5
+        _sync(group)
+        assert run(1, 3, 1, default_max_spins(group)) == 5
+        err.raise_if_set("inline_met", pad.describe)
+        assert run(2, 3, 0, SHORT_SPINS) == 3  # not needed: no look, no timeout
+        err.raise_if_set("inline_skip", pad.describe)
+        assert run(1, 6, 1, SHORT_SPINS) == 5  # expected - 1
+        _expect_timeout(group, err, pad, "inline_timeout", "data[1]", observed=5)
+        err.tensor[0], err.tensor[2] = 2, 12345  # an earlier wait failed
+        assert run(3, 1, 1, 1 << 30) == 0
+        with pytest.raises(WaitTimeoutError) as info:
+            err.raise_if_set("inline_bail", pad.describe)
+        assert "slot 12345" in str(info.value)
+    finally:
+        group.host_barrier()
+        pad.close()
+    return True
+
+
+@pytest.mark.parametrize("world", WITH_ONE_GPU, indirect=True)
+def test_wait_inline(world):
+    assert all(world.run(_wait_inline_body))

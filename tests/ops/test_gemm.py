@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import interlace
 from interlace.errors import InterlaceTypeError, InterlaceValueError
+from tests.conftest import WITH_ONE_GPU
 from tests.ops._helpers import (
     check_graph_replays,
     expect_error,
@@ -82,6 +83,39 @@ def test_ag_gemm_fp16(world):
 @pytest.mark.parametrize("strategy", ["fused", "sm_pull"])
 def test_ag_gemm_swizzled_split(world, strategy):
     world.run(_ag_body, strategy, "bf16", 2, schedule="swizzled", split=3)
+
+
+def _ag_one_loop_body(group, strategy, split):
+    """Rows per rank a multiple of the GEMM's tile rows: the consumer GEMM runs its
+    one-loop mode (every segment's tiles in one pipelined loop, each tile waiting for its
+    chunk in inline PTX); repeated calls, with and without bias, against float32."""
+    w, dev = group.world_size, group.device
+    m_loc, n, k = (256, 512, 256) if group.backend == "cuda" else (64, 40, 24)
+    gen = torch.Generator().manual_seed(31 + group.rank)
+    b = rand(torch.Generator().manual_seed(3), k, n, dtype=torch.bfloat16, device=dev, scale=0.2)
+    ctx = interlace.AGGemm(group, max_m=w * m_loc, n=n, k=k, strategy=strategy, split=split)
+    try:
+        for i in range(3):
+            a = rand(gen, m_loc, k, dtype=torch.bfloat16, device=dev)
+            bias = rand(gen, n, dtype=torch.bfloat16, device=dev) if i == 1 else None
+            out = ctx(a, b, bias=bias, out=nans(w * m_loc, n, dtype=torch.bfloat16, device=dev))
+            sync(group)
+            ref = gathered(a, group).float() @ b.float()
+            if bias is not None:
+                ref += bias.float()
+            assert rel_err(out, ref) < TOL, f"call {i}: rel err {rel_err(out, ref):.2e}"
+        plans = [*ctx._plans.values()]  # (cfg, table, ..., one-loop tables)
+        if w * split > 1:  # (one segment: the plain loop)
+            assert plans and all(p[-1] is not None for p in plans), "one-loop mode not taken"
+    finally:
+        ctx.close()
+    return True
+
+
+@pytest.mark.parametrize("world", WITH_ONE_GPU, indirect=True)
+@pytest.mark.parametrize("strategy, split", [("fused", 1), ("fused", 2), ("sm_pull", 2)])
+def test_ag_gemm_one_loop(world, strategy, split):
+    world.run(_ag_one_loop_body, strategy, split)
 
 
 def _ag_back_to_back_body(group, calls):
