@@ -16,7 +16,7 @@ as a CUDA graph of ``--reps`` launches, every variant's graph replayed once per 
 * ``seg_plain``: the chunks as plain store segments (what segments cost by themselves);
 * ``rs_stage``: every chunk staged (the push epilogue path for every tile, no reduction);
 * ``rs_cef`` / ``ar_cef``: the GEMM+RS / GEMM+AR (``gather="epilogue"``) layouts;
-  ``*_s1``: one chunk per owner;
+  ``*_1l``: the same in the kernel's one-loop mode (``ONE_LOOP``);
 * ``*_before``: the same with the kernel module named by ``--before`` (e.g. a copy of
   an earlier ``kernels/gemm.py`` saved as ``interlace/kernels/_gemm_before.py``), so
   two kernel versions are compared in one run on one machine.
@@ -48,11 +48,13 @@ class Emulated:
 
     MODES = ("plain", "stage", "rs", "ar")
 
-    def __init__(self, world, rank, m, n, k, mode, split=2, kernel=None, device=None):
+    def __init__(
+        self, world, rank, m, n, k, mode, split=2, kernel=None, device=None, one_loop=False
+    ):
         """``mode``: ``rs`` / ``ar``: the GEMM+RS / GEMM+AR (``gather="epilogue"``) layout;
         ``stage``: every chunk staged (no reduction); ``plain``: the same chunks as plain
         store segments (no push epilogue, no signals). ``split``: chunks per owner (the
-        op's default for ``ce_fused`` is 2)."""
+        op's default for ``ce_fused`` is 2). ``one_loop``: the kernel's one-loop mode."""
         dev = device or torch.device("cuda", torch.cuda.current_device())
         backend = "cuda" if dev.type == "cuda" else "cpu"  # cpu: Triton's interpreter
         all_reduce = mode == "ar"
@@ -71,6 +73,12 @@ class Emulated:
         if mode in ("stage", "plain"):
             kind = "push" if mode == "stage" else "store"
             segments = [replace(s, kind=kind, wait_count=0, final_expected=0) for s in segments]
+        tables = None
+        if one_loop:
+            tables = _gemm.one_loop_tables(segments, m, n, k, self.cfg, torch.bfloat16, dev)
+            assert tables is not None, "layout not eligible for the one-loop mode"
+        self.unit = _gemm.count_unit(tables, self.cfg)  # a tile's count in its counter
+        segments = [replace(s, final_expected=s.final_expected * self.unit) for s in segments]
         self.segments = segments
         gen = torch.Generator(device=dev).manual_seed(1234 + rank)
         self.backend = backend
@@ -108,7 +116,7 @@ class Emulated:
             self.run = _gemm.launcher(
                 m, n, k, self.cfg, grid, table, len(segments), dtype=torch.bfloat16,
                 device=dev, sig=sig, err=self.err.data_ptr(), rank=rank, max_spins=SPINS,
-                world=world, **({} if mode == "plain" else fixed),
+                world=world, one_loop=tables, **({} if mode == "plain" else fixed),
             )  # fmt: skip
         finally:
             _gemm.gemm_segments_kernel = previous
@@ -131,7 +139,7 @@ class Emulated:
             for c in self.chunks:
                 if c.owner == r:  # (own rows: reduced, or in ``stage`` mode counted apart)
                     continue
-                want = _gemm.tiles_of(c.rows, n, self.cfg)
+                want = _gemm.tiles_of(c.rows, n, self.cfg) * self.unit
                 got = sig[DONE + self.slot_of[c.id]]
                 if got != want:
                     raise RuntimeError(f"chunk {c.id}: counter {got}, expected {want}")
@@ -202,18 +210,20 @@ def shape_row(model, m, world, rank, reps, iters, before):
     so the machine's drift during the run reaches every variant alike."""
     shape = model_shape("gemm_rs", model, m, world)
     m, n, k = shape.M, shape.N, shape.K
-    variants = {  # name: (mode, split)
-        "seg_plain": ("plain", 2), "rs_stage": ("stage", 2), "rs_cef": ("rs", 2),
-        "ar_cef": ("ar", 2), "rs_stage_s1": ("stage", 1), "rs_cef_s1": ("rs", 1),
+    variants = {  # name: (mode, split, one loop)
+        "seg_plain": ("plain", 2, False), "seg_plain_1l": ("plain", 2, True),
+        "rs_stage": ("stage", 2, False), "rs_stage_1l": ("stage", 2, True),
+        "rs_cef": ("rs", 2, False), "rs_cef_1l": ("rs", 2, True),
+        "ar_cef": ("ar", 2, False), "ar_cef_1l": ("ar", 2, True),
     }  # fmt: skip
     errors = {}
     calls = _baselines(m, n, k, errors)
     kernels = {"": None}
     if before is not None:
         kernels["_before"] = before
-    for name, (mode, split) in variants.items():
+    for name, (mode, split, one_loop) in variants.items():
         for suffix, kernel in kernels.items():
-            emu = Emulated(world, rank, m, n, k, mode, split, kernel=kernel)
+            emu = Emulated(world, rank, m, n, k, mode, split, kernel=kernel, one_loop=one_loop)
             errors[name + suffix] = emu.check()
             calls[name + suffix] = emu
     graphs = {name: graph_of_calls(fn, reps) for name, fn in calls.items()}

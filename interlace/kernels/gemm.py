@@ -35,6 +35,7 @@ import triton.language as tl
 from ..language.primitives import (
     barrier_all,
     bulk_stores_done,
+    count_tile_inline,
     guard,
     guard_coord,
     last_program_clears,
@@ -196,10 +197,10 @@ def gemm_segments_kernel(
     * ``seg_first``: the first segment whose tiles this launch computes (the interpreter
       cuts a ``ce_fused`` call into several launches); an all-reduce's final waits still
       scan every segment.
-    * ``ONE_LOOP`` (store segments only: see ``_one_loop``): a program runs its tiles of
-      every segment in one pipelined loop, not one loop per segment; ``mt_seg`` gives
-      the segment of each row of tiles, ``own_tiles`` the tiles of the leading
-      ``KIND_STORE_OWN`` segments.
+    * ``ONE_LOOP`` (store segments, ``_one_loop``; or ``STAGE_PUSHES`` push and reduce
+      segments, ``_one_loop_scatter``): a program runs its tiles of every segment in one
+      pipelined loop, not one loop per segment; ``mt_seg`` gives the segment of each row
+      of tiles, ``own_tiles`` the tiles of the leading ``KIND_STORE_OWN`` segments.
 
     There is one main loop for every kind: only the epilogue branches. (A second
     instantiation of the pipelined loop, e.g. one per A source, cost 35 % on an H200.)"""
@@ -225,11 +226,18 @@ def gemm_segments_kernel(
                 a, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
             )
     if ONE_LOOP:
-        _one_loop(
-            a, b, c, bias, M, N, K, a_own, own_rows, seg, n_seg, mt_seg, own_tiles, sig,
-            err, rank, max_spins, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_BIAS,
-            HAS_OWN_A, SUBTILE,
-        )  # fmt: skip
+        if HAS_PUSH:
+            _one_loop_scatter(
+                a, b, c, bias, M, N, K, seg, n_seg, mt_seg, recv, recv_rows, out_table,
+                stage, sig, sig_table, err, rank, max_spins, b_desc, BLOCK_M, BLOCK_N,
+                BLOCK_K, GROUP_M, WORLD, HAS_BIAS, BROADCAST,
+            )  # fmt: skip
+        else:
+            _one_loop(
+                a, b, c, bias, M, N, K, a_own, own_rows, seg, n_seg, mt_seg, own_tiles, sig,
+                err, rank, max_spins, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_BIAS,
+                HAS_OWN_A, SUBTILE,
+            )  # fmt: skip
     else:
         for s in range(seg_first, n_seg):
             row_of = seg + s * SEG_COLS
@@ -396,8 +404,7 @@ def _one_loop(
     n_prog = tl.num_programs(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     out_ty = c.dtype.element_ty
-    last = seg + (n_seg - 1) * SEG_COLS
-    total = tl.load(last + SEG_TILE0) + tl.cdiv(tl.load(last + SEG_ROWS), BLOCK_M) * tiles_n
+    total = _launch_tiles(seg, n_seg, tiles_n, BLOCK_M)
     c_desc = tl.make_tensor_descriptor(
         c, shape=[M, N], strides=[N, 1],
         block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE else BLOCK_N],
@@ -427,18 +434,10 @@ def _one_loop(
     )
     waited = -1  # the last segment this program waited for
     for g in tl.range(start, total, n_prog, flatten=True):
-        s = tl.load(mt_seg + g // tiles_n)
-        row_of = seg + s * SEG_COLS
-        tile0 = tl.load(row_of + SEG_TILE0)
-        row0 = tl.load(row_of + SEG_ROW0)
-        rows = tl.load(row_of + SEG_ROWS)
-        expected = tl.load(row_of + SEG_WAIT_EXPECTED)
-        slot = tl.load(row_of + SEG_WAIT_FIRST)
-        needed = (s != waited) & (tl.load(row_of + SEG_WAIT_COUNT) > 0)
-        token = wait_inline(sig + slot, expected, needed.to(tl.int32), err, rank, slot, max_spins)
-        waited = s
-        pid_m, pid_n = _tile_coords(g - tile0, tl.cdiv(rows, BLOCK_M), tiles_n, GROUP_M)
-        tile_row = row0 + pid_m * BLOCK_M
+        waited, row_of, pid_m, pid_n, token, expected = _flat_tile(
+            g, seg, mt_seg, tiles_n, waited, sig, err, rank, max_spins, BLOCK_M, GROUP_M
+        )
+        tile_row = tl.load(row_of + SEG_ROW0) + pid_m * BLOCK_M
         acc = _mma(
             a, b, a_desc, b_desc, tile_row, pid_n * BLOCK_N, token, expected, M, N, K,
             BLOCK_M, BLOCK_N, BLOCK_K, True,
@@ -447,6 +446,150 @@ def _one_loop(
             acc, bias, c_desc, tile_row, pid_n * BLOCK_N, N, out_ty, BLOCK_M, BLOCK_N, HAS_BIAS,
             SUBTILE,
         )  # fmt: skip
+
+
+@triton.jit
+def _launch_tiles(seg, n_seg, tiles_n, BLOCK_M: tl.constexpr):
+    """Tiles of every segment of the table: the last one's first tile plus its tiles."""
+    last = seg + (n_seg - 1) * SEG_COLS
+    return tl.load(last + SEG_TILE0) + tl.cdiv(tl.load(last + SEG_ROWS), BLOCK_M) * tiles_n
+
+
+@triton.jit
+def _flat_tile(
+    g, seg, mt_seg, tiles_n, waited, sig, err, rank, max_spins,
+    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """Global tile ``g`` of a one-loop launch: ``(segment, its table row, pid_m, pid_n,
+    token, expected)``. The tile waits for its segment's signals (``wait_inline``) only
+    where the program has not yet met the segment (``waited``: the last one it waited
+    for); the token is then ``expected``."""
+    s = tl.load(mt_seg + g // tiles_n)
+    row_of = seg + s * SEG_COLS
+    expected = tl.load(row_of + SEG_WAIT_EXPECTED)
+    first = tl.load(row_of + SEG_WAIT_FIRST)
+    count = tl.load(row_of + SEG_WAIT_COUNT)
+    needed = ((s != waited) & (count > 0)).to(tl.int32)
+    token = wait_inline(sig + first, expected, needed, err, rank, first, max_spins, count)
+    seg_mt = tl.cdiv(tl.load(row_of + SEG_ROWS), BLOCK_M)
+    pid_m, pid_n = _tile_coords(g - tl.load(row_of + SEG_TILE0), seg_mt, tiles_n, GROUP_M)
+    return s, row_of, pid_m, pid_n, token, expected
+
+
+@triton.jit
+def _one_loop_scatter(
+    a, b, c, bias, M, N, K, seg, n_seg, mt_seg, recv, recv_rows, out_table, stage, sig,
+    sig_table, err, rank, max_spins, b_desc,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, WORLD: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BROADCAST: tl.constexpr,
+):  # fmt: skip
+    """GEMM+RS / GEMM+AR ``ce_fused`` (``STAGE_PUSHES``) with a program's tiles of every
+    segment in one pipelined loop (see ``_one_loop``). Push tiles go into ``stage``
+    through one descriptor over all of it; reduce tiles wait (``wait_inline``, on every
+    peer's arrival flag, the first time this program meets the segment), add the peers'
+    partials and are stored (all-reduce: broadcast) through pointers.
+
+    Counting without a CTA barrier: a tile is counted (``count_tile_inline``: each warp
+    adds 1 once its stores have landed, so a chunk's counter ends at tiles x num_warps)
+    after the next tile's main loop, when its stores are long done; the last one after
+    the loop. Push tiles count in their local slot; reduce tiles in their local slot
+    (all-reduce with copy gathers) or, broadcast, in every peer's slot at system scope."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    out_ty = c.dtype.element_ty
+    total = _launch_tiles(seg, n_seg, tiles_n, BLOCK_M)
+    a_desc = tl.make_tensor_descriptor(
+        a, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
+    )
+    stage_desc = tl.make_tensor_descriptor(
+        stage, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N // 2]
+    )
+    waited = -1  # the last segment this program waited for
+    pend = 0  # local counter slot of the previous tile, still to count (0: none)
+    pend_peers = 0  # broadcast: the peers' counter slot of the previous tile (0: none)
+    for g in tl.range(pid, total, n_prog, flatten=True):
+        waited, row_of, pid_m, pid_n, token, expected = _flat_tile(
+            g, seg, mt_seg, tiles_n, waited, sig, err, rank, max_spins, BLOCK_M, GROUP_M
+        )
+        row0 = tl.load(row_of + SEG_ROW0)
+        rows = tl.load(row_of + SEG_ROWS)
+        kind = tl.load(row_of + SEG_KIND)
+        out_row0 = tl.load(row_of + SEG_OUT_ROW0)
+        notify_slot = tl.load(row_of + SEG_NOTIFY)
+        tile_row = pid_m * BLOCK_M
+        col = pid_n * BLOCK_N
+        acc = _mma(
+            a, b, a_desc, b_desc, row0 + tile_row, col, token, expected, M, N, K, BLOCK_M,
+            BLOCK_N, BLOCK_K, True,
+        )  # fmt: skip
+        _count_previous(sig, sig_table, pend, pend_peers, rank, WORLD, BROADCAST)
+        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        left, right = tl.split(halves)
+        # a push tile: its partial into the stage (a reduce tile: out of bounds, nothing)
+        stage_row = tl.where(kind == KIND_PUSH, row0 + tile_row, M)
+        stage_desc.store([stage_row, col], left.to(out_ty))
+        stage_desc.store([stage_row, col + BLOCK_N // 2], right.to(out_ty))
+        # a reduce tile: everything else in a loop that other tiles run zero times, so that
+        # they pay nothing for it (as straight-line code, masked by the kind, its offsets,
+        # masks and layout changes cost push tiles 7-9 % of the kernel on an H200)
+        for _ in range(0, tl.where(kind == KIND_REDUCE, 1, 0)):
+            for h in tl.static_range(2):
+                _reduce_half(
+                    left if h == 0 else right, col + h * (BLOCK_N // 2), rows,
+                    row0 if BROADCAST else out_row0, out_row0, tile_row, c, bias, recv,
+                    recv_rows, out_table, N, token, expected, rank, out_ty, BLOCK_M,
+                    BLOCK_N // 2, WORLD, HAS_BIAS, BROADCAST,
+                )  # fmt: skip
+        reduced = kind == KIND_REDUCE
+        if BROADCAST:
+            pend = tl.where(reduced, 0, notify_slot)
+            pend_peers = tl.where(reduced, notify_slot, 0)
+        else:
+            pend = notify_slot  # push: the staged chunk; reduce: the gather copies (or 0)
+    _count_previous(sig, sig_table, pend, pend_peers, rank, WORLD, BROADCAST)
+
+
+@triton.jit
+def _reduce_half(
+    acc, col, rows, c_row0, out_row0, tile_row, c, bias, recv, recv_rows, out_table, N,
+    token, expected, rank, out_ty,
+    BLOCK_M: tl.constexpr, HALF_N: tl.constexpr, WORLD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BROADCAST: tl.constexpr,
+):  # fmt: skip
+    """``_one_loop_scatter``'s reduce tile, ``HALF_N`` columns: add the peers' partials
+    (loads guarded by the wait's token) and the bias, then store into ``c`` at row
+    ``c_row0`` of the segment or, ``BROADCAST``, into every rank's result."""
+    r = tl.arange(0, BLOCK_M)
+    cols = col + tl.arange(0, HALF_N)
+    mask = (tile_row + r < rows)[:, None] & (cols < N)[None, :]
+    in_tile = r[:, None] * N + cols[None, :]
+    ok = guard(mask, token, expected)
+    for i in range(1, WORLD):
+        p = (rank + i) % WORLD
+        part_base = recv + (p * recv_rows + out_row0 + tile_row).to(tl.int64) * N
+        acc += tl.load(part_base + in_tile, mask=ok, other=0.0).to(tl.float32)
+    val = _add_bias(acc, bias, col, N, HALF_N, HAS_BIAS).to(out_ty)
+    for i in range(0, WORLD if BROADCAST else 1):
+        q = (rank + i) % WORLD
+        dst = c
+        if BROADCAST:
+            dst = peer_ptr_aligned(c, out_table, rank, q)
+        dst += (c_row0 + tile_row).to(tl.int64) * N
+        tl.store(dst + in_tile, val, mask=mask)
+
+
+@triton.jit
+def _count_previous(
+    sig, sig_table, pend, pend_peers, rank, WORLD: tl.constexpr, BROADCAST: tl.constexpr
+):
+    """``_one_loop_scatter``'s deferred count of its previous tile."""
+    count_tile_inline(sig + pend, pend)
+    if BROADCAST:
+        for i in range(1, tl.where(pend_peers != 0, WORLD, 1)):
+            q = (rank + i) % WORLD
+            count_tile_inline(signal_base(sig_table, q) + pend_peers, 1, True)
 
 
 @triton.jit

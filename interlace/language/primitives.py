@@ -173,32 +173,42 @@ def wait(sig, expected, err, rank, slot, max_spins, EQUAL: tl.constexpr = False)
 
 
 @triton.jit
-def wait_inline(sig, expected, needed, err, rank, slot, max_spins):
+def wait_inline(sig, expected, needed, err, rank, slot, max_spins, count=1):
     """``wait`` as one inline-PTX statement, for a wait inside a software-pipelined loop:
     Triton sees no loop or branch, so the loop around it stays one pipelined loop (a
     ``wait`` there would stop Triton from pipelining it, and a scalar atomic adds CTA
-    barriers). Where ``needed`` is 0 it returns ``expected`` at once (an earlier wait of
-    this thread already acquired the signal). Same protocol as ``wait``: relaxed polls,
-    the error word read every ``ERROR_POLL`` spins, one acquiring load once met; on
-    timeout ``[2, rank, slot, seen]`` is recorded (first wins) and ``expected - 1``
-    returned. In the interpreter, ``wait``."""
+    barriers). Waits for each of the ``count`` consecutive signals from ``sig`` (``slot``
+    names the first) in turn and returns the smallest value seen; where ``needed`` is 0
+    it returns ``expected`` at once (an earlier wait of this thread already acquired
+    them). Same protocol as ``wait``: volatile polls, the error word read every
+    ``ERROR_POLL`` (4096) spins, one acquiring load per signal once met (the token
+    depends on each); on timeout ``[2, rank, slot, seen]`` is recorded (first wins) and
+    ``expected - 1`` returned. In the interpreter, ``wait`` on each."""
     if INTERPRETED:
         token = expected
         if needed != 0:
             token = wait(sig, expected, err, rank, slot, max_spins)
+            for i in range(1, count):
+                seen = wait(sig + i, expected, err, rank, slot + i, max_spins)
+                token = tl.minimum(token, seen)
         return token
     else:
         return tl.inline_asm_elementwise(
             """{
             .reg .pred %p;
-            .reg .u32 %n, %t;
+            .reg .u32 %n, %t, %i, %v;
+            .reg .u64 %a;
             mov.b32 $0, $2;
             setp.eq.u32 %p, $7, 0;
             @%p bra DONE;
+            mov.b32 $0, 2147483647;
+            mov.u32 %i, 0;
+            mov.b64 %a, $1;
+            SLOT:
             mov.u32 %n, 0;
             POLL:
-            ld.relaxed.sys.global.u32 $0, [$1];
-            setp.ge.s32 %p, $0, $2;
+            ld.volatile.global.u32 %v, [%a];
+            setp.ge.s32 %p, %v, $2;
             @%p bra MET;
             add.u32 %n, %n, 1;
             setp.ge.u32 %p, %n, $5;
@@ -206,29 +216,75 @@ def wait_inline(sig, expected, needed, err, rank, slot, max_spins):
             and.b32 %t, %n, 4095;
             setp.ne.u32 %p, %t, 0;
             @%p bra POLL;
-            ld.relaxed.sys.global.u32 %t, [$3];
+            ld.volatile.global.u32 %t, [$3];
             setp.eq.u32 %p, %t, 0;
             @%p bra POLL;
             bra GIVEUP;
+            MET:
+            ld.acquire.sys.global.u32 %v, [%a];
+            min.s32 $0, $0, %v;
+            add.u32 %i, %i, 1;
+            add.u64 %a, %a, 4;
+            setp.lt.u32 %p, %i, $8;
+            @%p bra SLOT;
+            bra DONE;
             TIMEOUT:
             atom.acq_rel.sys.global.cas.b32 %t, [$3], 0, 1;
             setp.ne.u32 %p, %t, 0;
             @%p bra GIVEUP;
             st.relaxed.sys.global.u32 [$3+4], $4;
-            st.relaxed.sys.global.u32 [$3+8], $6;
-            st.relaxed.sys.global.u32 [$3+12], $0;
+            add.u32 %t, $6, %i;
+            st.relaxed.sys.global.u32 [$3+8], %t;
+            st.relaxed.sys.global.u32 [$3+12], %v;
             mov.u32 %t, 2;
             st.release.sys.global.u32 [$3], %t;
             GIVEUP:
             sub.s32 $0, $2, 1;
-            bra DONE;
-            MET:
-            ld.acquire.sys.global.u32 $0, [$1];
             DONE:
             }""",
-            "=r,l,r,l,r,r,r,r",
-            [sig, expected, err.to(tl.pointer_type(tl.int32)), rank, max_spins, slot, needed],
+            "=r,l,r,l,r,r,r,r,r",
+            [sig, expected, err.to(tl.pointer_type(tl.int32)), rank, max_spins, slot, needed,
+             count],
             dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+def _count_asm(scope: str) -> str:
+    return f"""{{
+    .reg .pred %p;
+    .reg .u32 %l;
+    mov.u32 $0, 0;
+    setp.eq.u32 %p, $2, 0;
+    @%p bra DONE;
+    cp.async.bulk.wait_group 0;
+    fence.proxy.async.global;
+    bar.warp.sync -1;
+    mov.u32 %l, %laneid;
+    setp.ne.u32 %p, %l, 0;
+    @%p bra DONE;
+    red.release.{scope}.global.add.u32 [$1], 1;
+    DONE:
+    }}"""
+
+
+_COUNT_GPU = tl.constexpr(_count_asm("gpu"))
+_COUNT_SYS = tl.constexpr(_count_asm("sys"))
+
+
+@triton.jit
+def count_tile_inline(sig, needed, SYSTEM: tl.constexpr = False):
+    """Release-add 1 to signal ``sig`` from each warp of the program, where ``needed`` is
+    not 0, once the warp's earlier stores have landed: every thread waits for its TMA
+    stores (``cp.async.bulk.wait_group 0``) and fences them, the warp synchronises, then
+    its lane 0 adds (GPU scope; system scope with ``SYSTEM``, for a signal on a peer or
+    data stored into one). One inline-PTX statement and no CTA barrier, so it can count
+    tiles one by one inside a pipelined loop; a tile counts ``num_warps`` times. Call it
+    for a tile once the next one's main loop has run (its stores are done by then), not
+    right after storing it. A no-op in the interpreter, which counts with ``notify``."""
+    if not INTERPRETED:
+        tl.inline_asm_elementwise(
+            _COUNT_SYS if SYSTEM else _COUNT_GPU, "=r,l,r", [sig, needed], dtype=tl.int32,
+            is_pure=False, pack=1,
         )  # fmt: skip
 
 

@@ -149,25 +149,33 @@ class OneLoop:
 
 def one_loop_tables(segments: list[Segment], m: int, n: int, k: int, cfg, dtype, device):
     """The tables of the kernel's one-loop mode for these segments, or None where it does
-    not apply: it needs TMA, more than one segment, only ``store`` segments after
-    ``store_own`` ones, at most one signal per segment, and no tile overhanging its
-    segment's last row into another segment's rows (each segment a multiple of
-    ``block_m`` rows, or ending at row ``m``)."""
+    not apply. It needs TMA, more than one segment, and no tile overhanging its segment's
+    last row into another segment's rows (each segment a multiple of ``block_m`` rows, or
+    ending at row ``m``); and either store segments (``store_own`` ones first, at most one
+    signal each) or push and reduce segments (``ce_fused``, whose launch stages its
+    pushes; its counters then count ``num_warps`` per tile: :func:`count_unit`)."""
     if len(segments) < 2 or not tma_ok(k, n, dtype):
+        return None
+    if any(s.rows % cfg.block_m and s.row0 + s.rows != m for s in segments):
         return None
     own = 0
     while own < len(segments) and segments[own].kind == "store_own":
         own += 1
-    for s in segments[own:]:
-        if s.kind != "store" or s.wait_count > 1:
-            return None
-    if any(s.rows % cfg.block_m and s.row0 + s.rows != m for s in segments):
+    stores = all(s.kind == "store" and s.wait_count <= 1 for s in segments[own:])
+    if not stores and not all(s.kind in ("push", "reduce") for s in segments):
         return None
     mt_seg = []
     for i, s in enumerate(segments):
         mt_seg += [i] * cdiv(s.rows, cfg.block_m)
     own_tiles = total_tiles(segments[:own], n, cfg)
     return OneLoop(to_device(torch.tensor(mt_seg, dtype=torch.int32), device), own_tiles)
+
+
+def count_unit(one_loop: OneLoop | None, cfg: GemmConfig) -> int:
+    """What one finished tile adds to a chunk's counter: 1 (one release per program and
+    segment, adding its tiles), or ``num_warps`` in the one-loop mode (each warp of the
+    tile's program adds 1)."""
+    return 1 if one_loop is None else cfg.num_warps
 
 
 def total_tiles(segments: list[Segment], n: int, cfg: GemmConfig) -> int:
@@ -210,8 +218,10 @@ def launcher(
     this launch computes; ``one_loop``: run the store segments in the kernel's one-loop
     mode (``one_loop_tables``)."""
     use_tma = tma_ok(k, n, dtype)
-    if one_loop is not None and (push or notify_stores or stage is not None or not use_tma):
-        raise InterlaceValueError("the one-loop mode runs store segments only, with TMA")
+    if one_loop is not None and (notify_stores or push != (stage is not None) or not use_tma):
+        raise InterlaceValueError(
+            "the one-loop mode runs store segments, or pushes into a stage, with TMA"
+        )
     if use_tma and torch.device(device).type == "cuda":
         install_scratch_allocator()
     if not err:  # no waits can run; the kernel still needs a 64-bit address

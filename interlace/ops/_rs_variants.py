@@ -54,7 +54,8 @@ class CeFusedPlan(NamedTuple):
     """A ``ce_fused`` call's plan for one shape and buffer set: the GEMM's segment tables
     and grid; its steps ``(first segment, end segment, copies released)`` (one on a GPU;
     on the interpreter cut where a reduction must wait for copies); the all-reduce's
-    final wait (or None); the buffer set; the prepared launches per bias / no bias."""
+    final wait (or None); the buffer set; the prepared launches per bias / no bias; the
+    one-loop tables (GPU, eligible layouts) or None."""
 
     cfg: _gemm.GemmConfig
     tables: list  # per step
@@ -64,6 +65,7 @@ class CeFusedPlan(NamedTuple):
     broadcast: bool  # the epilogue stores reduced tiles into every rank (gather="epilogue")
     set: int
     launchers: dict
+    one_loop: _gemm.OneLoop | None = None
 
 
 def gather_order(chunks, rank: int, world: int) -> list:
@@ -168,6 +170,12 @@ class ScatterVariants:
     the GEMM, at each new specialisation) blocked the host for as long as a kernel was
     spinning on the device (benchmarks/NOTES.md). The GEMM's grid leaves ``comm_sms``
     SMs free for the spinning kernels."""
+
+    #: Run the ``ce_fused`` GEMM in the kernel's one-loop mode where the layout allows.
+    #: Off: on one H200 (rank 0 of 4 emulated, session 9) it took GEMM+RS's kernel 1-3 %
+    #: faster (7B M 8192 0.316 -> 0.307 ms) but GEMM+AR's 1-4 % slower on 8B / 70B, and
+    #: it has not run across GPUs yet (its counters then count ``num_warps`` per tile).
+    ONE_LOOP_CE_FUSED = False
 
     # ------------------------------------------------------------------ ce_scatter
     def _ce_plan(self, m: int, n: int):
@@ -318,6 +326,12 @@ class ScatterVariants:
             w, r, m, n, cfg, self._split_of("ce_fused"), all_reduce=self.BROADCAST,
             gather_epilogue=bcast, arrival=arrival, done=done,
         )  # fmt: skip
+        dev = self.group.device
+        one_loop = None
+        if self.ONE_LOOP_CE_FUSED and self.group.backend == "cuda":  # (the interpreter
+            # cuts the launch into steps)
+            one_loop = _gemm.one_loop_tables(layout.segments, m, n, self.k, cfg, self.dtype, dev)
+        unit = _gemm.count_unit(one_loop, cfg)  # what a finished tile adds to its counter
         own_number = {c.id: i + 1 for i, c in enumerate(x for x in layout.chunks if x.owner == r)}
         sends, gathers = {}, {}  # per chunk: its reduce-scatter copy; its gather copies
         for t in schedule.transfers(layout.schedule, r):
@@ -325,10 +339,11 @@ class ScatterVariants:
                 sends[t.chunk_id] = t
             else:
                 gathers.setdefault(t.chunk_id, []).append(t)
-        segments, released = layout.segments, []
+        segments = [replace(g, final_expected=g.final_expected * unit) for g in layout.segments]
+        released = []
         for chunk in layout.chunks:
             o, cid = chunk.owner, layout.slot_of[chunk.id]
-            tiles = tiles_of(chunk.rows, n, cfg)
+            tiles = tiles_of(chunk.rows, n, cfg) * unit
             if o != r:
                 t = sends[chunk.id]
                 lo, hi = t.lo - o * m_loc, t.hi - o * m_loc  # in the owner's rows
@@ -349,7 +364,6 @@ class ScatterVariants:
                 for i, t in enumerate(gathers.get(chunk.id, []) if copy_gather else [])
             ])  # fmt: skip
         final = self._gathered_wait(len(own_number)) if copy_gather else None
-        dev = self.group.device
         grid = _gemm.programs_for(
             _gemm.total_tiles(segments, n, cfg), dev, self.group.backend,
             comm_sms=1,  # the comm stream's wait kernels run beside the GEMM
@@ -361,7 +375,7 @@ class ScatterVariants:
             # segment up to the launch's last) can only be met in the last step.
             quiet = [replace(seg, final_expected=0) for seg in segments]
             tables[:-1] = [_gemm.segment_table(quiet, n, cfg, dev)] * (len(steps) - 1)
-        plan = CeFusedPlan(cfg, tables, grid, steps, final, bcast, s, {})
+        plan = CeFusedPlan(cfg, tables, grid, steps, final, bcast, s, {}, one_loop)
         return self._keep_plan(key, plan)
 
     def _gathered_wait(self, chunks: int) -> PreparedLaunch:
@@ -396,7 +410,7 @@ class ScatterVariants:
         runs = [
             _gemm.launcher(
                 m, n, self.k, plan.cfg, plan.grid, table, hi, seg_first=lo,
-                clear=(first, count) if i == last else None, **fixed,
+                clear=(first, count) if i == last else None, one_loop=plan.one_loop, **fixed,
             )
             for i, ((lo, hi, _), table) in enumerate(zip(plan.steps, plan.tables))
         ]  # fmt: skip

@@ -35,6 +35,24 @@ VARIANTS = {
     "gemm_ar": {"HAS_PUSH": True, "BROADCAST": True, "SUBTILE": True},
     "gemm_rs_ce_scatter": {"NOTIFY_STORES": True, "HAS_BIAS": True},
     "gemm_rs_ce_fused": {"HAS_PUSH": True, "STAGE_PUSHES": True, "SUBTILE": True},
+    "gemm_rs_ce_fused_one_loop": {
+        "HAS_PUSH": True,
+        "STAGE_PUSHES": True,
+        "SUBTILE": True,
+        "ONE_LOOP": True,
+        "WORLD": 4,
+        "EXIT_CLEAR": True,
+    },
+    "gemm_ar_ce_fused_one_loop": {
+        "HAS_PUSH": True,
+        "STAGE_PUSHES": True,
+        "SUBTILE": True,
+        "ONE_LOOP": True,
+        "WORLD": 4,
+        "BROADCAST": True,
+        "HAS_BIAS": True,
+        "EXIT_CLEAR": True,
+    },
     # GEMM+AR ``ce_fused`` runs the reduce-scatter kernel (the copy engine gathers), here
     # with a bias and four ranks
     "gemm_ar_ce_fused": {

@@ -70,8 +70,9 @@ def _wait_token_kernel(sig_ptr, slot, expected, err, rank, max_spins, out, EQUAL
 
 
 @triton.jit
-def _wait_inline_kernel(sig_ptr, slot, expected, needed, err, rank, max_spins, out):
-    tl.store(out, wait_inline(sig_ptr + slot, expected, needed, err, rank, slot, max_spins))
+def _wait_inline_kernel(sig_ptr, slot, expected, needed, err, rank, max_spins, out, count=1):
+    token = wait_inline(sig_ptr + slot, expected, needed, err, rank, slot, max_spins, count)
+    tl.store(out, token)
 
 
 @triton.jit
@@ -613,19 +614,21 @@ def test_barrier_clears_flags(world):
 
 def _wait_inline_body(group):
     """``wait_inline`` (inline PTX on a GPU, ``wait`` in the interpreter) keeps ``wait``'s
-    protocol: a met signal returns the value seen; ``needed = 0`` returns ``expected``
-    without looking; an unmet one records ``[2, rank, slot, seen]`` and returns
-    ``expected - 1``; after an earlier timeout it gives up within ``ERROR_POLL`` spins
-    (its bound here would take hours) and keeps the first report."""
+    protocol: a met signal returns the value seen (of several consecutive ones, the
+    smallest); ``needed = 0`` returns ``expected`` without looking; an unmet one records
+    ``[2, rank, slot, seen]`` (the first unmet of several) and returns ``expected - 1``;
+    after an earlier timeout it gives up within ``ERROR_POLL`` spins (its bound here
+    would take hours) and keeps the first report."""
     pad = SignalPad(group, {"data": 4})
     err = ErrorWord(group)
     out = torch.full((1,), -7, dtype=torch.int32, device=group.device)
     base = pad.offset("data")
 
-    def run(slot, expected, needed, spins):
+    def run(slot, expected, needed, spins, count=1):
         out.fill_(-7)
         _wait_inline_kernel[(1,)](
-            pad.buffer.local, base + slot, expected, needed, err.address, group.rank, spins, out
+            pad.buffer.local, base + slot, expected, needed, err.address, group.rank, spins,
+            out, count,
         )  # fmt: skip
         _sync(group)
         return int(out[0])
@@ -639,6 +642,12 @@ def _wait_inline_body(group):
         err.raise_if_set("inline_skip", pad.describe)
         assert run(1, 6, 1, SHORT_SPINS) == 5  # expected - 1
         _expect_timeout(group, err, pad, "inline_timeout", "data[1]", observed=5)
+        pad.local("data")[:3] = torch.tensor([7, 5, 6], dtype=torch.int32)
+        _sync(group)
+        assert run(0, 3, 1, default_max_spins(group), count=3) == 5  # the smallest seen
+        err.raise_if_set("inline_three", pad.describe)
+        assert run(0, 3, 1, SHORT_SPINS, count=4) == 2  # data[3] is 0
+        _expect_timeout(group, err, pad, "inline_fourth", "data[3]", observed=0)
         err.tensor[0], err.tensor[2] = 2, 12345  # an earlier wait failed
         assert run(3, 1, 1, 1 << 30) == 0
         with pytest.raises(WaitTimeoutError) as info:
@@ -653,3 +662,30 @@ def _wait_inline_body(group):
 @pytest.mark.parametrize("world", WITH_ONE_GPU, indirect=True)
 def test_wait_inline(world):
     assert all(world.run(_wait_inline_body))
+
+
+@pytest.mark.gpu
+def test_wait_inline_sees_a_late_signal():
+    """A one-program kernel spins in ``wait_inline`` while, from another stream, the copy
+    engine raises its signal some 20 ms later: the wait returns the new value, and no
+    timeout is recorded (its polls are not served from a stale cache)."""
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs a GPU")
+    dev = torch.device("cuda", 0)
+    sig = torch.zeros(4, dtype=torch.int32, device=dev)
+    err = torch.zeros(4, dtype=torch.int32, device=dev)
+    out = torch.full((1,), -7, dtype=torch.int32, device=dev)
+    raised = torch.full((1,), 3, dtype=torch.int32).pin_memory()
+    waiter, raiser = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    # the raiser's kernels loaded first: a kernel's first launch (CUDA's lazy loading)
+    # would wait for the spinning one to end
+    torch.cuda._sleep(1)
+    sig[3:4].copy_(raised, non_blocking=True)
+    torch.cuda.synchronize(dev)
+    with torch.cuda.stream(waiter):
+        _wait_inline_kernel[(1,)](sig, 2, 3, 1, err.data_ptr(), 0, 1 << 26, out)
+    with torch.cuda.stream(raiser):
+        torch.cuda._sleep(40_000_000)  # GPU cycles: ~20 ms
+        sig[2:3].copy_(raised, non_blocking=True)
+    torch.cuda.synchronize(dev)
+    assert int(out[0]) == 3 and err.tolist() == [0, 0, 0, 0], (out.tolist(), err.tolist())
