@@ -10,7 +10,7 @@ import time
 import torch
 
 import interlace
-from interlace.bench.timing import _align
+from interlace.bench.timing import _align, graph_of, paired_median_ms
 from interlace.testing import World
 
 
@@ -67,3 +67,19 @@ def print_table(title: str, rows: dict[str, dict[str, float]], width: int = 16) 
     print(f"{'model':12s}" + "".join(f"{c:>{width}s}" for c in cols))
     for name, t in rows.items():
         print(f"{name:12s}" + "".join(f"{t[c]:{width}.3f}" for c in cols))
+
+
+def replayed_ms(calls: dict, reps: int, iters: int) -> dict[str, float]:
+    """One process's ``calls`` (name -> callable) timed as CUDA graphs of ``reps`` calls
+    each, replayed interleaved round by round (``paired_median_ms``): name -> ms per call."""
+
+    def many(fn):
+        def run():
+            for _ in range(reps):
+                fn()
+
+        return run
+
+    graphs = [graph_of(None, many(fn)) for fn in calls.values()]
+    times = paired_median_ms(None, [g.replay for g in graphs], iters=iters, warmup=2)
+    return {name: t / reps for name, t in zip(calls, times)}

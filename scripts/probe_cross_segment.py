@@ -22,9 +22,9 @@ import math
 from dataclasses import replace
 
 import torch
+from _probe import replayed_ms
 
-from interlace.bench.dense import MODELS, model_shape
-from interlace.bench.timing import graph_of, paired_median_ms
+from interlace.bench.dense import MODELS, model_shape, rel_err
 from interlace.ops import _gemm
 
 SPINS = 1 << 20
@@ -135,20 +135,8 @@ def one_shape(model, m, world, split, dev, reps, iters):
         fn()
         torch.cuda.synchronize()
         assert int(err[0]) == 0, f"{name}: a wait timed out {err.tolist()}"
-        got = c.float()
-        ok = torch.isfinite(got).all()
-        errors[name] = float((got - ref).norm() / ref.norm()) if ok else math.inf
-
-    def many(fn):
-        def run():
-            for _ in range(reps):
-                fn()
-
-        return run
-
-    graphs = [graph_of(None, many(fn)) for fn in calls.values()]
-    times = paired_median_ms(None, [g.replay for g in graphs], iters=iters, warmup=2)
-    ms = {name: t / reps for name, t in zip(calls, times)}
+        errors[name] = rel_err(c, ref)
+    ms = replayed_ms(calls, reps, iters)
     return dict(model=model, M=m, N=n, K=k, split=split, world_size=world, ms=ms, rel_err=errors)
 
 

@@ -33,9 +33,9 @@ import math
 from dataclasses import replace
 
 import torch
+from _probe import replayed_ms
 
-from interlace.bench.dense import MODELS, model_shape
-from interlace.bench.timing import graph_of, paired_median_ms
+from interlace.bench.dense import MODELS, model_shape, rel_err
 from interlace.ops import _gemm
 from interlace.ops._rs_variants import cef_layout
 
@@ -163,26 +163,10 @@ class Emulated:
                 row0 = lo if self.all_reduce else lo - r * m_loc
                 for o in outs:
                     got = o[row0 : row0 + c.rows].float()
-                    worst = max(worst, _rel(got, ref))
+                    worst = max(worst, rel_err(got, ref))
                 continue
-            worst = max(worst, _rel(got, ref))
+            worst = max(worst, rel_err(got, ref))
         return worst
-
-
-def _rel(got, ref) -> float:
-    if not torch.isfinite(got).all():
-        return math.inf
-    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def graph_of_calls(fn, reps: int):
-    """``reps`` calls of ``fn`` captured in one CUDA graph."""
-
-    def many():
-        for _ in range(reps):
-            fn()
-
-    return graph_of(None, many)
 
 
 def _baselines(m, n, k, errors) -> dict:
@@ -199,7 +183,7 @@ def _baselines(m, n, k, errors) -> dict:
     for name, cfg in (("plain", base), ("plain_room", _gemm.with_epilogue_room(base))):
         c.fill_(float("nan"))
         _gemm.matmul(a, b, out=c, cfg=cfg)
-        errors[name] = _rel(c.float(), ref)
+        errors[name] = rel_err(c.float(), ref)
         calls[name] = lambda cfg=cfg: _gemm.matmul(a, b, out=c, cfg=cfg)
     return calls
 
@@ -226,9 +210,7 @@ def shape_row(model, m, world, rank, reps, iters, before):
             emu = Emulated(world, rank, m, n, k, mode, split, kernel=kernel, one_loop=one_loop)
             errors[name + suffix] = emu.check()
             calls[name + suffix] = emu
-    graphs = {name: graph_of_calls(fn, reps) for name, fn in calls.items()}
-    times = paired_median_ms(None, [g.replay for g in graphs.values()], iters=iters, warmup=2)
-    row = {name: t / reps for name, t in zip(graphs, times)}
+    row = replayed_ms(calls, reps, iters)
     return dict(model=model, M=m, N=n, K=k, world_size=world, rank=rank, ms=row, rel_err=errors)
 
 
