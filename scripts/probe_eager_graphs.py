@@ -93,7 +93,80 @@ def _profile(group, op, strategy, model, m, tp, calls=300) -> str:
     return f"== {op} {strategy} {model} M {m}, {calls} calls\n" + text.getvalue()
 
 
-def body(group, tp, ms, models, profile):
+def _node_types(eager_graph) -> dict[str, int]:
+    """How many nodes of each CUgraphNodeType the replayed graph has."""
+    import ctypes
+
+    from interlace.runtime import graphs
+
+    raw = eager_graph._graph.raw_cuda_graph()
+    count = ctypes.c_size_t(0)
+    graphs._checked("cuGraphGetNodes", raw, None, ctypes.byref(count))
+    nodes = (ctypes.c_void_p * count.value)()
+    graphs._checked("cuGraphGetNodes", raw, nodes, ctypes.byref(count))
+    names = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty",
+             6: "wait_event", 7: "event_record", 8: "ext_signal", 9: "ext_wait",
+             10: "mem_alloc", 11: "mem_free", 12: "batch_mem_op", 13: "conditional"}  # fmt: skip
+    kind, out = ctypes.c_int(), {}
+    for node in nodes:
+        graphs._checked("cuGraphNodeGetType", node, ctypes.byref(kind))
+        name = names.get(kind.value, str(kind.value))
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
+def _breakdown(group, op, strategy, model, m, tp) -> str:
+    """Host µs (device idle before each, median of 50) of a graph-backed eager call and of
+    its parts: the checks, the output's allocation, the call-kind key, the graph's
+    re-pointing launch, the bare ``cuGraphLaunch``, and a user's ``graph.replay()``."""
+    from interlace.runtime import driver, graphs
+
+    w, dev = group.world_size, group.device
+    shape = model_shape(op, model, m, tp)
+    rows = shape.M // w if op == "ag_gemm" else shape.M
+    a = torch.randn(rows, shape.K, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(shape.K, shape.N, device=dev, dtype=torch.bfloat16) * 0.05
+    ctx = CLASSES[op](group, shape.M, shape.N, shape.K, strategy=strategy, eager_graphs=True)
+    try:
+        for _ in range(6):
+            shape_out = tuple(ctx(a, b).shape)  # dropped: the next call reuses its memory
+        torch.cuda.synchronize()
+        eg = next(g for g in ctx._graphs.values() if not isinstance(g, str))
+        outs = [torch.empty(shape_out, dtype=a.dtype, device=dev) for _ in range(2)]
+        args = [(a, b, None, o if op != "gemm_ar" else None) for o in outs]
+        stream = driver.current_stream(dev.index)
+        user = graph_of(None, lambda: ctx(a, b))
+        flip = iter(range(10**9))
+        parts = {
+            "call": lambda: ctx(a, b),
+            "checks": lambda: ctx._check_call(a, b, None, rows),
+            "empty": lambda: torch.empty(shape_out, dtype=a.dtype, device=dev),
+            "key": lambda: (
+                strategy,
+                0,
+                tuple(None if t is None else (t.shape, t.data_ptr() % 16 == 0) for t in args[0]),
+            ),  # fmt: skip
+            "launch": lambda: eg.launch(args[0]),
+            "launch_repointed": lambda: eg.launch(args[next(flip) % 2]),
+            "cuGraphLaunch": lambda: graphs._call("cuGraphLaunch", eg._exec, stream),
+            "user_replay": user.replay,
+            "nothing": lambda: None,
+        }
+        times = {name: host_us(fn, None, iters=50) for name, fn in parts.items()}
+        nodes = _node_types(eg)
+    finally:
+        ctx.close()
+    cells = "  ".join(f"{k} {v:.1f}" for k, v in times.items())
+    return f"{op} {strategy} {model} M {m}: {cells}  | nodes {nodes}"
+
+
+def body(group, tp, ms, models, profile, breakdown=False):
+    if breakdown:
+        return [
+            _breakdown(group, op, strategy, models[0], m, tp)
+            for op, strategy in CASES[:3]
+            for m in ms
+        ]
     if profile:
         return [_profile(group, op, strategy, models[0], ms[0], tp) for op, strategy in CASES]
     return [
@@ -112,9 +185,12 @@ def main():
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true", help="cProfile the graph-backed calls")
+    p.add_argument("--breakdown", action="store_true", help="host µs of a call's parts")
     args = p.parse_args()
-    rows = run_on_world(body, args.world_size, args.tp, args.ms, args.models, args.profile)[0]
-    if args.profile:
+    rows = run_on_world(
+        body, args.world_size, args.tp, args.ms, args.models, args.profile, args.breakdown
+    )[0]
+    if args.profile or args.breakdown:
         print("\n".join(rows))
         return
     meta = dict(

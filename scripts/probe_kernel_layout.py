@@ -134,7 +134,7 @@ class Emulated:
         if int(self.err[0]):
             raise RuntimeError(f"a wait timed out: {self.err.tolist()}")
         m_loc, n, r = self.m // self.world, self.n, self.rank
-        if self.mode in ("stage", "rs"):  # each staged chunk's counter, after one launch
+        if self.mode != "plain":  # each staged chunk's counter, after one launch
             sig = self.pads[r].tolist()
             for c in self.chunks:
                 if c.owner == r:  # (own rows: reduced, or in ``stage`` mode counted apart)
@@ -143,6 +143,13 @@ class Emulated:
                 got = sig[DONE + self.slot_of[c.id]]
                 if got != want:
                     raise RuntimeError(f"chunk {c.id}: counter {got}, expected {want}")
+        if self.mode == "ar":  # each own chunk's broadcast counter on every peer
+            for s in self.segments:
+                want = _gemm.tiles_of(s.rows, n, self.cfg) * self.unit
+                for q in range(self.world) if s.kind == "reduce" else ():
+                    got = int(self.pads[q][s.notify]) if q != r else want
+                    if got != want:
+                        raise RuntimeError(f"rank {q} broadcast slot {s.notify}: {got} != {want}")
         full = self.a.float() @ self.b.float()
         staged = self.stage.view(self.m, n)
         worst = 0.0

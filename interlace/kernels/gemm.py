@@ -155,7 +155,7 @@ def _add_bias(acc, bias, col, N, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, 
 @triton.jit(
     do_not_specialize=[
         "rank", "n_seg", "recv_rows", "own_rows", "max_spins", "bar_slot", "go_slot",
-        "clear_first", "clear_count", "seg_first", "own_tiles",
+        "clear_first", "clear_count", "seg_first", "lead_tiles",
     ]
 )  # fmt: skip
 def gemm_segments_kernel(
@@ -164,7 +164,7 @@ def gemm_segments_kernel(
     seg, n_seg,
     recv, recv_table, recv_rows, out_table, stage,
     sig, sig_table, err, rank, max_spins,
-    bar_slot, go_slot, clear_first, clear_count, seg_first, mt_seg, own_tiles,
+    bar_slot, go_slot, clear_first, clear_count, seg_first, mt_seg, lead_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, WORLD: tl.constexpr,
     USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -200,7 +200,8 @@ def gemm_segments_kernel(
     * ``ONE_LOOP`` (store segments, ``_one_loop``; or ``STAGE_PUSHES`` push and reduce
       segments, ``_one_loop_scatter``): a program runs its tiles of every segment in one
       pipelined loop, not one loop per segment; ``mt_seg`` gives the segment of each row
-      of tiles, ``own_tiles`` the tiles of the leading ``KIND_STORE_OWN`` segments.
+      of tiles, ``lead_tiles`` the tiles of the leading segments that run in a first loop
+      of their own (``KIND_STORE_OWN``; with pushes, the ``KIND_PUSH`` ones).
 
     There is one main loop for every kind: only the epilogue branches. (A second
     instantiation of the pipelined loop, e.g. one per A source, cost 35 % on an H200.)"""
@@ -228,13 +229,13 @@ def gemm_segments_kernel(
     if ONE_LOOP:
         if HAS_PUSH:
             _one_loop_scatter(
-                a, b, c, bias, M, N, K, seg, n_seg, mt_seg, recv, recv_rows, out_table,
-                stage, sig, sig_table, err, rank, max_spins, b_desc, BLOCK_M, BLOCK_N,
-                BLOCK_K, GROUP_M, WORLD, HAS_BIAS, BROADCAST,
+                a, b, c, bias, M, N, K, seg, n_seg, mt_seg, lead_tiles, recv, recv_rows,
+                out_table, stage, sig, sig_table, err, rank, max_spins, b_desc, BLOCK_M,
+                BLOCK_N, BLOCK_K, GROUP_M, WORLD, HAS_BIAS, BROADCAST,
             )  # fmt: skip
         else:
             _one_loop(
-                a, b, c, bias, M, N, K, a_own, own_rows, seg, n_seg, mt_seg, own_tiles, sig,
+                a, b, c, bias, M, N, K, a_own, own_rows, seg, n_seg, mt_seg, lead_tiles, sig,
                 err, rank, max_spins, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_BIAS,
                 HAS_OWN_A, SUBTILE,
             )  # fmt: skip
@@ -383,7 +384,7 @@ def gemm_segments_kernel(
 
 @triton.jit
 def _one_loop(
-    a, b, c, bias, M, N, K, a_own, own_rows, seg, n_seg, mt_seg, own_tiles, sig, err, rank,
+    a, b, c, bias, M, N, K, a_own, own_rows, seg, n_seg, mt_seg, lead_tiles, sig, err, rank,
     max_spins, b_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_OWN_A: tl.constexpr,
@@ -414,7 +415,7 @@ def _one_loop(
         own_desc = tl.make_tensor_descriptor(
             a_own, shape=[own_rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
         )
-        for g in tl.range(pid, own_tiles, n_prog, flatten=True):
+        for g in tl.range(pid, lead_tiles, n_prog, flatten=True):
             row_of = seg + tl.load(mt_seg + g // tiles_n) * SEG_COLS
             tile0 = tl.load(row_of + SEG_TILE0)
             rows = tl.load(row_of + SEG_ROWS)
@@ -428,7 +429,7 @@ def _one_loop(
                 acc, bias, c_desc, tl.load(row_of + SEG_ROW0) + tile_row, pid_n * BLOCK_N, N,
                 out_ty, BLOCK_M, BLOCK_N, HAS_BIAS, SUBTILE,
             )  # fmt: skip
-        start = own_tiles + (pid - own_tiles % n_prog + n_prog) % n_prog
+        start = lead_tiles + (pid - lead_tiles % n_prog + n_prog) % n_prog
     a_desc = tl.make_tensor_descriptor(
         a, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
     )
@@ -478,22 +479,26 @@ def _flat_tile(
 
 @triton.jit
 def _one_loop_scatter(
-    a, b, c, bias, M, N, K, seg, n_seg, mt_seg, recv, recv_rows, out_table, stage, sig,
-    sig_table, err, rank, max_spins, b_desc,
+    a, b, c, bias, M, N, K, seg, n_seg, mt_seg, lead_tiles, recv, recv_rows, out_table,
+    stage, sig, sig_table, err, rank, max_spins, b_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, WORLD: tl.constexpr, HAS_BIAS: tl.constexpr,
     BROADCAST: tl.constexpr,
 ):  # fmt: skip
-    """GEMM+RS / GEMM+AR ``ce_fused`` (``STAGE_PUSHES``) with a program's tiles of every
-    segment in one pipelined loop (see ``_one_loop``). Push tiles go into ``stage``
-    through one descriptor over all of it; reduce tiles wait (``wait_inline``, on every
-    peer's arrival flag, the first time this program meets the segment), add the peers'
-    partials and are stored (all-reduce: broadcast) through pointers.
+    """GEMM+RS / GEMM+AR ``ce_fused`` (``STAGE_PUSHES``) in one-loop mode (see
+    ``_one_loop``): the ``lead_tiles`` tiles of the leading push segments in a first
+    pipelined loop, the reduce segments (a suffix of the table) in a second. Push tiles go
+    into ``stage`` through one descriptor over all of it and wait for nothing; reduce
+    tiles wait (``wait_inline``, on every peer's arrival flag, the first time this program
+    meets the segment), add the peers' partials and are stored (all-reduce: broadcast)
+    through pointers. Two loops, not one loop whose tiles pick their epilogue: the reduce
+    code in the push tiles' loop, even where they ran none of it, cost them 7-9 % of the
+    kernel on an H200 (session 9).
 
     Counting without a CTA barrier: a tile is counted (``count_tile_inline``: each warp
     adds 1 once its stores have landed, so a chunk's counter ends at tiles x num_warps)
     after the next tile's main loop, when its stores are long done; the last one after
-    the loop. Push tiles count in their local slot; reduce tiles in their local slot
+    the loops. Push tiles count in their local slot; reduce tiles in their local slot
     (all-reduce with copy gathers) or, broadcast, in every peer's slot at system scope."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -506,18 +511,32 @@ def _one_loop_scatter(
     stage_desc = tl.make_tensor_descriptor(
         stage, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N // 2]
     )
-    waited = -1  # the last segment this program waited for
     pend = 0  # local counter slot of the previous tile, still to count (0: none)
+    for g in tl.range(pid, lead_tiles, n_prog, flatten=True):
+        row_of = seg + tl.load(mt_seg + g // tiles_n) * SEG_COLS
+        seg_mt = tl.cdiv(tl.load(row_of + SEG_ROWS), BLOCK_M)
+        pid_m, pid_n = _tile_coords(g - tl.load(row_of + SEG_TILE0), seg_mt, tiles_n, GROUP_M)
+        row = tl.load(row_of + SEG_ROW0) + pid_m * BLOCK_M
+        col = pid_n * BLOCK_N
+        acc = _mma(
+            a, b, a_desc, b_desc, row, col, 0, 0, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, True
+        )  # fmt: skip
+        _count_previous(sig, sig_table, pend, 0, rank, WORLD, False)
+        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        left, right = tl.split(halves)
+        stage_desc.store([row, col], left.to(out_ty))
+        stage_desc.store([row, col + BLOCK_N // 2], right.to(out_ty))
+        pend = tl.load(row_of + SEG_NOTIFY)
+    waited = -1  # the last segment this program waited for
     pend_peers = 0  # broadcast: the peers' counter slot of the previous tile (0: none)
-    for g in tl.range(pid, total, n_prog, flatten=True):
+    start = lead_tiles + (pid - lead_tiles % n_prog + n_prog) % n_prog
+    for g in tl.range(start, total, n_prog, flatten=True):
         waited, row_of, pid_m, pid_n, token, expected = _flat_tile(
             g, seg, mt_seg, tiles_n, waited, sig, err, rank, max_spins, BLOCK_M, GROUP_M
         )
         row0 = tl.load(row_of + SEG_ROW0)
-        rows = tl.load(row_of + SEG_ROWS)
-        kind = tl.load(row_of + SEG_KIND)
         out_row0 = tl.load(row_of + SEG_OUT_ROW0)
-        notify_slot = tl.load(row_of + SEG_NOTIFY)
+        rows = tl.load(row_of + SEG_ROWS)
         tile_row = pid_m * BLOCK_M
         col = pid_n * BLOCK_N
         acc = _mma(
@@ -527,27 +546,19 @@ def _one_loop_scatter(
         _count_previous(sig, sig_table, pend, pend_peers, rank, WORLD, BROADCAST)
         halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
         left, right = tl.split(halves)
-        # a push tile: its partial into the stage (a reduce tile: out of bounds, nothing)
-        stage_row = tl.where(kind == KIND_PUSH, row0 + tile_row, M)
-        stage_desc.store([stage_row, col], left.to(out_ty))
-        stage_desc.store([stage_row, col + BLOCK_N // 2], right.to(out_ty))
-        # a reduce tile: everything else in a loop that other tiles run zero times, so that
-        # they pay nothing for it (as straight-line code, masked by the kind, its offsets,
-        # masks and layout changes cost push tiles 7-9 % of the kernel on an H200)
-        for _ in range(0, tl.where(kind == KIND_REDUCE, 1, 0)):
-            for h in tl.static_range(2):
-                _reduce_half(
-                    left if h == 0 else right, col + h * (BLOCK_N // 2), rows,
-                    row0 if BROADCAST else out_row0, out_row0, tile_row, c, bias, recv,
-                    recv_rows, out_table, N, token, expected, rank, out_ty, BLOCK_M,
-                    BLOCK_N // 2, WORLD, HAS_BIAS, BROADCAST,
-                )  # fmt: skip
-        reduced = kind == KIND_REDUCE
+        for h in tl.static_range(2):
+            _reduce_half(
+                left if h == 0 else right, col + h * (BLOCK_N // 2), rows,
+                row0 if BROADCAST else out_row0, out_row0,
+                tile_row, c, bias, recv, recv_rows, out_table, N, token, expected, rank,
+                out_ty, BLOCK_M, BLOCK_N // 2, WORLD, HAS_BIAS, BROADCAST,
+            )  # fmt: skip
+        notify_slot = tl.load(row_of + SEG_NOTIFY)
         if BROADCAST:
-            pend = tl.where(reduced, 0, notify_slot)
-            pend_peers = tl.where(reduced, notify_slot, 0)
+            pend = 0
+            pend_peers = notify_slot
         else:
-            pend = notify_slot  # push: the staged chunk; reduce: the gather copies (or 0)
+            pend = notify_slot  # the gather copies' counter (or 0)
     _count_previous(sig, sig_table, pend, pend_peers, rank, WORLD, BROADCAST)
 
 

@@ -144,7 +144,7 @@ class OneLoop:
     """What the kernel's ``ONE_LOOP`` mode reads besides the segment table."""
 
     mt_seg: torch.Tensor  # int32 [rows of tiles]: the segment of each
-    own_tiles: int  # tiles of the leading ``store_own`` segments
+    lead_tiles: int  # tiles of the leading ``store_own`` / ``push`` segments (own loop)
 
 
 def one_loop_tables(segments: list[Segment], m: int, n: int, k: int, cfg, dtype, device):
@@ -152,23 +152,29 @@ def one_loop_tables(segments: list[Segment], m: int, n: int, k: int, cfg, dtype,
     not apply. It needs TMA, more than one segment, and no tile overhanging its segment's
     last row into another segment's rows (each segment a multiple of ``block_m`` rows, or
     ending at row ``m``); and either store segments (``store_own`` ones first, at most one
-    signal each) or push and reduce segments (``ce_fused``, whose launch stages its
-    pushes; its counters then count ``num_warps`` per tile: :func:`count_unit`)."""
+    signal each) or push segments then reduce segments (``ce_fused``, whose launch stages
+    its pushes; its counters then count ``num_warps`` per tile: :func:`count_unit`). The
+    leading ``store_own`` or ``push`` segments run in a first loop (``lead_tiles``)."""
     if len(segments) < 2 or not tma_ok(k, n, dtype):
         return None
     if any(s.rows % cfg.block_m and s.row0 + s.rows != m for s in segments):
         return None
-    own = 0
-    while own < len(segments) and segments[own].kind == "store_own":
-        own += 1
-    stores = all(s.kind == "store" and s.wait_count <= 1 for s in segments[own:])
-    if not stores and not all(s.kind in ("push", "reduce") for s in segments):
+    kinds = [s.kind for s in segments]
+    lead_kind = "push" if "push" in kinds or "reduce" in kinds else "store_own"
+    lead = 0
+    while lead < len(segments) and kinds[lead] == lead_kind:
+        lead += 1
+    rest = segments[lead:]
+    if lead_kind == "push":
+        if not all(s.kind == "reduce" for s in rest):  # reduce segments only at the end
+            return None
+    elif not all(s.kind == "store" and s.wait_count <= 1 for s in rest):
         return None
     mt_seg = []
     for i, s in enumerate(segments):
         mt_seg += [i] * cdiv(s.rows, cfg.block_m)
-    own_tiles = total_tiles(segments[:own], n, cfg)
-    return OneLoop(to_device(torch.tensor(mt_seg, dtype=torch.int32), device), own_tiles)
+    lead_tiles = total_tiles(segments[:lead], n, cfg)
+    return OneLoop(to_device(torch.tensor(mt_seg, dtype=torch.int32), device), lead_tiles)
 
 
 def count_unit(one_loop: OneLoop | None, cfg: GemmConfig) -> int:
@@ -235,7 +241,7 @@ def launcher(
         sig if sig is not None else segments_t, sig_table if sig_table is not None else segments_t,
         err, rank, max_spins, bar_slot or 0, go_slot, *(clear or (0, 0)), seg_first,
         one_loop.mt_seg if one_loop is not None else segments_t,
-        one_loop.own_tiles if one_loop is not None else 0,
+        one_loop.lead_tiles if one_loop is not None else 0,
     )  # fmt: skip
     kwargs = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,

@@ -171,11 +171,13 @@ class ScatterVariants:
     spinning on the device (benchmarks/NOTES.md). The GEMM's grid leaves ``comm_sms``
     SMs free for the spinning kernels."""
 
-    #: Run the ``ce_fused`` GEMM in the kernel's one-loop mode where the layout allows.
-    #: Off: on one H200 (rank 0 of 4 emulated, session 9) it took GEMM+RS's kernel 1-3 %
-    #: faster (7B M 8192 0.316 -> 0.307 ms) but GEMM+AR's 1-4 % slower on 8B / 70B, and
-    #: it has not run across GPUs yet (its counters then count ``num_warps`` per tile).
-    ONE_LOOP_CE_FUSED = False
+    #: Run the ``ce_fused`` GEMM in the kernel's one-loop mode where the layout allows
+    #: (chunks of whole tile rows, own chunks last): push tiles in one pipelined loop,
+    #: then reduce tiles in another. On one H200 as rank 0 of 4 (session 10) the kernel
+    #: took GEMM+RS 7B / 8B / 70B M 8192 0.296 / 0.427 / 1.486 ms against 0.323 / 0.450 /
+    #: 1.534 with a loop per segment, GEMM+AR 0.318 / 0.454 / 1.532 against 0.342 / 0.476
+    #: / 1.565 (``history/2026-11-24-h200-ce-fused-two-loops-probe.txt``).
+    ONE_LOOP_CE_FUSED = True
 
     # ------------------------------------------------------------------ ce_scatter
     def _ce_plan(self, m: int, n: int):

@@ -210,6 +210,49 @@ def test_scatter_split_and_fp16(world, op, strategy):
     world.run(_scatter_body, op, strategy, "fp16", 1, 3)
 
 
+def _ce_fused_one_loop_body(group, op):
+    """GEMM+RS / GEMM+AR ``ce_fused`` on shapes whose chunks are whole tile rows: the
+    GEMM runs its one-loop mode (push tiles, then reduce tiles, each counted per warp);
+    repeated calls, bias and ``out=``, against float32; the plans must have taken it."""
+    from interlace.ops._rs_variants import CeFusedPlan
+
+    w, r, dev = group.world_size, group.rank, group.device
+    m_loc, n, k = 256, 512, 384
+    cls = {"rs": interlace.GemmRS, "ar": interlace.GemmAR}[op]
+    gen = torch.Generator().manual_seed(41 + r)
+    b = rand(torch.Generator().manual_seed(4), k, n, dtype=torch.bfloat16, device=dev, scale=0.2)
+    bias = rand(torch.Generator().manual_seed(6), n, dtype=torch.bfloat16, device=dev)
+    ctx = cls(group, max_m=w * m_loc, n=n, k=k, strategy="ce_fused")
+    try:
+        for i in range(4):
+            a = rand(gen, w * m_loc, k, dtype=torch.bfloat16, device=dev)
+            with_bias = bias if i % 2 else None
+            rows = m_loc if op == "rs" else w * m_loc
+            out = nans(rows, n, dtype=torch.bfloat16, device=dev)
+            c = ctx(a, b, bias=with_bias, out=out) if i < 3 else ctx(a, b, bias=with_bias)
+            sync(group)
+            full = reduced(a.float() @ b.float(), group)
+            if with_bias is not None:
+                full += with_bias.float()
+            ref = full[r * m_loc : (r + 1) * m_loc] if op == "rs" else full
+            assert rel_err(c, ref) < TOL, f"{op} call {i}: rel err {rel_err(c, ref):.2e}"
+        ctx.check()
+        plans = [p for p in ctx._plans.values() if isinstance(p, CeFusedPlan)]
+        assert plans and all(p.one_loop is not None for p in plans), "one-loop mode not taken"
+    finally:
+        ctx.close()
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["rs", "ar"])
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_ce_fused_one_loop(op, size):
+    from tests.conftest import get_world
+
+    get_world("cuda", size).run(_ce_fused_one_loop_body, op)
+
+
 @pytest.mark.parametrize("gather", interlace.GemmAR.GATHERS)
 def test_ar_ce_fused_gathers_between_rounds(world, gather):
     """GEMM+AR ``ce_fused`` with four chunks per owner (CPU tiles are 32 rows): own chunks

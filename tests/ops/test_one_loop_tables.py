@@ -1,5 +1,6 @@
 """When the segment GEMM's one-loop mode applies (``_gemm.one_loop_tables``) and what its
-tables hold: the segment of each row of tiles and the tiles of the leading own segments."""
+tables hold: the segment of each row of tiles and the tiles of the leading segments
+that run in a first loop (own rows; pushes)."""
 
 from __future__ import annotations
 
@@ -25,14 +26,19 @@ def test_ag_layout_with_own_rows_first():
     t = _tables(segs, m=136)
     assert t is not None
     assert t.mt_seg.tolist() == [0, 0, 1, 2, 2]
-    assert t.own_tiles == 2 * 2  # two rows of tiles x (64 / 32) columns
+    assert t.lead_tiles == 2 * 2  # two rows of tiles x (64 / 32) columns
     assert _gemm.count_unit(t, CFG) == CFG.num_warps and _gemm.count_unit(None, CFG) == 1
 
 
-def test_scatter_layout():
-    segs = [Segment(row0=0, rows=32, kind="push"), Segment(row0=32, rows=32, kind="reduce")]
-    t = _tables(segs, m=64)
-    assert t is not None and t.mt_seg.tolist() == [0, 1] and t.own_tiles == 0
+def test_scatter_layout_pushes_first():
+    push = [Segment(row0=32 * i, rows=32, kind="push") for i in range(2)]
+    reduce = Segment(row0=64, rows=32, kind="reduce")
+    t = _tables([*push, reduce], m=96)
+    assert t is not None and t.mt_seg.tolist() == [0, 1, 2]
+    assert t.lead_tiles == 2 * 2  # the pushes' loop: two rows of tiles x 2 columns
+    staged = _tables(push, m=64)  # pushes only: all in the first loop
+    assert staged is not None and staged.lead_tiles == 4
+    assert _tables([push[0], reduce, push[1]], m=96) is None  # a push after a reduce
 
 
 def test_not_eligible():
