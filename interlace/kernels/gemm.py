@@ -231,7 +231,7 @@ def gemm_segments_kernel(
             _one_loop_scatter(
                 a, b, c, bias, M, N, K, seg, n_seg, mt_seg, lead_tiles, recv, recv_rows,
                 out_table, stage, sig, sig_table, err, rank, max_spins, b_desc, BLOCK_M,
-                BLOCK_N, BLOCK_K, GROUP_M, WORLD, HAS_BIAS, BROADCAST,
+                BLOCK_N, BLOCK_K, GROUP_M, WORLD, HAS_BIAS, BROADCAST, SUBTILE,
             )  # fmt: skip
         else:
             _one_loop(
@@ -483,12 +483,13 @@ def _one_loop_scatter(
     stage, sig, sig_table, err, rank, max_spins, b_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, WORLD: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BROADCAST: tl.constexpr,
+    BROADCAST: tl.constexpr, SUBTILE: tl.constexpr,
 ):  # fmt: skip
     """GEMM+RS / GEMM+AR ``ce_fused`` (``STAGE_PUSHES``) in one-loop mode (see
     ``_one_loop``): the ``lead_tiles`` tiles of the leading push segments in a first
     pipelined loop, the reduce segments (a suffix of the table) in a second. Push tiles go
-    into ``stage`` through one descriptor over all of it and wait for nothing; reduce
+    into ``stage`` through one descriptor over all of it (in halves with ``SUBTILE``) and
+    wait for nothing; reduce
     tiles wait (``wait_inline``, on every peer's arrival flag, the first time this program
     meets the segment), add the peers' partials and are stored (all-reduce: broadcast)
     through pointers. Two loops, not one loop whose tiles pick their epilogue: the reduce
@@ -509,8 +510,9 @@ def _one_loop_scatter(
         a, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
     )
     stage_desc = tl.make_tensor_descriptor(
-        stage, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N // 2]
-    )
+        stage, shape=[M, N], strides=[N, 1],
+        block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE else BLOCK_N],
+    )  # fmt: skip
     pend = 0  # local counter slot of the previous tile, still to count (0: none)
     for g in tl.range(pid, lead_tiles, n_prog, flatten=True):
         row_of = seg + tl.load(mt_seg + g // tiles_n) * SEG_COLS
@@ -522,10 +524,9 @@ def _one_loop_scatter(
             a, b, a_desc, b_desc, row, col, 0, 0, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, True
         )  # fmt: skip
         _count_previous(sig, sig_table, pend, 0, rank, WORLD, False)
-        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-        left, right = tl.split(halves)
-        stage_desc.store([row, col], left.to(out_ty))
-        stage_desc.store([row, col + BLOCK_N // 2], right.to(out_ty))
+        _store_flat(
+            acc, bias, stage_desc, row, col, N, out_ty, BLOCK_M, BLOCK_N, False, SUBTILE
+        )  # fmt: skip
         pend = tl.load(row_of + SEG_NOTIFY)
     waited = -1  # the last segment this program waited for
     pend_peers = 0  # broadcast: the peers' counter slot of the previous tile (0: none)
@@ -577,7 +578,7 @@ def _reduce_half(
     mask = (tile_row + r < rows)[:, None] & (cols < N)[None, :]
     in_tile = r[:, None] * N + cols[None, :]
     ok = guard(mask, token, expected)
-    for i in range(1, WORLD):
+    for i in tl.static_range(1, WORLD):
         p = (rank + i) % WORLD
         part_base = recv + (p * recv_rows + out_row0 + tile_row).to(tl.int64) * N
         acc += tl.load(part_base + in_tile, mask=ok, other=0.0).to(tl.float32)

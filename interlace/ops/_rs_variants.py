@@ -173,10 +173,11 @@ class ScatterVariants:
 
     #: Run the ``ce_fused`` GEMM in the kernel's one-loop mode where the layout allows
     #: (chunks of whole tile rows, own chunks last): push tiles in one pipelined loop,
-    #: then reduce tiles in another. On one H200 as rank 0 of 4 (session 10) the kernel
-    #: took GEMM+RS 7B / 8B / 70B M 8192 0.296 / 0.427 / 1.486 ms against 0.323 / 0.450 /
-    #: 1.534 with a loop per segment, GEMM+AR 0.318 / 0.454 / 1.532 against 0.342 / 0.476
-    #: / 1.565 (``history/2026-11-24-h200-ce-fused-two-loops-probe.txt``).
+    #: then reduce tiles in another. On one H200 as rank 0 of 4, M 8192 (session 10,
+    #: ``history/2026-11-24-h200-ce-fused-{two-loops,reduce-unrolled}-probe.txt``) the
+    #: kernel took GEMM+RS 7B / 8B / 70B 0.296 / 0.410 / 1.478 ms against 0.324 / 0.457 /
+    #: 1.535 with a loop per segment, GEMM+AR 0.319 / 0.446 / 1.520 against 0.343 / 0.479
+    #: / 1.558 (cuBLAS 0.264 / 0.365 / 1.440).
     ONE_LOOP_CE_FUSED = True
 
     # ------------------------------------------------------------------ ce_scatter
