@@ -43,6 +43,15 @@ VARIANTS = {
         "WORLD": 4,
         "EXIT_CLEAR": True,
     },
+    # LLaMA-3-8B's config: 128 x 128 tiles, whole-tile stores into the stage
+    "gemm_rs_ce_fused_one_loop_n128": {
+        "HAS_PUSH": True,
+        "STAGE_PUSHES": True,
+        "BLOCK_N": 128,
+        "ONE_LOOP": True,
+        "WORLD": 4,
+        "EXIT_CLEAR": True,
+    },
     "gemm_ar_ce_fused_one_loop": {
         "HAS_PUSH": True,
         "STAGE_PUSHES": True,
