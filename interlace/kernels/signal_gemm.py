@@ -26,12 +26,15 @@ Two layouts (``STRIPS``):
   ``reduce_scatter_tensor`` and ``all_to_all_single`` want. ``STRIPS`` is the world size
   rounded up to a power of two; strips ``k >= world`` hold no rows and are not stored.
 
-The epilogue uses plain stores (no TMA store): the release that follows must publish them,
-and a bulk async store is not ordered by it. Measured on 2 x H200
-(``scripts/probe_signal_gemm.py``), this GEMM is 10-28 % slower than cuBLAS with its
-signals and without them alike; one release per (program, group) after the group's tiles
-(a group loop around the tile loop), with TMA stores for the all-reduce layout, was no
-faster (session 4, ``benchmarks/NOTES.md``). Padding rows and columns of a tile hold zeros
+The all-reduce layout stores each tile by TMA and counts it per warp one tile later
+(``count_tile``: each warp waits for its bulk stores, then adds 1), which keeps the loop
+pipelined without a CTA barrier; the strip layouts use plain stores, each thread
+releasing its own. Measured on one H200 (``scripts/probe_signal_gemm.py``, TP 4 shapes,
+session 10) the TMA path took 2-3 % off the GEMM (7B M 8192 0.313 -> 0.307 ms); what
+remains against cuBLAS (0.265) is mostly its grid: it leaves ``comm_sms`` SMs to the
+collectives, and with fewer programs the tiles take another wave. (Session 4, on
+2 x H200, had found the plain-store GEMM 10-28 % slower than cuBLAS with its signals and
+without them alike.) Padding rows and columns of a tile hold zeros
 (or the bias) and are stored too: the collectives treat them like any element and the
 un-reorder never reads them.
 """
@@ -41,7 +44,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemm import _add_bias, _dot, _load_a, _load_b, _mma, _tile_coords
+from ..language.primitives import count_tile
+from .gemm import _add_bias, _dot, _load_a, _load_b, _mma, _store_tile, _tile_coords
 
 # tile_map columns (one row per visit index g).
 MAP_SLOT = tl.constexpr(0)  # sub-tile slot of strip 0 (the whole tile when STRIPS == 1)
@@ -90,11 +94,18 @@ def signal_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, STRIPS: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr, LANES: tl.constexpr, SIGNAL: tl.constexpr,
+    TMA_STORE: tl.constexpr = False, SUBTILE: tl.constexpr = False,
 ):  # fmt: skip
     """See the module docstring. ``a [M, K]``, ``b [K, N]``, ``buf`` the reordered output
-    (flat), ``counters`` int32, one per wave group; ``LANES`` = the launch's threads
-    (``32 * num_warps``): each raises the counter once per tile. ``SIGNAL=False`` leaves the
-    counters alone (``scripts/probe_signal_gemm.py``: what the signals cost)."""
+    (flat), ``counters`` int32, one per wave group; ``LANES``: what one finished tile adds
+    to its group's counter. ``SIGNAL=False`` leaves the counters alone
+    (``scripts/probe_signal_gemm.py``: what the signals cost).
+
+    ``TMA_STORE`` (all-reduce layout, ``STRIPS == 1``): each tile goes into its slot by a
+    TMA store (in halves with ``SUBTILE``) and is counted after the next tile's main loop
+    by ``count_tile`` (each warp adds 1 once the stores have landed: ``LANES`` =
+    ``num_warps``); else plain stores, each thread releasing its own (``LANES`` = the
+    launch's threads)."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     SUB_M: tl.constexpr = BLOCK_M // STRIPS
@@ -114,6 +125,13 @@ def signal_gemm_kernel(
         b_desc = tl.make_tensor_descriptor(
             b, shape=[K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N]
         )
+    out_desc = None
+    if TMA_STORE:  # the slots as rows of tiles: slot s is rows [s * BLOCK_M, +BLOCK_M)
+        out_desc = tl.make_tensor_descriptor(
+            buf, shape=[n_tiles * BLOCK_M, BLOCK_N], strides=[BLOCK_N, 1],
+            block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE else BLOCK_N],
+        )  # fmt: skip
+    pend = -1  # TMA_STORE: the group of the previous tile, still to count (-1: none)
     r = tl.arange(0, BLOCK_M)
     c = tl.arange(0, BLOCK_N)
     strip = r // SUB_M
@@ -133,17 +151,29 @@ def signal_gemm_kernel(
             )  # fmt: skip
         acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS)
         row_of = tile_map + g * MAP_COLS
-        slot = tl.load(row_of + MAP_SLOT).to(tl.int64)
-        stride = tl.load(row_of + MAP_STRIDE).to(tl.int64)
         group = tl.load(row_of + MAP_GROUP)
-        offs = (slot + strip * stride) * (SUB_M * BLOCK_N) + within
-        ptrs = buf + offs[:, None] + c[None, :]
-        if STRIPS == 1:
-            tl.store(ptrs, acc.to(out_ty))
+        if TMA_STORE:
+            if SIGNAL:  # the previous tile: its stores are done by now
+                count_tile(counters + tl.maximum(pend, 0), (pend >= 0).to(tl.int32), LANES)
+            row = tl.load(row_of + MAP_SLOT) * BLOCK_M
+            _store_tile(
+                acc, out_desc, out_desc, 0, row, 0, None, None, N, None, out_ty, BLOCK_M,
+                BLOCK_N, True, SUBTILE,
+            )  # fmt: skip
+            pend = group
         else:
-            tl.store(ptrs, acc.to(out_ty), mask=(strip < world)[:, None])
-        # Every thread releases its own stores (no CTA barrier: one in the loop stops
-        # Triton 3.6 from pipelining it); the group is done at tiles * LANES.
-        if SIGNAL:
-            lanes = tl.zeros([LANES], dtype=tl.int32)
-            tl.atomic_add(counters + group + lanes, 1, sem="release", scope="gpu")
+            slot = tl.load(row_of + MAP_SLOT).to(tl.int64)
+            stride = tl.load(row_of + MAP_STRIDE).to(tl.int64)
+            offs = (slot + strip * stride) * (SUB_M * BLOCK_N) + within
+            ptrs = buf + offs[:, None] + c[None, :]
+            if STRIPS == 1:
+                tl.store(ptrs, acc.to(out_ty))
+            else:
+                tl.store(ptrs, acc.to(out_ty), mask=(strip < world)[:, None])
+            # Every thread releases its own stores (no CTA barrier: one in the loop stops
+            # Triton 3.6 from pipelining it); the group is done at tiles * LANES.
+            if SIGNAL:
+                lanes = tl.zeros([LANES], dtype=tl.int32)
+                tl.atomic_add(counters + group + lanes, 1, sem="release", scope="gpu")
+    if TMA_STORE and SIGNAL:  # the last tile
+        count_tile(counters + tl.maximum(pend, 0), (pend >= 0).to(tl.int32), LANES)

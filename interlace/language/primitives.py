@@ -289,6 +289,18 @@ def count_tile_inline(sig, needed, SYSTEM: tl.constexpr = False):
 
 
 @triton.jit
+def count_tile(sig, needed, UNIT: tl.constexpr, SYSTEM: tl.constexpr = False):
+    """``count_tile_inline`` on a GPU (each of the program's ``UNIT`` = ``num_warps`` warps
+    adds 1); in the interpreter, which runs a program's stores before it goes on, one
+    release-add of ``UNIT``. Either way a finished tile adds ``UNIT`` to ``sig``."""
+    if INTERPRETED:
+        if needed != 0:
+            notify(sig, UNIT, ADD=True, LOCAL=not SYSTEM)
+    else:
+        count_tile_inline(sig, needed, SYSTEM)
+
+
+@triton.jit
 def consume(sig, expected, err, rank, slot, max_spins):
     """Wait until ``*sig == expected``, then reset it to 0 in the same atomic step.
 

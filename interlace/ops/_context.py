@@ -170,10 +170,8 @@ class OpContext:
         s = getattr(self, "_next_set", None)  # the buffer set this call will use
         # Triton specialises a kernel on its pointers' 16-byte alignment: a replay with an
         # operand aligned otherwise than the captured one would run the wrong kernel
-        key = (
-            strategy, s,
-            tuple(None if t is None else (t.shape, t.data_ptr() % 16 == 0) for t in operands),
-        )  # fmt: skip
+        kinds = [None if t is None else (t.shape, t.data_ptr() % 16 == 0) for t in operands]
+        key = (strategy, s, *kinds)
         graph = self._graphs.get(key)
         if graph is None:
             self._graphs[key] = "seen"  # the first call of this kind runs eagerly

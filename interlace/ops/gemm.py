@@ -140,6 +140,7 @@ class _OverlappedGemm(OpContext):
         self.last_strategy: str | None = None
         self._plans: dict = {}  # eager plans; plans first built inside a capture are kept
         self._captured_plans: dict = {}  # apart: their tables fill only when a graph replays
+        self._resolved: dict = {}  # (m, n, k, capturing) -> the strategy ``auto`` chose
         self._init_eager_graphs(eager_graphs)
 
     @staticmethod
@@ -160,13 +161,20 @@ class _OverlappedGemm(OpContext):
         raise NotImplementedError
 
     def _resolve(self, m_total: int, n: int, k: int) -> str:
+        """The strategy of a call of this size: the context's own, or ``auto``'s choice
+        (worked out once per size and capture state: eager calls pay for every step)."""
         if self.strategy != "auto":
             return self.strategy
-        t_gemm = 2.0 * m_total * n * k / (EST_TFLOPS * 1e12) * 1e6
-        t_comm = self._comm_bytes(m_total, n) / (EST_LINK_GBPS * 1e9) * 1e6
-        floors = self.WORLD_MIN_OVERLAP_US.get(self.world_size, self.MIN_OVERLAP_US)
-        floor = floors["graph" if self._capturing() else "eager"]
-        return self._overlapped(t_gemm) if min(t_gemm, t_comm) >= floor else "none"
+        key = (m_total, n, k, self._capturing())
+        found = self._resolved.get(key)
+        if found is None:
+            t_gemm = 2.0 * m_total * n * k / (EST_TFLOPS * 1e12) * 1e6
+            t_comm = self._comm_bytes(m_total, n) / (EST_LINK_GBPS * 1e9) * 1e6
+            floors = self.WORLD_MIN_OVERLAP_US.get(self.world_size, self.MIN_OVERLAP_US)
+            floor = floors["graph" if key[-1] else "eager"]
+            found = self._overlapped(t_gemm) if min(t_gemm, t_comm) >= floor else "none"
+            self._resolved[key] = found
+        return found
 
     def _overlapped(self, t_gemm_us: float) -> str:
         """The strategy ``auto`` overlaps with, for a GEMM estimated at ``t_gemm_us``."""
@@ -261,10 +269,11 @@ class AGGemm(AlternatingSets, _OverlappedGemm):
         w = self.world_size
         self._check_call(a_shard, b, bias, self.max_m // w)
         m_loc, n = a_shard.shape[0], b.shape[1]
-        out = self._check_out(out, (w * m_loc, n))
-        _gemm.check_tma_aligned(self.op_name, out, names=("out",))
         if out is None:
             out = torch.empty(w * m_loc, n, dtype=self.dtype, device=self.group.device)
+        else:
+            self._check_out(out, (w * m_loc, n))
+            _gemm.check_tma_aligned(self.op_name, out, names=("out",))
         strategy = self._resolve(w * m_loc, n, self.k)
         if strategy == "none":
             self._baseline(a_shard, b, bias, out)
@@ -635,10 +644,11 @@ class GemmRS(_ScatterGemm):
         self._check_call(a, b, bias, self.max_m)
         self._rows_check(a)
         m, n = a.shape[0], b.shape[1]
-        out = self._check_out(out, (m // w, n))
-        _gemm.check_tma_aligned(self.op_name, out, names=("out",))
         if out is None:
             out = torch.empty(m // w, n, dtype=self.dtype, device=self.group.device)
+        else:
+            self._check_out(out, (m // w, n))
+            _gemm.check_tma_aligned(self.op_name, out, names=("out",))
         strategy = self._resolve(m, n, self.k)
         self._switch_barrier(strategy)
         if strategy == "none":

@@ -273,8 +273,9 @@ class Plan:
     groups: tuple[tuple[int, int], ...]
     tile_map: torch.Tensor | None
     slots: torch.Tensor | None
-    lanes: int
+    lanes: int  # what one finished tile adds to its group's counter
     use_tma: bool
+    tma_store: bool  # tiles stored by TMA, counted per warp (all-reduce layout)
 
 
 class _Counters:
@@ -445,9 +446,11 @@ class SignalReorderGemm(OpContext):
             tmap, slot_rows = mapping_tables(lay, groups, cfg.group_m)
             tile_map = torch.tensor(tmap, dtype=torch.int32).reshape(-1, MAP_COLS.value).to(dev)
             slots = torch.tensor(slot_rows, dtype=torch.int32).to(dev)
+        use_tma = _gemm.tma_ok(self.k, n, self.dtype)
+        tma_store = use_tma and lay.strips == 1  # see ``signal_gemm_kernel``
         plan = Plan(
-            lay, cfg, sizes, groups, tile_map, slots, 32 * cfg.num_warps,
-            _gemm.tma_ok(self.k, n, self.dtype),
+            lay, cfg, sizes, groups, tile_map, slots,
+            cfg.num_warps if tma_store else 32 * cfg.num_warps, use_tma, tma_store,
         )  # fmt: skip
         self._plans[key] = plan
         return plan
@@ -539,8 +542,8 @@ class SignalReorderGemm(OpContext):
             lay.rows_per_rank, lay.world, plan.tile_map, lay.n_tiles, self.counters,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m, STRIPS=lay.strips, USE_TMA=plan.use_tma, HAS_BIAS=has_bias,
-            LANES=plan.lanes, SIGNAL=signal, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            LANES=plan.lanes, SIGNAL=signal, TMA_STORE=plan.tma_store, SUBTILE=cfg.subtile,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def _collective(self, lay: Layout, first: int, count: int) -> None:

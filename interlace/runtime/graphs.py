@@ -247,6 +247,7 @@ class EagerGraph:
         _checked("cuCtxGetCurrent", ctypes.byref(ctx))
         self._ctx = ctx.value
         self._last = list(self._starts)  # the operands the instance now points at
+        self._graph_launch = _calls()["cuGraphLaunch"]
 
     @staticmethod
     def _patches(raw_graph: int, spans):
@@ -281,9 +282,9 @@ class EagerGraph:
         order, None where the capture had None, each 16-byte aligned where the captured one
         was and only there (Triton specialised the kernels on it; the caller's key
         guarantees all of it)."""
-        present = [operands[i] for i in self._present]
-        starts = [t.data_ptr() for t in present]
+        starts = [operands[i].data_ptr() for i in self._present]
         if starts != self._last:
+            present = [operands[i] for i in self._present]
             for t, size, old in zip(present, self._sizes, self._starts):
                 if t.numel() * t.element_size() != size:
                     raise InterlaceError("eager graph: an operand's size differs")
@@ -295,7 +296,9 @@ class EagerGraph:
             for patch in self._copies:
                 patch.apply(self._exec, moved, self._ctx)
             self._last = starts
-        _checked("cuGraphLaunch", self._exec, driver.current_stream(self._device))
+        result = self._graph_launch(self._exec, driver.current_stream(self._device))
+        if result != 0:
+            driver.check(result, "cuGraphLaunch")
 
 
 def available() -> bool:

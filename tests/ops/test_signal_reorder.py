@@ -342,8 +342,9 @@ def test_eager_graphs(op, size):
 def test_signal_gemm_is_software_pipelined(strips):
     """The per-tile counter release must not stop Triton from pipelining the persistent
     loop (a CTA barrier in it does, in Triton 3.6): the compiled loop keeps one wgmma in
-    flight and prefetches both operands into shared memory, and every thread releases with
-    its own atomic."""
+    flight and prefetches both operands into shared memory. The all-reduce layout stores
+    its tiles by TMA and each warp counts them (a ``red.release``); the strip layouts
+    store with plain stores and every thread releases with its own atomic."""
     from interlace.language.inspect import compile_for_hopper, cuda_compile_unavailable
 
     reason = cuda_compile_unavailable()
@@ -351,11 +352,13 @@ def test_signal_gemm_is_software_pipelined(strips):
         pytest.skip(reason)
     from interlace.kernels.signal_gemm import signal_gemm_kernel as kernel
 
+    tma_store = strips == 1
     sig = {name: "i32" for name in kernel.arg_names}
     sig.update(a="*bf16", b="*bf16", buf="*bf16", bias="*bf16", tile_map="*i32",
                counters="*i32")  # fmt: skip
     consts = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, STRIPS=strips, USE_TMA=True,
-                  HAS_BIAS=False, LANES=256, SIGNAL=True)  # fmt: skip
+                  HAS_BIAS=False, LANES=8 if tma_store else 256, SIGNAL=True,
+                  TMA_STORE=tma_store, SUBTILE=False)  # fmt: skip
     for name in consts:
         sig.pop(name)
     out = compile_for_hopper(kernel, sig, consts, aligned=("a", "b", "buf", "N", "K",
@@ -368,7 +371,11 @@ def test_signal_gemm_is_software_pipelined(strips):
     else:
         assert tma >= 2 and gathers >= 2  # B by TMA, A's strips gathered by cp.async
     assert "pendings = 1" in ttgir  # one wgmma in flight while the next is issued
-    assert "atom.global.gpu.release.add" in ptx
+    if tma_store:
+        assert "ttng.async_tma_copy_local_to_global" in ttgir
+        assert "red.release.gpu.global.add" in ptx and "atom.global.gpu.release" not in ptx
+    else:
+        assert "atom.global.gpu.release.add" in ptx
 
 
 # ----------------------------------------------------------------------------- benchmark
