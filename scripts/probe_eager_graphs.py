@@ -28,13 +28,28 @@ CASES = [
 CLASSES = {"ag_gemm": interlace.AGGemm, "gemm_rs": interlace.GemmRS, "gemm_ar": interlace.GemmAR}
 
 
-def _row(group, op, strategy, model, m, tp):
+def _operands(group, op, model, m, tp):
+    """``(shape, a, b)``: the per-rank GEMM of TP ``tp`` and random operands for it."""
     w, dev = group.world_size, group.device
-    shape = model_shape(op, model, m, tp)  # the per-rank GEMM of TP ``tp``
+    shape = model_shape(op, model, m, tp)
     rows = shape.M // w if op == "ag_gemm" else shape.M
-    torch.manual_seed(group.rank)
     a = torch.randn(rows, shape.K, device=dev, dtype=torch.bfloat16)
     b = torch.randn(shape.K, shape.N, device=dev, dtype=torch.bfloat16) * 0.05
+    return shape, a, b
+
+
+def _warm_context(group, op, strategy, shape, a, b):
+    """A graph-backed context of ``op`` past its eager, captured and first replayed calls."""
+    ctx = CLASSES[op](group, shape.M, shape.N, shape.K, strategy=strategy, eager_graphs=True)
+    for _ in range(6):
+        ctx(a, b)  # the result dropped: the next call reuses its memory
+    torch.cuda.synchronize()
+    return ctx
+
+
+def _row(group, op, strategy, model, m, tp):
+    torch.manual_seed(group.rank)
+    shape, a, b = _operands(group, op, model, m, tp)
     cls = CLASSES[op]
     plain = cls(group, shape.M, shape.N, shape.K, strategy=strategy, eager_graphs=False)
     graphed = cls(group, shape.M, shape.N, shape.K, strategy=strategy, eager_graphs=True)
@@ -70,16 +85,9 @@ def _profile(group, op, strategy, model, m, tp, calls=300) -> str:
     import io
     import pstats
 
-    w, dev = group.world_size, group.device
-    shape = model_shape(op, model, m, tp)
-    rows = shape.M // w if op == "ag_gemm" else shape.M
-    a = torch.randn(rows, shape.K, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(shape.K, shape.N, device=dev, dtype=torch.bfloat16) * 0.05
-    ctx = CLASSES[op](group, shape.M, shape.N, shape.K, strategy=strategy, eager_graphs=True)
+    shape, a, b = _operands(group, op, model, m, tp)
+    ctx = _warm_context(group, op, strategy, shape, a, b)
     try:
-        for _ in range(6):
-            ctx(a, b)
-        torch.cuda.synchronize()
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(calls):
@@ -121,16 +129,12 @@ def _breakdown(group, op, strategy, model, m, tp) -> str:
     re-pointing launch, the bare ``cuGraphLaunch``, and a user's ``graph.replay()``."""
     from interlace.runtime import driver, graphs
 
-    w, dev = group.world_size, group.device
-    shape = model_shape(op, model, m, tp)
-    rows = shape.M // w if op == "ag_gemm" else shape.M
-    a = torch.randn(rows, shape.K, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(shape.K, shape.N, device=dev, dtype=torch.bfloat16) * 0.05
-    ctx = CLASSES[op](group, shape.M, shape.N, shape.K, strategy=strategy, eager_graphs=True)
+    dev = group.device
+    shape, a, b = _operands(group, op, model, m, tp)
+    rows = a.shape[0]
+    ctx = _warm_context(group, op, strategy, shape, a, b)
     try:
-        for _ in range(6):
-            shape_out = tuple(ctx(a, b).shape)  # dropped: the next call reuses its memory
-        torch.cuda.synchronize()
+        shape_out = tuple(ctx(a, b).shape)
         eg = next(g for g in ctx._graphs.values() if not isinstance(g, str))
         outs = [torch.empty(shape_out, dtype=a.dtype, device=dev) for _ in range(2)]
         args = [(a, b, None, o if op != "gemm_ar" else None) for o in outs]

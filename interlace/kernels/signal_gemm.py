@@ -102,10 +102,11 @@ def signal_gemm_kernel(
     (``scripts/probe_signal_gemm.py``: what the signals cost).
 
     ``TMA_STORE`` (all-reduce layout, ``STRIPS == 1``): each tile goes into its slot by a
-    TMA store (in halves with ``SUBTILE``) and is counted after the next tile's main loop
-    by ``count_tile`` (each warp adds 1 once the stores have landed: ``LANES`` =
-    ``num_warps``); else plain stores, each thread releasing its own (``LANES`` = the
-    launch's threads)."""
+    TMA store (in halves with ``SUBTILE``) and is counted by ``count_tile`` (each warp adds
+    1 once the stores have landed: ``LANES`` = ``num_warps``): after the next tile's main
+    loop where that tile is of the same group, else (the program's last tile of its group)
+    right after its stores; else plain stores, each thread releasing its own (``LANES`` =
+    the launch's threads)."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     SUB_M: tl.constexpr = BLOCK_M // STRIPS
@@ -153,14 +154,25 @@ def signal_gemm_kernel(
         row_of = tile_map + g * MAP_COLS
         group = tl.load(row_of + MAP_GROUP)
         if TMA_STORE:
-            if SIGNAL:  # the previous tile: its stores are done by now
+            # Every count sits here, after the main loop: one placed before it (reading
+            # what the previous tile's epilogue left) ran out of order once the loop was
+            # pipelined, one tile per program counted twice (one H200, session 10).
+            if SIGNAL:  # the previous tile, of this group: its stores are done by now
                 count_tile(counters + tl.maximum(pend, 0), (pend >= 0).to(tl.int32), LANES)
             row = tl.load(row_of + MAP_SLOT) * BLOCK_M
             _store_tile(
                 acc, out_desc, out_desc, 0, row, 0, None, None, N, None, out_ty, BLOCK_M,
                 BLOCK_N, True, SUBTILE,
             )  # fmt: skip
-            pend = group
+            # This program's last tile of the group: counted now (a wait for its stores),
+            # not after the next tile, so the group's collective starts a tile sooner.
+            after = g + n_prog
+            closes = tl.load(
+                tile_map + after * MAP_COLS + MAP_GROUP, mask=after < n_tiles, other=-1
+            ) != group  # fmt: skip
+            if SIGNAL:
+                count_tile(counters + group, closes.to(tl.int32), LANES)
+            pend = tl.where(closes, -1, group)
         else:
             slot = tl.load(row_of + MAP_SLOT).to(tl.int64)
             stride = tl.load(row_of + MAP_STRIDE).to(tl.int64)
@@ -175,5 +187,3 @@ def signal_gemm_kernel(
             if SIGNAL:
                 lanes = tl.zeros([LANES], dtype=tl.int32)
                 tl.atomic_add(counters + group + lanes, 1, sem="release", scope="gpu")
-    if TMA_STORE and SIGNAL:  # the last tile
-        count_tile(counters + tl.maximum(pend, 0), (pend >= 0).to(tl.int32), LANES)
