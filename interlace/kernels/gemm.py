@@ -35,7 +35,7 @@ import triton.language as tl
 from ..language.primitives import (
     barrier_all,
     bulk_stores_done,
-    count_tile_inline,
+    count_tile,
     guard,
     guard_coord,
     last_program_clears,
@@ -172,6 +172,7 @@ def gemm_segments_kernel(
     SUBTILE: tl.constexpr = False, ENTRY_BARRIER: tl.constexpr = False,
     EXIT_CLEAR: tl.constexpr = False, NOTIFY_STORES: tl.constexpr = False,
     STAGE_PUSHES: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
+    COUNT_UNIT: tl.constexpr = 1,
 ):  # fmt: skip
     """See the module docstring. ``a_own`` ([own_rows, K]) is read by ``KIND_STORE_OWN``;
     ``recv`` ([WORLD, recv_rows, N], symmetric, table ``recv_table``) receives partials;
@@ -201,7 +202,8 @@ def gemm_segments_kernel(
       segments, ``_one_loop_scatter``): a program runs its tiles of every segment in one
       pipelined loop, not one loop per segment; ``mt_seg`` gives the segment of each row
       of tiles, ``lead_tiles`` the tiles of the leading segments that run in a first loop
-      of their own (``KIND_STORE_OWN``; with pushes, the ``KIND_PUSH`` ones).
+      of their own (``KIND_STORE_OWN``; with pushes, the ``KIND_PUSH`` ones); a pushed
+      or reduced tile adds ``COUNT_UNIT`` (the launch's ``num_warps``) to its counter.
 
     There is one main loop for every kind: only the epilogue branches. (A second
     instantiation of the pipelined loop, e.g. one per A source, cost 35 % on an H200.)"""
@@ -231,7 +233,7 @@ def gemm_segments_kernel(
             _one_loop_scatter(
                 a, b, c, bias, M, N, K, seg, n_seg, mt_seg, lead_tiles, recv, recv_rows,
                 out_table, stage, sig, sig_table, err, rank, max_spins, b_desc, BLOCK_M,
-                BLOCK_N, BLOCK_K, GROUP_M, WORLD, HAS_BIAS, BROADCAST, SUBTILE,
+                BLOCK_N, BLOCK_K, GROUP_M, WORLD, HAS_BIAS, BROADCAST, SUBTILE, COUNT_UNIT,
             )  # fmt: skip
         else:
             _one_loop(
@@ -483,7 +485,7 @@ def _one_loop_scatter(
     stage, sig, sig_table, err, rank, max_spins, b_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, WORLD: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BROADCAST: tl.constexpr, SUBTILE: tl.constexpr,
+    BROADCAST: tl.constexpr, SUBTILE: tl.constexpr, COUNT_UNIT: tl.constexpr,
 ):  # fmt: skip
     """GEMM+RS / GEMM+AR ``ce_fused`` (``STAGE_PUSHES``) in one-loop mode (see
     ``_one_loop``): the ``lead_tiles`` tiles of the leading push segments in a first
@@ -523,7 +525,7 @@ def _one_loop_scatter(
         acc = _mma(
             a, b, a_desc, b_desc, row, col, 0, 0, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, True
         )  # fmt: skip
-        _count_previous(sig, sig_table, pend, 0, rank, WORLD, False)
+        _count_previous(sig, sig_table, pend, 0, rank, WORLD, False, COUNT_UNIT)
         _store_flat(
             acc, bias, stage_desc, row, col, N, out_ty, BLOCK_M, BLOCK_N, False, SUBTILE
         )  # fmt: skip
@@ -544,7 +546,7 @@ def _one_loop_scatter(
             a, b, a_desc, b_desc, row0 + tile_row, col, token, expected, M, N, K, BLOCK_M,
             BLOCK_N, BLOCK_K, True,
         )  # fmt: skip
-        _count_previous(sig, sig_table, pend, pend_peers, rank, WORLD, BROADCAST)
+        _count_previous(sig, sig_table, pend, pend_peers, rank, WORLD, BROADCAST, COUNT_UNIT)
         halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
         left, right = tl.split(halves)
         for h in tl.static_range(2):
@@ -560,7 +562,7 @@ def _one_loop_scatter(
             pend_peers = notify_slot
         else:
             pend = notify_slot  # the gather copies' counter (or 0)
-    _count_previous(sig, sig_table, pend, pend_peers, rank, WORLD, BROADCAST)
+    _count_previous(sig, sig_table, pend, pend_peers, rank, WORLD, BROADCAST, COUNT_UNIT)
 
 
 @triton.jit
@@ -594,14 +596,15 @@ def _reduce_half(
 
 @triton.jit
 def _count_previous(
-    sig, sig_table, pend, pend_peers, rank, WORLD: tl.constexpr, BROADCAST: tl.constexpr
-):
-    """``_one_loop_scatter``'s deferred count of its previous tile."""
-    count_tile_inline(sig + pend, pend)
+    sig, sig_table, pend, pend_peers, rank,
+    WORLD: tl.constexpr, BROADCAST: tl.constexpr, UNIT: tl.constexpr,
+):  # fmt: skip
+    """``_one_loop_scatter``'s deferred count of its previous tile (``UNIT`` per tile)."""
+    count_tile(sig + pend, pend, UNIT)
     if BROADCAST:
         for i in range(1, tl.where(pend_peers != 0, WORLD, 1)):
             q = (rank + i) % WORLD
-            count_tile_inline(signal_base(sig_table, q) + pend_peers, 1, True)
+            count_tile(signal_base(sig_table, q) + pend_peers, 1, UNIT, True)
 
 
 @triton.jit

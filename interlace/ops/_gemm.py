@@ -249,7 +249,8 @@ def launcher(
         BROADCAST=broadcast, HAS_OWN_A=own_a, SUBTILE=cfg.subtile,
         ENTRY_BARRIER=bar_slot is not None, EXIT_CLEAR=clear is not None,
         NOTIFY_STORES=notify_stores, STAGE_PUSHES=stage is not None,
-        ONE_LOOP=one_loop is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ONE_LOOP=one_loop is not None, COUNT_UNIT=count_unit(one_loop, cfg),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return GemmLaunch(PreparedLaunch(gemm_segments_kernel, grid, args, kwargs, OPERANDS))
 
