@@ -17,6 +17,8 @@ as a CUDA graph of ``--reps`` launches, every variant's graph replayed once per 
 * ``rs_stage``: every chunk staged (the push epilogue path for every tile, no reduction);
 * ``rs_cef`` / ``ar_cef``: the GEMM+RS / GEMM+AR (``gather="epilogue"``) layouts;
   ``*_1l``: the same in the kernel's one-loop mode (``ONE_LOOP``);
+* ``*_1l_alt`` (``--other-tiles``): the one-loop layouts with the other tile width
+  (128 columns and 4 warps where the op's config has 256, else 256 and 8 warps);
 * ``*_before``: the same with the kernel module named by ``--before`` (e.g. a copy of
   an earlier ``kernels/gemm.py`` saved as ``interlace/kernels/_gemm_before.py``), so
   two kernel versions are compared in one run on one machine.
@@ -30,6 +32,7 @@ import argparse
 import importlib
 import json
 import math
+from dataclasses import replace
 
 import torch
 from _probe import replayed_ms
@@ -58,7 +61,7 @@ def _baselines(m, n, k, errors) -> dict:
     return calls
 
 
-def shape_row(model, m, world, rank, reps, iters, before):
+def shape_row(model, m, world, rank, reps, iters, before, other_tiles=False):
     """Every variant of one shape, checked, then timed interleaved: round ``i`` replays
     each variant's graph once before round ``i + 1`` replays any (``paired_median_ms``),
     so the machine's drift during the run reaches every variant alike."""
@@ -80,6 +83,17 @@ def shape_row(model, m, world, rank, reps, iters, before):
             emu = Emulated(world, rank, m, n, k, mode, split, kernel=kernel, one_loop=one_loop)
             errors[name + suffix] = emu.check()
             calls[name + suffix] = emu
+    if other_tiles:  # the one-loop layouts with the other tile width
+        cfg = _gemm.scatter_config(_gemm.gemm_config(m, n, k, "cuda"), n)  # the op's
+        wide = cfg.block_n < 256
+        alt = replace(
+            cfg, block_n=256 if wide else 128, num_warps=8 if wide else 4,
+            num_stages=3 if wide else 5,
+        )  # fmt: skip
+        for name, mode in (("rs_cef_1l_alt", "rs"), ("ar_cef_1l_alt", "ar")):
+            emu = Emulated(world, rank, m, n, k, mode, 2, one_loop=True, cfg=alt)
+            errors[name] = emu.check()
+            calls[name] = emu
     row = replayed_ms(calls, reps, iters)
     return dict(model=model, M=m, N=n, K=k, world_size=world, rank=rank, ms=row, rel_err=errors)
 
@@ -94,6 +108,10 @@ def main():
     p.add_argument("--iters", type=int, default=25, help="interleaved rounds")
     p.add_argument("--before", default=None, help="module of an earlier kernel to compare")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--other-tiles", action="store_true",
+        help="also the one-loop layouts with the other tile width (128 <-> 256 columns)",
+    )  # fmt: skip
     args = p.parse_args()
     before = None
     if args.before:
@@ -101,7 +119,10 @@ def main():
     rows = []
     for m in args.m:
         for model in args.models:
-            row = shape_row(model, m, args.world_size, args.rank, args.reps, args.iters, before)
+            row = shape_row(
+                model, m, args.world_size, args.rank, args.reps, args.iters, before,
+                args.other_tiles,
+            )  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     meta = dict(

@@ -24,21 +24,24 @@ class Emulated:
     MODES = ("plain", "stage", "rs", "ar")
 
     def __init__(
-        self, world, rank, m, n, k, mode, split=2, kernel=None, device=None, one_loop=False
-    ):
+        self, world, rank, m, n, k, mode, split=2, kernel=None, device=None, one_loop=False,
+        cfg=None,
+    ):  # fmt: skip
         """``mode``: ``rs`` / ``ar``: the GEMM+RS / GEMM+AR (``gather="epilogue"``) layout;
         ``stage``: every chunk staged (no reduction); ``plain``: the same chunks as plain
         store segments (no push epilogue, no signals). ``split``: chunks per owner (the
-        op's default for ``ce_fused`` is 2). ``one_loop``: the kernel's one-loop mode."""
+        op's default for ``ce_fused`` is 2). ``one_loop``: the kernel's one-loop mode.
+        ``cfg``: a tile config instead of the op's (given as for plain stores, kept as
+        given but for the epilogue's room)."""
         dev = device or torch.device("cuda", torch.cuda.current_device())
         backend = "cuda" if dev.type == "cuda" else "cpu"  # cpu: Triton's interpreter
         all_reduce = mode == "ar"
         self.world, self.rank, self.m, self.n, self.mode = world, rank, m, n, mode
         self.all_reduce = all_reduce
         m_loc = m // world
-        self.cfg = _gemm.gemm_config(m, n, k, backend)
-        if backend == "cuda" and mode != "plain":
-            self.cfg = _gemm.with_epilogue_room(self.cfg)
+        self.cfg = cfg or _gemm.gemm_config(m, n, k, backend)
+        if backend == "cuda" and mode != "plain":  # as the op's (``widen``: no config given)
+            self.cfg = _gemm.scatter_config(self.cfg, n, widen=cfg is None)
         layout = cef_layout(
             world, rank, m, n, self.cfg, split, all_reduce=all_reduce,
             gather_epilogue=all_reduce, arrival=ARRIVAL, done=DONE,

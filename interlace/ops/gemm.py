@@ -531,7 +531,9 @@ class _ScatterGemm(AlternatingSets, ScatterVariants, _OverlappedGemm):
 
     def _cfg(self, m: int, n: int, k: int) -> GemmConfig:
         cfg = super()._cfg(m, n, k)
-        return cfg if self.group.backend != "cuda" else _gemm.with_epilogue_room(cfg)
+        if self.group.backend != "cuda":
+            return cfg
+        return _gemm.scatter_config(cfg, n, widen=self.config is None)
 
     def _plan(self, m: int, n: int):
         """Segments from a checked schedule: its chunks in the order this rank sends them
