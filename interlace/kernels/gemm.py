@@ -250,7 +250,7 @@ def gemm_segments_kernel(
             kind = tl.load(row_of + SEG_KIND)
             seg_mt = tl.cdiv(rows, BLOCK_M)
             end = tile0 + seg_mt * tiles_n
-            first = tile0 + (pid - tile0 % n_prog + n_prog) % n_prog
+            first = _first_tile(tile0, pid, n_prog)
             if first < end:
                 owner = tl.load(row_of + SEG_OWNER)
                 out_row0 = tl.load(row_of + SEG_OUT_ROW0)
@@ -321,8 +321,7 @@ def gemm_segments_kernel(
                     if HAS_PUSH:
                         # In halves: the partials loaded beside the accumulator would
                         # otherwise spill registers (measured with ptxas at 128x256).
-                        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-                        left, right = tl.split(halves)
+                        left, right = _halves(acc, BLOCK_M, BLOCK_N)
                         for h in tl.static_range(2):
                             _scatter_epilogue(
                                 left if h == 0 else right, col + h * (BLOCK_N // 2), kind, rows,
@@ -403,11 +402,8 @@ def _one_loop(
     from ``a_own`` in a first loop of their own (another A descriptor). TMA only, one
     output descriptor over all of ``c``: the host enables this only when no tile of a
     segment overhangs into another segment's rows (``_gemm.one_loop_tables``)."""
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid, n_prog, tiles_n, total = _one_loop_grid(seg, n_seg, N, BLOCK_M, BLOCK_N)
     out_ty = c.dtype.element_ty
-    total = _launch_tiles(seg, n_seg, tiles_n, BLOCK_M)
     c_desc = tl.make_tensor_descriptor(
         c, shape=[M, N], strides=[N, 1],
         block_shape=[BLOCK_M, BLOCK_N // 2 if SUBTILE else BLOCK_N],
@@ -418,10 +414,7 @@ def _one_loop(
             a_own, shape=[own_rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
         )
         for g in tl.range(pid, lead_tiles, n_prog, flatten=True):
-            row_of = seg + tl.load(mt_seg + g // tiles_n) * SEG_COLS
-            tile0 = tl.load(row_of + SEG_TILE0)
-            rows = tl.load(row_of + SEG_ROWS)
-            pid_m, pid_n = _tile_coords(g - tile0, tl.cdiv(rows, BLOCK_M), tiles_n, GROUP_M)
+            _, row_of, pid_m, pid_n = _tile_of(g, seg, mt_seg, tiles_n, BLOCK_M, GROUP_M)
             tile_row = pid_m * BLOCK_M
             acc = _mma(
                 a_own, b, own_desc, b_desc, tl.load(row_of + SEG_OUT_ROW0) + tile_row,
@@ -431,7 +424,7 @@ def _one_loop(
                 acc, bias, c_desc, tl.load(row_of + SEG_ROW0) + tile_row, pid_n * BLOCK_N, N,
                 out_ty, BLOCK_M, BLOCK_N, HAS_BIAS, SUBTILE,
             )  # fmt: skip
-        start = lead_tiles + (pid - lead_tiles % n_prog + n_prog) % n_prog
+        start = _first_tile(lead_tiles, pid, n_prog)
     a_desc = tl.make_tensor_descriptor(
         a, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
     )
@@ -452,10 +445,31 @@ def _one_loop(
 
 
 @triton.jit
-def _launch_tiles(seg, n_seg, tiles_n, BLOCK_M: tl.constexpr):
-    """Tiles of every segment of the table: the last one's first tile plus its tiles."""
+def _one_loop_grid(seg, n_seg, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(pid, programs, tiles per row of tiles, tiles of the launch)`` of a one-loop
+    launch: the last segment's first tile plus its tiles."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
     last = seg + (n_seg - 1) * SEG_COLS
-    return tl.load(last + SEG_TILE0) + tl.cdiv(tl.load(last + SEG_ROWS), BLOCK_M) * tiles_n
+    total = tl.load(last + SEG_TILE0) + tl.cdiv(tl.load(last + SEG_ROWS), BLOCK_M) * tiles_n
+    return tl.program_id(0), tl.num_programs(0), tiles_n, total
+
+
+@triton.jit
+def _first_tile(tile0, pid, n_prog):
+    """This program's first tile from global tile ``tile0`` on (a program runs the tiles
+    ``g`` with ``g % n_prog == pid``)."""
+    return tile0 + (pid - tile0 % n_prog + n_prog) % n_prog
+
+
+@triton.jit
+def _tile_of(g, seg, mt_seg, tiles_n, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(segment, its table row, pid_m, pid_n)`` of global tile ``g`` of a one-loop
+    launch."""
+    s = tl.load(mt_seg + g // tiles_n)
+    row_of = seg + s * SEG_COLS
+    seg_mt = tl.cdiv(tl.load(row_of + SEG_ROWS), BLOCK_M)
+    pid_m, pid_n = _tile_coords(g - tl.load(row_of + SEG_TILE0), seg_mt, tiles_n, GROUP_M)
+    return s, row_of, pid_m, pid_n
 
 
 @triton.jit
@@ -467,15 +481,12 @@ def _flat_tile(
     token, expected)``. The tile waits for its segment's signals (``wait_inline``) only
     where the program has not yet met the segment (``waited``: the last one it waited
     for); the token is then ``expected``."""
-    s = tl.load(mt_seg + g // tiles_n)
-    row_of = seg + s * SEG_COLS
+    s, row_of, pid_m, pid_n = _tile_of(g, seg, mt_seg, tiles_n, BLOCK_M, GROUP_M)
     expected = tl.load(row_of + SEG_WAIT_EXPECTED)
     first = tl.load(row_of + SEG_WAIT_FIRST)
     count = tl.load(row_of + SEG_WAIT_COUNT)
     needed = ((s != waited) & (count > 0)).to(tl.int32)
     token = wait_inline(sig + first, expected, needed, err, rank, first, max_spins, count)
-    seg_mt = tl.cdiv(tl.load(row_of + SEG_ROWS), BLOCK_M)
-    pid_m, pid_n = _tile_coords(g - tl.load(row_of + SEG_TILE0), seg_mt, tiles_n, GROUP_M)
     return s, row_of, pid_m, pid_n, token, expected
 
 
@@ -491,23 +502,19 @@ def _one_loop_scatter(
     ``_one_loop``): the ``lead_tiles`` tiles of the leading push segments in a first
     pipelined loop, the reduce segments (a suffix of the table) in a second. Push tiles go
     into ``stage`` through one descriptor over all of it (in halves with ``SUBTILE``) and
-    wait for nothing; reduce
-    tiles wait (``wait_inline``, on every peer's arrival flag, the first time this program
-    meets the segment), add the peers' partials and are stored (all-reduce: broadcast)
-    through pointers. Two loops, not one loop whose tiles pick their epilogue: the reduce
-    code in the push tiles' loop, even where they ran none of it, cost them 7-9 % of the
-    kernel on an H200 (session 9).
+    wait for nothing; reduce tiles wait (``wait_inline``, on every peer's arrival flag, the
+    first time this program meets the segment), add the peers' partials and are stored
+    (all-reduce: broadcast) through pointers. Two loops, not one loop whose tiles pick
+    their epilogue: the reduce code in the push tiles' loop, even where they ran none of
+    it, cost them 7-9 % of the kernel on an H200 (session 9).
 
-    Counting without a CTA barrier: a tile is counted (``count_tile_inline``: each warp
-    adds 1 once its stores have landed, so a chunk's counter ends at tiles x num_warps)
+    Counting without a CTA barrier: a tile is counted (``count_tile``: each warp adds 1
+    once its stores have landed, so a chunk's counter ends at tiles x ``COUNT_UNIT``)
     after the next tile's main loop, when its stores are long done; the last one after
     the loops. Push tiles count in their local slot; reduce tiles in their local slot
     (all-reduce with copy gathers) or, broadcast, in every peer's slot at system scope."""
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid, n_prog, tiles_n, total = _one_loop_grid(seg, n_seg, N, BLOCK_M, BLOCK_N)
     out_ty = c.dtype.element_ty
-    total = _launch_tiles(seg, n_seg, tiles_n, BLOCK_M)
     a_desc = tl.make_tensor_descriptor(
         a, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
     )
@@ -517,9 +524,7 @@ def _one_loop_scatter(
     )  # fmt: skip
     pend = 0  # local counter slot of the previous tile, still to count (0: none)
     for g in tl.range(pid, lead_tiles, n_prog, flatten=True):
-        row_of = seg + tl.load(mt_seg + g // tiles_n) * SEG_COLS
-        seg_mt = tl.cdiv(tl.load(row_of + SEG_ROWS), BLOCK_M)
-        pid_m, pid_n = _tile_coords(g - tl.load(row_of + SEG_TILE0), seg_mt, tiles_n, GROUP_M)
+        _, row_of, pid_m, pid_n = _tile_of(g, seg, mt_seg, tiles_n, BLOCK_M, GROUP_M)
         row = tl.load(row_of + SEG_ROW0) + pid_m * BLOCK_M
         col = pid_n * BLOCK_N
         acc = _mma(
@@ -532,7 +537,7 @@ def _one_loop_scatter(
         pend = tl.load(row_of + SEG_NOTIFY)
     waited = -1  # the last segment this program waited for
     pend_peers = 0  # broadcast: the peers' counter slot of the previous tile (0: none)
-    start = lead_tiles + (pid - lead_tiles % n_prog + n_prog) % n_prog
+    start = _first_tile(lead_tiles, pid, n_prog)
     for g in tl.range(start, total, n_prog, flatten=True):
         waited, row_of, pid_m, pid_n, token, expected = _flat_tile(
             g, seg, mt_seg, tiles_n, waited, sig, err, rank, max_spins, BLOCK_M, GROUP_M
@@ -547,8 +552,7 @@ def _one_loop_scatter(
             BLOCK_N, BLOCK_K, True,
         )  # fmt: skip
         _count_previous(sig, sig_table, pend, pend_peers, rank, WORLD, BROADCAST, COUNT_UNIT)
-        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-        left, right = tl.split(halves)
+        left, right = _halves(acc, BLOCK_M, BLOCK_N)
         for h in tl.static_range(2):
             _reduce_half(
                 left if h == 0 else right, col + h * (BLOCK_N // 2), rows,
@@ -620,6 +624,12 @@ def _store_flat(
 
 
 @triton.jit
+def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A ``[BLOCK_M, BLOCK_N]`` tile as its left and right ``BLOCK_N // 2`` columns."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
 def _store_tile(
     acc, c, c_desc, c_row0, tile_row, col, lrows, cols, N, mask, out_ty,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
@@ -627,8 +637,7 @@ def _store_tile(
 ):  # fmt: skip
     if USE_TMA:
         if SUBTILE:
-            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-            left, right = tl.split(halves)
+            left, right = _halves(acc, BLOCK_M, BLOCK_N)
             c_desc.store([tile_row, col], left.to(out_ty))
             c_desc.store([tile_row, col + BLOCK_N // 2], right.to(out_ty))
         else:
