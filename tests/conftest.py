@@ -1,18 +1,24 @@
 """Shared fixtures: rank worlds started once per session and reused by every test body.
 
 ``world`` is parametrised over the CPU emulation with 2, 3 and 4 ranks and over CUDA with
-2 and 4 ranks (marked ``gpu``; skipped where there are fewer GPUs). A test body is a
-module-level function ``body(group, ...)`` run on every rank with ``world.run(body, ...)``.
+2 and 4 ranks (``INTERLACE_TEST_GPU_SIZES=2,4,8`` for others), marked ``gpu`` and skipped
+where there are fewer GPUs, unless ``INTERLACE_TEST_SHARE_GPU=1``: then the ranks share
+GPU 0 (``World(share_device=True)``), which checks the cross-rank protocol on a one-GPU
+machine, and tests marked ``own_gpu`` are skipped. A test body is a module-level function
+``body(group, ...)`` run on every rank with ``world.run(body, ...)``.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from interlace.testing import World
 
 CPU_SIZES = (2, 3, 4)
-GPU_SIZES = (2, 4)
+#: ``INTERLACE_TEST_GPU_SIZES=2,4,8`` adds 8-rank GPU worlds (an 8-GPU machine, or shared)
+GPU_SIZES = tuple(int(w) for w in os.environ.get("INTERLACE_TEST_GPU_SIZES", "2,4").split(","))
 
 _worlds: dict[tuple[str, int], World] = {}
 
@@ -26,13 +32,20 @@ def _gpu_count() -> int:
         return 0
 
 
-def get_world(backend: str, size: int) -> World:
-    """The session's world of ``size`` ranks on ``backend`` (started on first use)."""
-    if backend == "cuda" and _gpu_count() < size:
+def get_world(backend: str, size: int, own_gpu: bool = False) -> World:
+    """The session's world of ``size`` ranks on ``backend`` (started on first use).
+    ``own_gpu``: the test needs each rank on its own GPU (the process group's collectives
+    on CUDA tensors, which gloo cannot move; per-GPU memory accounting): skipped where the
+    ranks would share one."""
+    share = backend == "cuda" and _gpu_count() < size
+    if share and not (_gpu_count() and os.environ.get("INTERLACE_TEST_SHARE_GPU") == "1"):
         pytest.skip(f"needs {size} GPUs, found {_gpu_count()}")
+    if share and own_gpu:
+        pytest.skip("needs a GPU per rank (collectives on CUDA tensors, per-GPU memory)")
     key = (backend, size)
     if key not in _worlds:
-        _worlds[key] = World(size, backend, timeout=240 if backend == "cpu" else 120)
+        timeout = 240 if backend == "cpu" or share else 120
+        _worlds[key] = World(size, backend, timeout=timeout, share_device=share)
     return _worlds[key]
 
 
@@ -46,7 +59,7 @@ WITH_ONE_GPU = [*WORLD_PARAMS, pytest.param(("cuda", 1), id="cuda1", marks=pytes
 
 @pytest.fixture(params=WORLD_PARAMS)
 def world(request) -> World:
-    return get_world(*request.param)
+    return get_world(*request.param, own_gpu=request.node.get_closest_marker("own_gpu") is not None)
 
 
 def pytest_sessionfinish(session, exitstatus):

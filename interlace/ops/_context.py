@@ -8,6 +8,7 @@ import math
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from ..errors import InterlaceError, InterlaceTypeError, InterlaceValueError
 from ..language.primitives import barrier_kernel
@@ -139,18 +140,25 @@ class OpContext:
         if self.group.backend == "cpu":  # everything already ran: report now
             self.error.raise_if_set(self.op_name, self.pad.describe)
 
-    def _init_eager_graphs(self, eager_graphs: bool | None) -> None:
+    def _init_eager_graphs(self, eager_graphs: bool | None, collectives: bool = False) -> None:
         """``eager_graphs``: replay eager calls from CUDA graphs (:meth:`_enqueue`). None
         (the default): wherever the driver has the graph-update calls; True: raise where
         it has not; False: never. On the CPU backend there are no graphs and calls run as
-        they are."""
+        they are. ``collectives``: the calls run the process group's collectives, which a
+        CUDA graph captures only on NCCL (not on the gloo group of ranks that share a GPU)."""
         cuda = self.group.backend == "cuda"
+        capturable = not collectives or dist.get_backend(self.group.process_group) == "nccl"
         if eager_graphs is None:
-            eager_graphs = cuda and graphs.available()
+            eager_graphs = cuda and graphs.available() and capturable
         elif eager_graphs and cuda and not graphs.available():
             raise InterlaceValueError(
                 f"{self.op_name}: eager_graphs needs a CUDA driver with the graph-update "
                 "calls (CUDA 12.4 or later)"
+            )
+        elif eager_graphs and cuda and not capturable:
+            raise InterlaceValueError(
+                f"{self.op_name}: eager_graphs needs an NCCL process group (a CUDA graph "
+                "cannot capture this group's collectives)"
             )
         self.eager_graphs = bool(eager_graphs) and cuda
         self._graphs: dict = {}  # call kind -> EagerGraph, or the reason it cannot be one

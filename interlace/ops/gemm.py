@@ -447,7 +447,7 @@ class _ScatterGemm(AlternatingSets, ScatterVariants, _OverlappedGemm):
             cls = SignalReorderGemmAR if self.BROADCAST else SignalReorderGemmRS
             self._signal_reorder = cls(
                 group, self.max_m, self.n, self.k, dtype, config=self.config,
-                max_spins=self.max_spins, eager_graphs=self.eager_graphs,
+                max_spins=self.max_spins, eager_graphs=kw.get("eager_graphs"),
             )  # fmt: skip
         elif strategy == "ce_fused" or self._auto_ce_fused():
             # a receive buffer per buffer set (AlternatingSets); ``fused`` uses the first

@@ -345,7 +345,7 @@ class SignalReorderGemm(OpContext):
         self.last_partition: tuple[int, ...] | None = None
         self._plans: dict = {}
         self._layouts: dict = {}
-        self._init_eager_graphs(eager_graphs)
+        self._init_eager_graphs(eager_graphs, collectives=True)
 
     def _check_comm_sms(self, comm_sms) -> int:
         if self.group.backend != "cuda":

@@ -35,7 +35,8 @@ class Group:
 
     ``Group.from_torch()`` (or ``Group()``) takes the default process group; pass
     ``process_group=`` for a sub-group. The backend is ``cuda`` when the process group
-    moves CUDA tensors (NCCL) and ``cpu`` otherwise.
+    moves CUDA tensors (NCCL) and ``cpu`` otherwise; ``backend="cuda"`` over a gloo group
+    is what ``World(share_device=True)`` uses (several ranks on one GPU, for tests).
     """
 
     process_group: dist.ProcessGroup | None = None
@@ -46,6 +47,7 @@ class Group:
     local_world_size: int = field(init=False)
     device: torch.device = field(init=False)
     uid: str = field(init=False)
+    shared_device: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if not dist.is_initialized():
@@ -76,6 +78,9 @@ class Group:
                     "TRITON_INTERPRET=1 before triton is first imported"
                 )
             self.device = torch.device("cpu")
+        # Several ranks on one GPU (``World(share_device=True)``, for tests): the backend
+        # is ``cuda`` over a gloo group, and symmetric buffers are CUDA IPC mappings.
+        self.shared_device = self.backend == "cuda" and dist.get_backend(pg) != "nccl"
         # One id that every rank agrees on, to name shared files and key caches.
         box = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
@@ -93,7 +98,7 @@ class Group:
 
     def host_barrier(self) -> None:
         """A host-side barrier over the group (used at set-up and tear-down only)."""
-        if self.backend == "cuda":
+        if self.backend == "cuda" and not self.shared_device:
             dist.barrier(group=self.process_group, device_ids=[self.device.index])
         else:
             dist.barrier(group=self.process_group)

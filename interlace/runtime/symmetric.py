@@ -9,8 +9,10 @@ by every other rank of the group.
 * ``ptrs``: an int64 tensor on the group's device with every rank's base address, the
   table that device code turns into remote pointers.
 
-The ``cuda`` backend allocates through torch symmetric memory; the ``cpu`` backend maps a
-file in ``/dev/shm`` per rank into every rank's address space. Allocation is collective: all
+The ``cuda`` backend allocates through torch symmetric memory (or, where several ranks share
+one GPU, ``Group.shared_device``, through CUDA IPC handles, which torch symmetric memory
+refuses on one device); the ``cpu`` backend maps a file in ``/dev/shm`` per rank into every
+rank's address space. Allocation is collective: all
 ranks must allocate the same buffers in the same order.
 """
 
@@ -50,7 +52,9 @@ class SymmetricTensor:
         # Round up so every peer view is 16-byte aligned and non-empty.
         self.nbytes = max(16, -(-self.numel * dtype.itemsize // 16) * 16)
         self._handle = None
-        if group.backend == "cuda":
+        if group.shared_device:
+            raw = self._alloc_ipc()
+        elif group.backend == "cuda":
             raw = self._alloc_cuda()
         else:
             raw = self._alloc_cpu()
@@ -83,6 +87,22 @@ class SymmetricTensor:
                 raw.append(local)
             else:
                 raw.append(self._handle.get_buffer(r, (self.nbytes,), torch.uint8))
+        return raw
+
+    def _alloc_ipc(self) -> list[torch.Tensor]:
+        """Ranks on one GPU (tests): each rank's allocation opened by the others through
+        its CUDA IPC handle, the handles exchanged over the group's host collectives."""
+        import torch.distributed as dist
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        local = torch.empty(self.nbytes, dtype=torch.uint8, device=self.group.device)
+        handles = [None] * self.group.world_size
+        dist.all_gather_object(handles, reduce_tensor(local), group=self.group.process_group)
+        raw = [
+            local if r == self.group.rank else rebuild(*args)
+            for r, (rebuild, args) in enumerate(handles)
+        ]
+        self._handle = handles  # (the owners keep their memory until every rank closes)
         return raw
 
     def _alloc_cpu(self) -> list[torch.Tensor]:

@@ -3,6 +3,9 @@
 ``World(4)`` starts four rank processes. On a machine without GPUs (or with
 ``backend="cpu"``) they use gloo and the CPU emulation (``TRITON_INTERPRET=1``, symmetric
 buffers in /dev/shm); with ``backend="cuda"`` each rank owns one GPU and uses NCCL.
+``World(4, "cuda", share_device=True)`` puts every rank on GPU 0 (gloo for the host
+collectives): the ranks' kernels then time-slice one GPU, so it checks the cross-rank
+protocol (signals, copies, waits) where a machine has one GPU, never speed.
 ``world.run(fn, *args)`` calls ``fn(group, *args)`` on every rank and returns the per-rank
 results; a rank's exception is re-raised here with that rank's traceback. Each run has a
 time limit; a world whose ranks did not all answer is torn down (and restarted by the next
@@ -21,7 +24,7 @@ import traceback
 import uuid
 from contextlib import contextmanager
 
-from ..errors import InterlaceError
+from ..errors import InterlaceError, InterlaceValueError
 
 #: After one rank fails, how long the others get to finish before the world is torn down.
 ERROR_GRACE_S = 20.0
@@ -37,14 +40,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, backend: str, port: int, inbox, outbox) -> None:
+def _worker(
+    rank: int, world_size: int, backend: str, port: int, inbox, outbox, share_device: bool
+) -> None:
     """Rank process: set up torch.distributed and a Group, then serve test bodies."""
     import torch
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
-        if backend == "cuda":
+        if share_device:  # NCCL refuses two ranks on one GPU: gloo for the host side
+            torch.cuda.set_device(0)
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            )
+        elif backend == "cuda":
             torch.cuda.set_device(rank)
             dist.init_process_group(
                 "nccl",
@@ -60,7 +70,7 @@ def _worker(rank: int, world_size: int, backend: str, port: int, inbox, outbox) 
             )
         from ..runtime.group import Group
 
-        group = Group.from_torch()
+        group = Group(backend=backend)
         outbox.put((rank, "ready", None))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
         outbox.put((rank, "error", traceback.format_exc()))
@@ -97,12 +107,21 @@ def _child_env(extra: dict[str, str]):
 class World:
     """W rank processes that run test bodies; see the module docstring."""
 
-    def __init__(self, world_size: int, backend: str = "auto", timeout: float = 300.0):
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "auto",
+        timeout: float = 300.0,
+        share_device: bool = False,
+    ):
         if backend == "auto":
             import torch
 
             backend = "cuda" if torch.cuda.device_count() >= world_size else "cpu"
+        if share_device and backend != "cuda":
+            raise InterlaceValueError("share_device=True needs backend='cuda'")
         self.world_size, self.backend, self.timeout = world_size, backend, timeout
+        self.share_device = share_device
         self.shm_prefix = f"interlace-test-{uuid.uuid4().hex[:10]}"
         self._procs: list = []
 
@@ -117,7 +136,15 @@ class World:
             self._procs = [
                 ctx.Process(
                     target=_worker,
-                    args=(r, self.world_size, self.backend, port, self._inboxes[r], self._outbox),
+                    args=(
+                        r,
+                        self.world_size,
+                        self.backend,
+                        port,
+                        self._inboxes[r],
+                        self._outbox,
+                        self.share_device,
+                    ),  # fmt: skip
                     daemon=True,
                 )
                 for r in range(self.world_size)

@@ -230,14 +230,13 @@ class Model:
 def time_ms(group, fn, iters: int = 10, warmup: int = 3) -> float:
     """Median time of ``fn()`` (ms) on this rank, the ranks aligned before each run
     (CUDA events on a GPU, the wall clock on the cpu backend), then the max over ranks."""
-    pg = group.process_group
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         if group.backend == "cuda":
             torch.cuda.synchronize()
-            dist.barrier(group=pg, device_ids=[group.device.index])
+            group.host_barrier()
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -246,7 +245,7 @@ def time_ms(group, fn, iters: int = 10, warmup: int = 3) -> float:
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
         else:
-            dist.barrier(group=pg)
+            group.host_barrier()
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
@@ -275,7 +274,7 @@ def device_ms(group, fn, iters: int = 10, warmup: int = 3, after=None) -> float:
     torch.cuda.synchronize()
     if after is not None:
         after()
-    dist.barrier(group=group.process_group, device_ids=[group.device.index])
+    group.host_barrier()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     hold = getattr(torch.cuda, "_sleep", None)
@@ -387,7 +386,7 @@ def _comm_ms(ctx, plan, a, b, nbytes, gemms, iters, warmup) -> float:
     times = []
     for i in range(warmup + iters):
         torch.cuda.synchronize()
-        dist.barrier(group=group.process_group, device_ids=[group.device.index])
+        group.host_barrier()
         stream = fork(group)
         for _ in range(gemms):
             ctx.launch_gemm(plan, a, b, signal=False)
@@ -501,7 +500,7 @@ def _host_costs(ctx, plan, a, b, reps: int = 20) -> dict:
     call_head()
     torch.cuda.synchronize()
     ctx.counters.zero_()
-    dist.barrier(group=group.process_group, device_ids=[group.device.index])
+    group.host_barrier()
     t0 = time.perf_counter()
     for _ in range(reps):
         call_head()

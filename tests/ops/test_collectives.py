@@ -269,6 +269,7 @@ def _many_contexts_body(group, count):
     return growth
 
 
+@pytest.mark.own_gpu
 def test_hundred_contexts_do_not_grow_memory(world):
     world.run(_many_contexts_body, 100 if world.backend == "cuda" else 30)
 

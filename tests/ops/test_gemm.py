@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import interlace
 from interlace.errors import InterlaceTypeError, InterlaceValueError
-from tests.conftest import WITH_ONE_GPU
+from tests.conftest import GPU_SIZES, WITH_ONE_GPU
 from tests.ops._helpers import (
     check_graph_replays,
     expect_error,
@@ -189,12 +189,21 @@ def _scatter_body(group, op, strategy, dtype_name, calls, split, shapes=None, **
     return True
 
 
-@pytest.mark.parametrize("strategy", interlace.GemmRS.STRATEGIES)
+def _strategy_params(strategies):
+    """``signal_reorder`` runs the process group's collectives on CUDA tensors: it needs a
+    GPU per rank (``own_gpu``)."""
+    return [
+        pytest.param(s, marks=pytest.mark.own_gpu) if s == "signal_reorder" else s
+        for s in strategies
+    ]
+
+
+@pytest.mark.parametrize("strategy", _strategy_params(interlace.GemmRS.STRATEGIES))
 def test_gemm_rs_matches_reference(world, strategy):
     world.run(_scatter_body, "rs", strategy, "bf16", 3, None)
 
 
-@pytest.mark.parametrize("strategy", interlace.GemmAR.STRATEGIES)
+@pytest.mark.parametrize("strategy", _strategy_params(interlace.GemmAR.STRATEGIES))
 def test_gemm_ar_matches_reference(world, strategy):
     world.run(_scatter_body, "ar", strategy, "bf16", 3, None)
 
@@ -246,7 +255,7 @@ def _ce_fused_one_loop_body(group, op):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["rs", "ar"])
-@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("size", [1, *GPU_SIZES])
 def test_ce_fused_one_loop(op, size):
     from tests.conftest import get_world
 
@@ -497,7 +506,7 @@ def _graph_body(group, op, strategy="fused", **options):
         ("ar", "ce_scatter"),
     ],  # fmt: skip
 )
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", GPU_SIZES)
 def test_cuda_graph_replay(op, strategy, size):
     from interlace.bench.dense import split_variant
     from tests.conftest import get_world
@@ -554,7 +563,7 @@ def _eager_graph_body(group, op, strategy, calls=7, **options):
     "op, strategy",
     [("ag", "fused"), ("rs", "fused"), ("rs", "ce_fused"), ("ar", "fused"), ("ar", "ce_fused")],
 )
-@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("size", [1, *GPU_SIZES])
 def test_eager_graphs(op, strategy, size):
     from tests.conftest import get_world
 

@@ -27,6 +27,9 @@ from tests.ops._helpers import gathered, nans, rand, reduced_rows, rel_err
 
 TRANSPORTS = ("p2p", "symm")
 
+# The ring runs torch.distributed P2P and collectives on CUDA tensors (NCCL).
+pytestmark = pytest.mark.own_gpu
+
 
 # ----------------------------------------------------------------------------- helpers
 def _dtype(group):

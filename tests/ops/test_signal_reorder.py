@@ -27,6 +27,7 @@ from interlace.ops.signal_reorder import (
     tile_coords,
     wave_groups,
 )
+from tests.conftest import GPU_SIZES
 from tests.ops._helpers import check_graph_replays, expect_error, nans, rand, rel_err, sync
 
 CLASSES = {"ar": SignalReorderGemmAR, "rs": SignalReorderGemmRS, "a2a": SignalReorderGemmA2A}
@@ -197,11 +198,13 @@ def _op_body(group, op, dtype_name):
     return True
 
 
+@pytest.mark.own_gpu  # the process group's collectives on CUDA tensors
 @pytest.mark.parametrize("op", list(CLASSES))
 def test_signal_reorder_matches_reference(world, op):
     world.run(_op_body, op, "bf16")
 
 
+@pytest.mark.own_gpu  # the process group's collectives on CUDA tensors
 def test_signal_reorder_fp16(world):
     world.run(_op_body, "ar", "fp16")
 
@@ -289,11 +292,11 @@ def _graph_body(group, op):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", list(CLASSES))
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", GPU_SIZES)
 def test_cuda_graph_replay(op, size):
     from tests.conftest import get_world
 
-    get_world("cuda", size).run(_graph_body, op)
+    get_world("cuda", size, own_gpu=True).run(_graph_body, op)
 
 
 def _eager_graph_body(group, op):
@@ -329,13 +332,37 @@ def _eager_graph_body(group, op):
     return True
 
 
+def _gloo_eager_graphs_body(group):
+    """Ranks sharing a GPU: the collectives run on gloo, which a CUDA graph cannot capture,
+    so eager calls are not graph-backed by default and ``eager_graphs=True`` raises."""
+    assert group.shared_device
+    ctx = SignalReorderGemmAR(group, max_m=256, n=128, k=64)
+    try:
+        assert not ctx.eager_graphs
+    finally:
+        ctx.close()
+    expect_error(
+        InterlaceValueError, "NCCL process group",
+        SignalReorderGemmAR, group, max_m=256, n=128, k=64, eager_graphs=True,
+    )  # fmt: skip
+    return True
+
+
+@pytest.mark.gpu
+def test_eager_graphs_need_a_capturable_group():
+    from interlace.testing import World
+
+    with World(2, "cuda", timeout=120, share_device=True) as world:
+        assert all(world.run(_gloo_eager_graphs_body))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", list(CLASSES))
-@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("size", [1, *GPU_SIZES])
 def test_eager_graphs(op, size):
     from tests.conftest import get_world
 
-    get_world("cuda", size).run(_eager_graph_body, op)
+    get_world("cuda", size, own_gpu=True).run(_eager_graph_body, op)
 
 
 @pytest.mark.parametrize("strips", [1, 4])

@@ -252,6 +252,7 @@ def test_close_is_idempotent_and_reuse_raises(world):
     assert all(world.run(_close_body))
 
 
+@pytest.mark.own_gpu
 def test_no_leak_over_many_allocations(world):
     # 100 rounds of a 512 KiB buffer: a leaked mapping would add ~50 MiB of RSS per rank.
     assert all(world.run(_leak_body, 100, 512 * 1024))

@@ -262,6 +262,7 @@ def _curves_body(group):
     return True
 
 
+@pytest.mark.own_gpu
 def test_measure_model_curves(world):
     world.run(_curves_body)
 
