@@ -4,6 +4,8 @@
 # Usage on the GPU machine, from the repository root:  bash scripts/gpu_suite.sh [bench args]
 # Environment: SUITE=collectives|dense|p2p_ring|signal_reorder|all|none (default all: every one; none: tests only),
 # TESTS=0 skips the GPU tests, TEST_PATHS / TEST_K pick some of them (pytest paths, -k),
+# INTERLACE_TEST_GPU_SIZES: the GPU worlds' rank counts (default 2,4; 2,4,8 on 8 GPUs),
+# INTERLACE_TEST_SHARE_GPU=1: worlds with more ranks than GPUs share GPU 0 (protocol only),
 # TEST_TIMEOUT / BENCH_TIMEOUT / P2P_TIMEOUT / SR_TIMEOUT in seconds (P2P_TIMEOUT=0 skips p2p_ring), PROBE=1 adds the host-overhead probe,
 # STRATEGIES: the dense strategies (default: all but signal_reorder, which has its own run,
 # plus auto without graph-backed eager calls),
@@ -18,6 +20,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # Multicast / NVLS stays off on these machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
+# GPU worlds of 2 and 4 ranks, and 8 where there are 8 GPUs (tests/conftest.py).
+if [ -z "${INTERLACE_TEST_GPU_SIZES:-}" ] && [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 8 ]; then
+    export INTERLACE_TEST_GPU_SIZES=2,4,8
+fi
 TEST_TIMEOUT=${TEST_TIMEOUT:-400}
 if [ "$SUITE" = collectives ]; then BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}; else BENCH_TIMEOUT=${BENCH_TIMEOUT:-540}; fi
 
