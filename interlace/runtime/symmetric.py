@@ -12,8 +12,8 @@ by every other rank of the group.
 The ``cuda`` backend allocates through torch symmetric memory (or, where several ranks share
 one GPU, ``Group.shared_device``, through CUDA IPC handles, which torch symmetric memory
 refuses on one device); the ``cpu`` backend maps a file in ``/dev/shm`` per rank into every
-rank's address space. Allocation is collective: all
-ranks must allocate the same buffers in the same order.
+rank's address space. Allocation is collective: all ranks must allocate the same buffers in
+the same order.
 """
 
 from __future__ import annotations
@@ -102,7 +102,6 @@ class SymmetricTensor:
             local if r == self.group.rank else rebuild(*args)
             for r, (rebuild, args) in enumerate(handles)
         ]
-        self._handle = handles  # (the owners keep their memory until every rank closes)
         return raw
 
     def _alloc_cpu(self) -> list[torch.Tensor]:
