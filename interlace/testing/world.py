@@ -71,6 +71,8 @@ def _worker(
         from ..runtime.group import Group
 
         group = Group(backend=backend)
+        if share_device:
+            _warm_comm_path(group)
         outbox.put((rank, "ready", None))
     except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
         outbox.put((rank, "error", traceback.format_exc()))
@@ -88,6 +90,21 @@ def _worker(
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - best effort at shutdown
         pass
+
+
+def _warm_comm_path(group) -> None:
+    """One copy and stream write on the comm stream before any test kernel runs. (Ranks on
+    one GPU: a cold world's first fused AG+GEMM call timed out, each rank's first copy
+    waiting behind kernels that spun for it; see benchmarks/NOTES.md, session 11.)"""
+    import torch
+
+    from ..runtime import comm_stream
+    from ..runtime.streams import copy_and_signal
+
+    src = torch.zeros(1 << 16, device=group.device)
+    flag = torch.zeros(1, dtype=torch.int32, device=group.device)
+    copy_and_signal(torch.empty_like(src), src, flag.view(torch.uint32), stream=comm_stream(group))
+    torch.cuda.synchronize(group.device)
 
 
 @contextmanager

@@ -99,7 +99,7 @@ def _ag_one_loop_body(group, strategy, split):
             a = rand(gen, m_loc, k, dtype=torch.bfloat16, device=dev)
             bias = rand(gen, n, dtype=torch.bfloat16, device=dev) if i == 1 else None
             out = ctx(a, b, bias=bias, out=nans(w * m_loc, n, dtype=torch.bfloat16, device=dev))
-            sync(group)
+            ctx.check()  # a wait that timed out is reported as such, not as wrong numbers
             ref = gathered(a, group).float() @ b.float()
             if bias is not None:
                 ref += bias.float()
