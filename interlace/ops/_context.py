@@ -8,7 +8,6 @@ import math
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from ..errors import InterlaceError, InterlaceTypeError, InterlaceValueError
 from ..language.primitives import barrier_kernel
@@ -145,9 +144,10 @@ class OpContext:
         (the default): wherever the driver has the graph-update calls; True: raise where
         it has not; False: never. On the CPU backend there are no graphs and calls run as
         they are. ``collectives``: the calls run the process group's collectives, which a
-        CUDA graph captures only on NCCL (not on the gloo group of ranks that share a GPU)."""
+        CUDA graph captures only on NCCL, not on the gloo group of ranks that share a GPU
+        (``Group.shared_device``)."""
         cuda = self.group.backend == "cuda"
-        capturable = not collectives or dist.get_backend(self.group.process_group) == "nccl"
+        capturable = not (collectives and self.group.shared_device)  # (a gloo group)
         if eager_graphs is None:
             eager_graphs = cuda and graphs.available() and capturable
         elif eager_graphs and cuda and not graphs.available():

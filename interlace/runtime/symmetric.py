@@ -98,11 +98,10 @@ class SymmetricTensor:
         local = torch.empty(self.nbytes, dtype=torch.uint8, device=self.group.device)
         handles = [None] * self.group.world_size
         dist.all_gather_object(handles, reduce_tensor(local), group=self.group.process_group)
-        raw = [
+        return [
             local if r == self.group.rank else rebuild(*args)
             for r, (rebuild, args) in enumerate(handles)
         ]
-        return raw
 
     def _alloc_cpu(self) -> list[torch.Tensor]:
         g = self.group

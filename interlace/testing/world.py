@@ -49,25 +49,16 @@ def _worker(
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
-        if share_device:  # NCCL refuses two ranks on one GPU: gloo for the host side
-            torch.cuda.set_device(0)
-            dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-            )
-        elif backend == "cuda":
+        init = dict(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        if backend == "cuda" and not share_device:
             torch.cuda.set_device(rank)
-            dist.init_process_group(
-                "nccl",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                device_id=torch.device("cuda", rank),
-            )
-        else:
-            torch.set_num_threads(1)
-            dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-            )
+            dist.init_process_group("nccl", device_id=torch.device("cuda", rank), **init)
+        else:  # the CPU emulation, or ranks sharing GPU 0 (NCCL refuses two on one GPU)
+            if share_device:
+                torch.cuda.set_device(0)
+            else:
+                torch.set_num_threads(1)
+            dist.init_process_group("gloo", **init)
         from ..runtime.group import Group
 
         group = Group(backend=backend)
