@@ -1,7 +1,7 @@
 """interlace: overlap inter-GPU communication with computation at tile granularity,
 on stock PyTorch and stock Triton."""
 
-from . import tune
+from . import trace, tune
 from .errors import InterlaceError, InterlaceTypeError, InterlaceValueError, WaitTimeoutError
 from .ops import (
     AGGemm,
@@ -47,5 +47,6 @@ __all__ = [
     "fuse_rs",
     "symm_empty",
     "symm_zeros",
+    "trace",
     "tune",
 ]

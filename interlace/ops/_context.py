@@ -12,6 +12,7 @@ import torch
 from ..errors import InterlaceError, InterlaceTypeError, InterlaceValueError
 from ..language.primitives import barrier_kernel
 from ..runtime import ErrorWord, Group, SignalPad, default_max_spins, graphs
+from . import _trace
 from ._launch import PreparedLaunch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -172,7 +173,7 @@ class OpContext:
         and every call of that kind then replays the graph with its own ``operands``: one
         launch from the host instead of every kernel, copy and signal write. The device
         work is the same, so ranks need not agree on it."""
-        if not self.eager_graphs or self._capturing():
+        if not self.eager_graphs or self._capturing() or _trace.ACTIVE:  # (traced: eager)
             run()
             return
         s = getattr(self, "_next_set", None)  # the buffer set this call will use

@@ -24,7 +24,7 @@ from ..kernels.collective import reduce_arrivals_kernel
 from ..kernels.ring import MAX_PROGRAMS, ring_reduce_scatter_kernel
 from ..language.primitives import wait_kernel
 from ..runtime import copy_and_signal, fork, join, stream_write_value32, use_stream
-from . import _gemm
+from . import _gemm, _trace
 from ._context import GRAPH_SET, cdiv, persistent_grid
 from ._gemm import MAX_SPLIT, Segment, tiles_of
 from ._launch import PreparedLaunch, launch
@@ -570,5 +570,7 @@ class ScatterVariants:
         and raise the owner's flag."""
         for c in copies:
             if c.wait is not None:
+                span = _trace.begin()
                 c.wait()
-            copy_and_signal(c.dst, c.src, c.signal, c.slot, c.value)
+                _trace.end(span, "chunk_wait", counter_slot=c.done)
+            _trace.copy_and_signal(c.dst, c.src, c.signal, c.slot, c.value)

@@ -71,7 +71,6 @@ from .. import schedule
 from ..errors import InterlaceValueError
 from ..kernels.collective import pull_chunks_kernel
 from ..runtime import (
-    copy_and_signal,
     fork,
     fork_from_mark,
     fork_mark,
@@ -79,7 +78,7 @@ from ..runtime import (
     symm_empty,
     use_stream,
 )
-from . import _gemm
+from . import _gemm, _trace
 from ._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext
 from ._gemm import MAX_SPLIT, GemmConfig, Segment, tiles_of
 from ._rs_variants import RING_MAX_PROGRAMS, ScatterVariants
@@ -392,7 +391,7 @@ class AGGemm(AlternatingSets, _OverlappedGemm):
                 self._barrier()  # every peer is done with the previous replay's rows
         for dst, lo, hi, signal, slot in plan[4]:
             src = a_shard if hi - lo == whole else a_shard[lo:hi]
-            copy_and_signal(dst, src, signal, slot, stream=stream)
+            _trace.copy_and_signal(dst, src, signal, slot, stream=stream)
         if not consumer_first:
             self._gemm(plan, a_shard, b, bias, out, m_loc)
         join(self.group, stream)
