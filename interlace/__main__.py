@@ -329,6 +329,11 @@ def _csv(choices=None, kind=str):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["trace"]:  # python -m interlace trace OP --shape M,N,K (its own options)
+        from .bench.trace import main as trace_main
+
+        return trace_main(argv[1:])
     from .bench.dense import MODELS
     from .bench.dense import OPS as DENSE_OPS
 

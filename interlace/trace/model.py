@@ -105,7 +105,7 @@ class Trace:
                 ph="X", name=i.name, cat=i.cat, pid=i.rank, tid=i.tid,
                 ts=round((i.t - t0) / 1e3, 3), dur=0.0, args=i.args,
             ))  # fmt: skip
-        other = dict(label=self.label, world=self.world, clock=self.clock, **self.meta)
+        other = dict(self.meta, label=self.label, world=self.world, clock=self.clock)
         return dict(traceEvents=events, displayTimeUnit="ns", otherData=other)
 
     def save(self, prefix: str, png: bool = True, quiet: bool = False) -> dict[str, str]:
