@@ -208,8 +208,9 @@ def _events_written(buf) -> dict:
     )
 
 
-def overhead(quick: bool, iters: int, reps: int = 10, as_world: int = 4) -> list[dict]:
-    """TRACE on vs off for the per-rank kernels with waits met (see the module docstring)."""
+def overhead(quick: bool, iters: int, reps: int = 10, as_world: int = 4, save=None) -> list[dict]:
+    """TRACE on vs off for the per-rank kernels with waits met (see the module docstring);
+    ``save(records)`` after each shape."""
     import torch
 
     from ..ops._cef_emulated import Emulated
@@ -265,6 +266,8 @@ def overhead(quick: bool, iters: int, reps: int = 10, as_world: int = 4) -> list
                       f"({rec['overhead_pct']:+.2f} %), err {max(errs):.1e}, tiles "
                       f"{written['tiles']}/{tiles}", flush=True)  # fmt: skip
                 records.append(rec)
+                if save is not None:  # after every shape: a time-out keeps what was measured
+                    save([rec])
                 del graphs
     return records
 
@@ -280,12 +283,14 @@ def bench(args) -> int:
     from .records import device_name, write_records
 
     device = device_name()
-    records = overhead(args.quick, args.iters)
-    path = write_records(out, device, 1, records)
-    print(f"wrote {path}")
     world = 4
     res = run_trace("ag_gemm", "fused", tuple(args.example_shape), world, out=out,
                     calls=1, warmup=3)  # fmt: skip
+    records = overhead(
+        args.quick, args.iters, save=lambda r: write_records(out, device, 1, r, False)
+    )
+    path = write_records(out, device, 1, records)
+    print(f"wrote {path}")
     if torch.cuda.device_count() < 2:
         print("several-GPU overlap (each rank on its own GPU) needs 2+ GPUs; the example "
               "trace above ran its ranks on one shared GPU")  # fmt: skip
