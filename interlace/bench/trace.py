@@ -213,6 +213,7 @@ def overhead(quick: bool, iters: int, reps: int = 10, as_world: int = 4, save=No
     ``save(records)`` after each shape."""
     import torch
 
+    from ..ops._cef_emulated import ARRIVAL as Emulated_ARRIVAL
     from ..ops._cef_emulated import Emulated
     from ..ops._cef_emulated import rel_err as _rel
     from .dense import MODELS, model_shape
@@ -246,7 +247,8 @@ def overhead(quick: bool, iters: int, reps: int = 10, as_world: int = 4, save=No
                         launch(*operands)
                         torch.cuda.synchronize()
                         errs.append(_rel(kern.c, kern.reference()))
-                    else:
+                    else:  # (counters start from zero for each checked launch)
+                        kern.pads[0][:Emulated_ARRIVAL].zero_()
                         kern.run.prepared = launch
                         errs.append(kern.check())
                         kern.run.prepared = prepared

@@ -233,6 +233,7 @@ def build_trace(everyone: list[dict], label: str = "", meta=None, shared: str | 
         method=f"same clock: {shared}" if shared else "host-bracketed timer reads",
         offsets_ns=offsets, measured_offsets_ns=measured,
         uncertainty_ns=[0 if shared else w + windows[0] for w in windows],
+        stream_uncertainty_ns=[d.get("anchor_window_ns", 0) for d in everyone],
     )  # fmt: skip
     spans, instants, tracks = [], [], {}
     for d in everyone:

@@ -1,6 +1,6 @@
-"""A PNG timeline of a trace (matplotlib): per rank, one row per program and per stream;
-compute tiles, waits and transfers in their own colours, exposed communication shaded
-across the rank's rows."""
+"""A PNG timeline of a trace (matplotlib): per rank, one row per program and per stream
+and a last row of exposed communication; compute tiles, waits and transfers in their own
+colours, exposed communication also shaded across the rank's rows."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ COLORS = {
     "wait": "#F58518",
     "copy": "#54A24B",
     "chunk_wait": "#B279A2",
+    "exposed": "#E45756",
 }
 EXPOSED = "#E45756"
 
@@ -29,7 +30,7 @@ def plot(trace, path: str, title: str | None = None) -> str:
     t0 = trace.t_origin
     rows: list[tuple[int, int]] = []  # (rank, tid) top to bottom
     for rank in range(trace.world):
-        tids = sorted({tid for (r, tid) in trace.tracks if r == rank and tid < 200_000})
+        tids = sorted({tid for (r, tid) in trace.tracks if r == rank})
         rows += [(rank, tid) for tid in tids]
     index = {key: i for i, key in enumerate(rows)}
     height = max(3.0, min(16.0, 0.05 * len(rows) + 1.5 * trace.world))
@@ -50,7 +51,7 @@ def plot(trace, path: str, title: str | None = None) -> str:
         lo, hi = min(own) - 0.5, max(own) + 0.5
         for s in trace.of(rank, "exposed"):
             ax.fill_between([(s.t0 - t0) / 1e3, (s.t1 - t0) / 1e3], lo, hi, color=EXPOSED,
-                            alpha=0.25, linewidth=0)  # fmt: skip
+                            alpha=0.15, linewidth=0, zorder=0)  # fmt: skip
         if rank:
             ax.axhline(lo, color="black", linewidth=0.6)
         ax.text(1.002, 1 - (lo + hi) / 2 / max(1, len(rows)), f"rank {rank}",
@@ -66,7 +67,7 @@ def plot(trace, path: str, title: str | None = None) -> str:
     ax.set_xlabel("time (us, rank 0's clock)")
     ax.set_title(title or f"{trace.label or 'trace'}: world {trace.world}")
     handles = [Patch(color=c, label=k.replace("_", " ")) for k, c in COLORS.items()]
-    handles.append(Patch(color=EXPOSED, alpha=0.25, label="exposed communication"))
+    handles[-1] = Patch(color=EXPOSED, label="exposed communication (row, and shaded)")
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.08), fontsize=7, ncol=5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

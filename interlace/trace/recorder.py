@@ -10,11 +10,13 @@ replays (each call runs its own launches). Calls captured in a CUDA graph are no
 Clocks. Kernel events carry the GPU's global timer (ns); a stream span's CUDA events are
 put on that clock through an anchor taken when recording starts: an event recorded
 between two one-thread kernels that read the timer (the event lies between their
-readings). Each rank's clock is then aligned to rank 0's by a measured offset: every rank
-brackets a timer-reading kernel between two host clock readings (same host clock for all
-ranks), keeping the tightest of several tries, and the offset is the difference of the
-(device - host) readings. Ranks on one GPU share its timer (offset 0, the measured value
-kept as a check), and in the CPU emulation every rank reads the host clock.
+readings; the tightest of ``ANCHORS`` tries is kept, its half-width stored as the
+stream spans' uncertainty). Each rank's clock is then aligned to rank 0's by a measured
+offset: every rank brackets a timer-reading kernel between two host clock readings (one
+host clock for all ranks), keeping the tightest of several tries, and the offset is the
+difference of the (device - host) readings. Ranks on one GPU share its timer (offset 0,
+the measured value kept as a check), and in the CPU emulation every rank reads the host
+clock.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from .model import Trace, build_trace
 
 #: timer-reading tries per rank for the clock offset (the tightest bracket is kept)
 CLOCK_TRIES = 20
+#: anchors taken when recording starts (the tightest is kept: where ranks time-slice one
+#: GPU, a context switch between the two timer reads widens a bracket by milliseconds)
+ANCHORS = 8
 
 
 class Recorder:
@@ -42,19 +47,20 @@ class Recorder:
         self.launches: list[tuple[dict, torch.Tensor]] = []
         self.spans: list[tuple] = []
         self._streams: dict[int, str] = {}
-        self._anchor = None
+        self._anchors: list = []
 
     # ------------------------------------------------------------------ life cycle
     def __enter__(self) -> Recorder:
         if self.cuda:
             dev = self.group.device
-            self._clock = torch.zeros(2, dtype=torch.int64, device=dev)
-            self._anchor = torch.cuda.Event(enable_timing=True)
+            self._clock = torch.zeros(2 * ANCHORS, dtype=torch.int64, device=dev)
+            self._anchors = [torch.cuda.Event(enable_timing=True) for _ in range(ANCHORS)]
             main = torch.cuda.current_stream(dev)
             self._streams[main.cuda_stream] = "stream (compute)"
-            clock_kernel[(1,)](self._clock, 0)
-            self._anchor.record(main)
-            clock_kernel[(1,)](self._clock, 1)
+            for i, event in enumerate(self._anchors):
+                clock_kernel[(1,)](self._clock, 2 * i)
+                event.record(main)
+                clock_kernel[(1,)](self._clock, 2 * i + 1)
         hooks.ACTIVE.append(self)
         return self
 
@@ -107,16 +113,17 @@ class Recorder:
             launches.append((info, buf.cpu().tolist()))
         spans = []
         if self.cuda:
-            c0, c1 = self._clock.cpu().tolist()
-            anchor = (c0 + c1) // 2
+            c = self._clock.cpu().tolist()
+            i = min(range(ANCHORS), key=lambda i: c[2 * i + 1] - c[2 * i])
+            anchor, event = (c[2 * i] + c[2 * i + 1]) // 2, self._anchors[i]
             for kind, track, start, end, meta in self.spans:
-                t0 = anchor + round(self._anchor.elapsed_time(start) * 1e6)
-                t1 = anchor + round(self._anchor.elapsed_time(end) * 1e6)
+                t0 = anchor + round(event.elapsed_time(start) * 1e6)
+                t1 = anchor + round(event.elapsed_time(end) * 1e6)
                 spans.append((kind, track, t0, t1, meta))
-            meta = dict(anchor_window_ns=c1 - c0)
+            meta = dict(anchor_window_ns=(c[2 * i + 1] - c[2 * i]) // 2)
         else:
             spans = list(self.spans)
-            meta = {}
+            meta = dict(anchor_window_ns=0)
         return dict(rank=self.group.rank, launches=launches, spans=spans, **meta)
 
     def trace(self) -> Trace:

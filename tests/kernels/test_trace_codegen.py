@@ -63,16 +63,16 @@ def _ptx(kernel, variant: str, **extra) -> str:
     import triton
 
     constexprs = dict(BASE, **VARIANTS[variant], **extra)
+    if extra.get("TRACE"):
+        del constexprs["tbuf"]
+    constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     names = [n for n in kernel.arg_names if n not in constexprs and n != "tbuf"]
     sig = {n: "i32" for n in names}
     sig.update({n: "*bf16" for n in ("a", "b", "c", "bias", "a_own", "recv", "stage")})
     sig.update(seg="*i32", sig="*i32", err="i64", mt_seg="*i32")
     sig.update({n: "*i64" for n in ("recv_table", "out_table", "sig_table")})
-    if "tbuf" in kernel.arg_names:
-        if extra.get("TRACE"):
-            sig["tbuf"] = "*i64"
-        else:
-            constexprs["tbuf"] = None
+    if extra.get("TRACE"):
+        sig["tbuf"] = "*i64"
     knobs = triton.knobs.compilation
     saved = knobs.disable_line_info
     knobs.disable_line_info = True  # line numbers differ between the two sources
@@ -105,9 +105,8 @@ def test_trace_off_compiles_to_the_kernel_without_hooks(untraced, variant):
 
 @pytest.mark.parametrize("variant", ("ag_consumer_one_loop", "gemm_rs"))
 def test_trace_on_reads_the_timer_and_keeps_the_loop_pipelined(variant):
-    from tests.kernels.test_gemm_codegen import test_main_loop_is_pipelined  # noqa: F401
-
     constexprs = dict(BASE, **VARIANTS[variant], TRACE=True)
+    del constexprs["tbuf"]
     kernel = gemm_module.gemm_segments_kernel
     sig = {n: "i32" for n in kernel.arg_names if n not in constexprs}
     sig.update({n: "*bf16" for n in ("a", "b", "c", "bias", "a_own", "recv", "stage")})
