@@ -401,7 +401,7 @@ def _one_loop(
     loop pipelined); its A coordinate takes the token (``guard_coord``). Own rows come
     from ``a_own`` in a first loop of their own (another A descriptor). TMA only, one
     output descriptor over all of ``c``: the host enables this only when no tile of a
-    segment overhangs into another segment's rows (``_gemm.one_loop_tables``)."""
+    segment overhangs into another segment's rows (``ops.segment_gemm.one_loop_tables``)."""
     pid, n_prog, tiles_n, total = _one_loop_grid(seg, n_seg, N, BLOCK_M, BLOCK_N)
     out_ty = c.dtype.element_ty
     c_desc = tl.make_tensor_descriptor(

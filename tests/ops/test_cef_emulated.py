@@ -16,7 +16,7 @@ MODES = ("stage", "rs", "ar")
 
 
 def _body(group, one_loop):
-    from interlace.ops._cef_emulated import Emulated
+    from interlace.testing.emulated import Emulated
 
     dev = group.device
     errors = {}

@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import torch
 
-from . import _gemm
-from ._rs_variants import cef_layout
+from ..ops import segment_gemm as _gemm
+from ..ops.gemm_rs import cef_layout
 
 SPINS = 1 << 22  # every wait is met before the launch; bounded all the same
 ARRIVAL, DONE, PAD = 64, 8, 4096  # signal slots (any layout that does not overlap)
@@ -76,26 +76,29 @@ class Emulated:
         own_out = torch.empty(own_rows, n, device=dev, dtype=torch.bfloat16)
         self.out = self.results[rank] if all_reduce else own_out
         self.err = torch.zeros(4, dtype=torch.int32, device=dev)  # read after the launch
-        table = _gemm.segment_table(segments, n, self.cfg, dev)
-        grid = _gemm.programs_for(
-            _gemm.total_tiles(segments, n, self.cfg), dev, backend, comm_sms=1
-        )  # fmt: skip
+        tiles = _gemm.plan_tiles(
+            segments, m, n, self.cfg, dev, backend, comm_sms=1, one_loop=tables
+        )
         ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)  # noqa: E731
         self._keep = (ptrs(self.pads), ptrs(self.results), ptrs([self.recv] * world))
+        signals = _gemm.Signals(
+            sig=sig, err=self.err.data_ptr(), rank=rank, max_spins=SPINS, world=world,
+            sig_table=None if mode == "plain" else self._keep[0],
+        )  # fmt: skip
+        peers = None
+        if mode != "plain":
+            peers = _gemm.PeerStores(
+                push=True, broadcast=all_reduce, recv=self.recv, recv_rows=m_loc,
+                recv_table=self._keep[2], stage=self.stage,
+                out_table=self._keep[1] if all_reduce else None,
+            )  # fmt: skip
         previous = _gemm.gemm_segments_kernel
         if kernel is not None:  # the launcher takes the module's kernel when it is made
             _gemm.gemm_segments_kernel = kernel
-        fixed = dict(
-            recv=self.recv, recv_rows=m_loc, recv_table=self._keep[2], push=True,
-            stage=self.stage, broadcast=all_reduce, sig_table=self._keep[0],
-            out_table=self._keep[1] if all_reduce else None,
-        )  # fmt: skip
         try:
             self.run = _gemm.launcher(
-                m, n, k, self.cfg, grid, table, len(segments), dtype=torch.bfloat16,
-                device=dev, sig=sig, err=self.err.data_ptr(), rank=rank, max_spins=SPINS,
-                world=world, one_loop=tables, **({} if mode == "plain" else fixed),
-            )  # fmt: skip
+                m, n, k, tiles, dtype=torch.bfloat16, device=dev, signals=signals, peers=peers
+            )
         finally:
             _gemm.gemm_segments_kernel = previous
 

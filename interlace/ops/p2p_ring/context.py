@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ...errors import InterlaceValueError
 from ...runtime import Group, symm_empty
 from .._context import OpContext
-from .schedule import all_to_all_plan, gather_plan, reduce_plan, resolve_schedule
+from .plans import all_to_all_plan, gather_plan, reduce_plan, resolve_schedule
 from .transport import TRANSPORTS
 
 MAX_CHUNKS = 16

@@ -22,6 +22,7 @@ from ..kernels.gemm import (
     SEG_COLS,
     gemm_segments_kernel,
 )
+from ..tune.configs import gemm_configs
 from ._context import cdiv, sm_count
 from ._launch import PreparedLaunch, install_scratch_allocator
 
@@ -48,18 +49,17 @@ class GemmConfig:
 
 
 def gemm_config(m: int, n: int, k: int, backend: str = "cuda") -> GemmConfig:
-    """The tile config for a GEMM shape: the tuned one (``_gemm_tuned``, measured on an
-    H200) or a rule. A function of the shape only, so every rank picks the same config
-    without talking (the tile grid defines the signal counts)."""
+    """The tile config for a GEMM shape: the tuned one (``tune/configs/gemm.json``,
+    measured on an H200) or a rule. A function of the shape only, so every rank picks the
+    same config without talking (the tile grid defines the signal counts)."""
     if backend != "cuda":  # the interpreter: small tiles keep CPU tests fast
         return GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
-    from ._gemm_tuned import TUNED
-
-    if (m, n, k) in TUNED:
-        return TUNED[(m, n, k)]
+    tuned = gemm_configs().get((m, n, k))
+    if tuned is not None:
+        return GemmConfig(**tuned)
     if k <= 4096 and n <= 8192 and n % 256 != 0:
-        # tuning run 1: 128x128 tiles, 4 warps, 5 stages won the K = 4096 column-parallel
-        # shapes whose N is no multiple of 256
+        # 128x128 tiles, 4 warps, 5 stages won the K = 4096 column-parallel shapes whose N
+        # is no multiple of 256 (history/2026-11-21-h200-gemm-tuning-run1.json)
         return GemmConfig(block_n=128, num_warps=4, num_stages=5)
     return GemmConfig()
 
@@ -219,52 +219,100 @@ def programs_for(tiles: int, device, backend: str, comm_sms: int = 0, single: bo
 OPERANDS = ("a", "b", "c", "bias", "a_own")
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """What one launch computes: the segment table of a plan (:func:`segment_table`), the
+    persistent grid, the first segment whose tiles this launch computes and the end
+    (``count``: segments ``first .. count - 1``), and the one-loop tables (or None)."""
+
+    cfg: GemmConfig
+    table: torch.Tensor
+    count: int
+    grid: int
+    first: int = 0
+    one_loop: OneLoop | None = None
+
+
+@dataclass(frozen=True)
+class Signals:
+    """The launch's signal arguments: the local pad ``sig`` (and ``sig_table``, every
+    rank's pad, for remote notifies), the error word's address, this rank, the bound on
+    spins, the world size. ``bar_slot`` (not None): program 0 runs the entry barrier on
+    those slots and raises ``go_slot``; ``clear``: ``(first, count)`` local slots the
+    launch zeroes as it ends; ``notify_stores``: store segments count finished tiles in
+    their notify slot."""
+
+    sig: torch.Tensor
+    err: int
+    rank: int
+    max_spins: int
+    world: int
+    sig_table: torch.Tensor | None = None
+    bar_slot: int | None = None
+    go_slot: int = 0
+    clear: tuple[int, int] | None = None
+    notify_stores: bool = False
+
+
+@dataclass(frozen=True)
+class PeerStores:
+    """Where the epilogue sends tiles besides ``c``. ``push``: partial tiles of other
+    ranks' rows go to their owner's ``recv`` (``recv_table``: every rank's; ``recv_rows``
+    rows per source), or, with ``stage``, into this local buffer, counted in local slots;
+    ``broadcast``: reduced tiles are stored into every rank's output (``out_table``)."""
+
+    push: bool = False
+    broadcast: bool = False
+    recv: torch.Tensor | None = None
+    recv_table: torch.Tensor | None = None
+    recv_rows: int = 0
+    out_table: torch.Tensor | None = None
+    stage: torch.Tensor | None = None
+
+
 def launcher(
-    m, n, k, cfg: GemmConfig, grid: int, segments_t, n_seg, *, dtype, device, has_bias=False,
-    own_rows=0, recv=None, recv_table=None, recv_rows=0, out_table=None, sig=None,
-    sig_table=None, err=0, rank=0, max_spins=0, world=1, push=False, broadcast=False,
-    own_a=False, bar_slot=None, go_slot=0, clear=None, notify_stores=False, stage=None,
-    seg_first=0, one_loop: OneLoop | None = None,
+    m: int, n: int, k: int, tiles: Tiles, *, dtype, device, has_bias: bool = False,
+    own_rows: int = 0, signals: Signals | None = None, peers: PeerStores | None = None,
 ) -> GemmLaunch:  # fmt: skip
     """The segment GEMM of one plan, its fixed arguments bound once: call it with the
     operands ``(a, b, c, bias, a_own)`` (``bias`` / ``a_own`` None when absent), on the
-    current stream. ``bar_slot`` (not None): program 0 runs the entry barrier on those
-    slots and raises ``go_slot``; ``clear``: ``(first, count)`` local signal slots the
-    launch zeroes as it ends; ``notify_stores``: store segments count finished tiles in
-    their notify slot (see the kernel); ``stage``: pushes go into this local buffer and
-    count in local slots (``STAGE_PUSHES``); ``seg_first``: the first segment whose tiles
-    this launch computes; ``one_loop``: run the store segments in the kernel's one-loop
-    mode (``one_loop_tables``)."""
+    current stream. ``own_rows`` (> 0): ``store_own`` segments read that many rows of A
+    from ``a_own`` (AG+GEMM's own shard, in place). ``signals``: None for a GEMM that
+    neither waits nor notifies; ``peers``: None for one that only stores into ``c``."""
+    sg = signals or Signals(sig=tiles.table, err=0, rank=0, max_spins=0, world=1)
+    ps = peers or PeerStores()
+    one_loop = tiles.one_loop
     use_tma = tma_ok(k, n, dtype)
-    if one_loop is not None and (notify_stores or push != (stage is not None) or not use_tma):
+    if one_loop is not None and (
+        sg.notify_stores or ps.push != (ps.stage is not None) or not use_tma
+    ):
         raise InterlaceValueError(
             "the one-loop mode runs store segments, or pushes into a stage, with TMA"
         )
     if use_tma and torch.device(device).type == "cuda":
         install_scratch_allocator()
-    if not err:  # no waits can run; the kernel still needs a 64-bit address
-        err = _unused_error_word(torch.device(device)).data_ptr()
+    err = sg.err or _unused_error_word(torch.device(device)).data_ptr()  # a 64-bit address
+    table = tiles.table  # stands in for every absent tensor (the kernel never reads it)
+    pick = lambda t: table if t is None else t  # noqa: E731
     args = (
-        None, None, None, None, m, n, k, None, max(own_rows, 1), segments_t, n_seg,
-        recv if recv is not None else segments_t,
-        recv_table if recv_table is not None else segments_t, max(recv_rows, 1),
-        out_table if out_table is not None else segments_t,
-        stage if stage is not None else segments_t,
-        sig if sig is not None else segments_t, sig_table if sig_table is not None else segments_t,
-        err, rank, max_spins, bar_slot or 0, go_slot, *(clear or (0, 0)), seg_first,
-        one_loop.mt_seg if one_loop is not None else segments_t,
+        None, None, None, None, m, n, k, None, max(own_rows, 1), table, tiles.count,
+        pick(ps.recv), pick(ps.recv_table), max(ps.recv_rows, 1), pick(ps.out_table),
+        pick(ps.stage), pick(sg.sig if signals is not None else None), pick(sg.sig_table),
+        err, sg.rank, sg.max_spins, sg.bar_slot or 0, sg.go_slot, *(sg.clear or (0, 0)),
+        tiles.first, one_loop.mt_seg if one_loop is not None else table,
         one_loop.lead_tiles if one_loop is not None else 0,
     )  # fmt: skip
+    cfg = tiles.cfg
     kwargs = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        WORLD=world, USE_TMA=use_tma, HAS_BIAS=has_bias, HAS_PUSH=push,
-        BROADCAST=broadcast, HAS_OWN_A=own_a, SUBTILE=cfg.subtile,
-        ENTRY_BARRIER=bar_slot is not None, EXIT_CLEAR=clear is not None,
-        NOTIFY_STORES=notify_stores, STAGE_PUSHES=stage is not None,
+        WORLD=sg.world, USE_TMA=use_tma, HAS_BIAS=has_bias, HAS_PUSH=ps.push,
+        BROADCAST=ps.broadcast, HAS_OWN_A=own_rows > 0, SUBTILE=cfg.subtile,
+        ENTRY_BARRIER=sg.bar_slot is not None, EXIT_CLEAR=sg.clear is not None,
+        NOTIFY_STORES=sg.notify_stores, STAGE_PUSHES=ps.stage is not None,
         ONE_LOOP=one_loop is not None, COUNT_UNIT=count_unit(one_loop, cfg),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return GemmLaunch(PreparedLaunch(gemm_segments_kernel, grid, args, kwargs, OPERANDS))
+    return GemmLaunch(PreparedLaunch(gemm_segments_kernel, tiles.grid, args, kwargs, OPERANDS))
 
 
 class GemmLaunch:
@@ -287,17 +335,15 @@ class GemmLaunch:
         self.prepared.compile(*self._operands(a, b, c, bias, a_own))
 
 
-def launch(
-    a, b, c, segments_t, n_seg, m, n, k, cfg: GemmConfig, grid: int, *, bias=None,
-    a_own=None, **fixed,
-):  # fmt: skip
-    """One launch of the segment GEMM on the current stream (``fixed``: see
-    :func:`launcher`)."""
-    run = launcher(
-        m, n, k, cfg, grid, segments_t, n_seg, dtype=a.dtype, device=a.device,
-        has_bias=bias is not None, own_a=a_own is not None, **fixed,
-    )  # fmt: skip
-    run(a, b, c, bias, a_own)
+def plan_tiles(
+    segments: list[Segment], m: int, n: int, cfg: GemmConfig, device, backend: str, *,
+    comm_sms: int = 0, single: bool = False, one_loop: OneLoop | None = None,
+) -> Tiles:  # fmt: skip
+    """The :class:`Tiles` of a plan's segments: their table and a persistent grid that
+    leaves ``comm_sms`` SMs free (``single``: one program on the interpreter)."""
+    table = segment_table(segments, n, cfg, device)
+    grid = programs_for(total_tiles(segments, n, cfg), device, backend, comm_sms, single)
+    return Tiles(cfg, table, len(segments), grid, one_loop=one_loop)
 
 
 @functools.cache
@@ -422,7 +468,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, out=None, cfg: GemmConfi
     segs = [Segment(row0=0, rows=m)]
     table = _table_cache(m, n, cfg, a.device)
     grid = programs_for(total_tiles(segs, n, cfg), a.device, backend)
-    launch(a, b, out, table, 1, m, n, k, cfg, grid, bias=bias)
+    run = launcher(
+        m, n, k, Tiles(cfg, table, 1, grid), dtype=a.dtype, device=a.device,
+        has_bias=bias is not None,
+    )  # fmt: skip
+    run(a, b, out, bias)
     return out
 
 
