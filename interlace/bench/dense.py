@@ -1,6 +1,6 @@
 """Benchmark of the overlapped dense ops (AG+GEMM, GEMM+RS, GEMM+AR) and their CPU check.
 
-For each shape of the public table (DESIGN.md, "Measuring") one rank body times, in the same
+For each shape of the public table (docs/design.md, "Measuring") one rank body times, in the same
 run, cuBLAS alone, the NCCL collective alone, both back to back (``none``), torch's fused op
 where one exists, and every interlace strategy eager and replayed from a CUDA graph; it also
 checks each strategy against a float32 reference. Timings are per-rank medians, then the max
@@ -141,7 +141,7 @@ def make_record(
     last_strategy: str | None = None,
     notes=(),
 ) -> dict:
-    """One result record (DESIGN.md format) with bound, efficiencies and the ``ok`` flag.
+    """One result record (docs/design.md, "Measuring") with bound, efficiencies and the ``ok`` flag.
 
     ``times`` holds the keys of ``TIME_KEYS`` in ms (None where not measured)."""
     t = {k: times.get(k) for k in TIME_KEYS}

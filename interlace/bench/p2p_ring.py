@@ -1,7 +1,7 @@
 """Benchmark of the ``p2p_ring`` strategy (CommFuse) against vanilla and Megatron-style
 slicing, on the tensor-parallel MLP and on query-split attention (LLaMA-3-8B sizes).
 
-For each case one rank body times, in the same run (DESIGN.md protocol: CUDA events, warm-up,
+For each case one rank body times, in the same run (docs/design.md, "Measuring": CUDA events, warm-up,
 median per rank, max over ranks; the callables interleaved round by round, see ``_Case``):
 
 * ``t_gemm_ms``: the unsliced compute alone; ``t_none_ms``: vanilla, compute then the NCCL
@@ -406,7 +406,7 @@ def main(argv=None) -> int:
     ops = [o for o in args.ops.split(",") if o]
     if any(o not in OPS for o in ops):
         parser.error(f"--ops: choose from {','.join(OPS)}")
-    # Multicast / NVLS stays off on the lent machines (DESIGN.md).
+    # Multicast / NVLS stays off on the lent machines (docs/design.md, "Measuring").
     for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                        ("NVSHMEM_DISABLE_NVLS", "1")):  # fmt: skip
         os.environ.setdefault(key, value)

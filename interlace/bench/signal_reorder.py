@@ -1,13 +1,13 @@
 """Benchmark of the ``signal_reorder`` strategy (FlashOverlap) on GEMM + all-reduce, its
 predictor and its reorder cost.
 
-For each shape of the public table (GEMM+AR: ``A [M, I/W]``, ``B [I/W, H]``; DESIGN.md,
+For each shape of the public table (GEMM+AR: ``A [M, I/W]``, ``B [I/W, H]``; docs/design.md,
 "Measuring") the rank body times, in one run: cuBLAS alone, NCCL all-reduce alone, both back
 to back (``none``), and ``SignalReorderGemmAR`` with the partition the predictor picks
 (eager and replayed from a CUDA graph), checked against a float32 reference. Three records
 per shape, the same on every rank (per-rank medians, then the max over ranks):
 
-* ``op: gemm_ar, strategy: signal_reorder``: the DESIGN.md record, plus ``partition``,
+* ``op: gemm_ar, strategy: signal_reorder``: the docs/design.md record, plus ``partition``,
   ``predicted_ms`` and ``comm_sms``; ``t_eager_graphs_ms``: the same eager calls with
   ``eager_graphs`` (replayed from a CUDA graph the context captured; GPUs only).
 * ``op: signal_reorder_predictor``: the measured model (``curve`` beside the GEMM,
@@ -238,7 +238,7 @@ def _predictor_record(ctx, mdl, model, m, n, k, dtype_name, a, b, limit, iters, 
         ],
         "mean_abs_err": _r(tune.mean_abs_error(rows)),
         "mean_abs_err_without": ablation,
-        # t_ms: what following the predictor gives (DESIGN.md: every record has one)
+        # t_ms: what following the predictor gives (docs/design.md, "Measuring": every record has one)
         "t_ms": _r(chosen["measured_ms"]),
         "best_predicted": chosen["partition"], "t_best_predicted_ms": _r(chosen["measured_ms"]),
         "best_measured": best["partition"], "t_best_measured_ms": _r(best["measured_ms"]),

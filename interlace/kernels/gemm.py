@@ -394,7 +394,8 @@ def _one_loop(
     """The store segments (``KIND_STORE``, leading ``KIND_STORE_OWN``) of a launch with a
     program's tiles of all segments in one pipelined loop: the loop does not restart at
     each segment (with about one tile per program and segment, the restarts cost 7-15 %
-    of AG+GEMM's kernel at TP 4 on an H200, ``scripts/probe_cross_segment.py``).
+    of AG+GEMM's kernel at TP 4 on an H200,
+    ``benchmarks/results/history/2026-11-24-h200-ag-one-loop-probe.txt``).
 
     Each tile looks its segment up (``mt_seg``) and, the first time this program meets
     the segment, waits for it with ``wait_inline`` (one PTX statement, which keeps the
@@ -506,7 +507,8 @@ def _one_loop_scatter(
     first time this program meets the segment), add the peers' partials and are stored
     (all-reduce: broadcast) through pointers. Two loops, not one loop whose tiles pick
     their epilogue: the reduce code in the push tiles' loop, even where they ran none of
-    it, cost them 7-9 % of the kernel on an H200 (session 9).
+    it, cost them 7-9 % of the kernel on an H200
+    (``benchmarks/results/history/2026-11-24-h200-ce-fused-one-loop-epilogue-ablation.txt``).
 
     Counting without a CTA barrier: a tile is counted (``count_tile``: each warp adds 1
     once its stores have landed, so a chunk's counter ends at tiles x ``COUNT_UNIT``)

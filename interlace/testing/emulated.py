@@ -1,7 +1,7 @@
 """One rank's GEMM+RS / GEMM+AR ``ce_fused`` kernel on one device, its waits met in
 advance: the peers' partials lie in a local receive buffer and their arrival flags are
 raised before the launch, the all-reduce's broadcast stores go to ``world`` local result
-buffers. What ``scripts/probe_kernel_layout.py`` times on a GPU (the kernel's own work,
+buffers. What ``python -m interlace bench kernels`` times on a GPU (the kernel's own work,
 no communication) and what the CPU tests check under Triton's interpreter."""
 
 from __future__ import annotations

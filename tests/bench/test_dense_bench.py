@@ -33,7 +33,7 @@ def test_shape_table_contents():
     assert {s.model for s in table} == {"llama-7b", "llama3-8b", "llama3-70b"}
     assert {s.M for s in table} == {2048, 8192}
     s = dense.model_shape("ag_gemm", "llama3-70b", 8192, 4)
-    assert (s.N, s.K) == (7168, 8192)  # the DESIGN.md example record
+    assert (s.N, s.K) == (7168, 8192)  # the docs/design.md example record
 
 
 def test_shape_table_rejects_bad_input():

@@ -1,5 +1,5 @@
 """The ``ce_fused`` GEMM as one rank of four runs it, on one device with its waits met in
-advance (``ops._cef_emulated``): each layout, in the per-segment loop and in the one-loop
+advance (``interlace.testing.emulated``): each layout, in the per-segment loop and in the one-loop
 mode (push tiles, then reduce tiles), writes what float32 says into the stage, the
 reduce-scatter output or every rank's all-reduce result, and raises every chunk's counter
 to its tiles x the count unit (``check`` raises otherwise). On the CPU this runs the

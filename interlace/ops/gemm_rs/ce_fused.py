@@ -113,9 +113,10 @@ def cef_layout(
     other ranks are staged locally and counted in ``done + chunk``; this rank's own chunks
     wait for one arrival flag per peer (from ``arrival + chunk * (world - 1)``), then
     reduce in their epilogue. Reduce-scatter: own chunks last; all-reduce: in rounds
-    (:func:`gather_order`). ``gather_epilogue``: own chunks raise the peers' broadcast counters (after the arrival flags), which every
-    staged chunk waits for at the kernel's end; else (all-reduce) they count their reduced
-    tiles in ``done`` for the gather copies."""
+    (:func:`gather_order`). ``gather_epilogue``: own chunks raise the peers' broadcast
+    counters (after the arrival flags), which every staged chunk waits for at the kernel's
+    end; else (all-reduce) they count their reduced tiles in ``done`` for the gather
+    copies."""
     m_loc = m // world
     template = schedule.partition_all_reduce if all_reduce else schedule.full_mesh_reduce_scatter
     sched = template(world, m_loc, split, backend="ce", align=cfg.block_m)

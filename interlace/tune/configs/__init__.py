@@ -18,13 +18,17 @@ GEMM_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_sta
 
 @functools.cache
 def gemm_configs() -> dict[tuple[int, int, int], dict[str, int]]:
-    """``{(m, n, k): {block_m, block_n, block_k, group_m, num_warps, num_stages}}``."""
+    """``{(m, n, k): {block_m, block_n, block_k, group_m, num_warps, num_stages}}``, plus
+    ``subtile: True`` where a row says so (the output tile stored in two halves)."""
     with open(HERE / "gemm.json") as f:
         doc = json.load(f)
-    return {
-        (row["m"], row["n"], row["k"]): {name: int(row[name]) for name in GEMM_FIELDS}
-        for row in doc["configs"]
-    }
+    table = {}
+    for row in doc["configs"]:
+        cfg = {name: int(row[name]) for name in GEMM_FIELDS}
+        if row.get("subtile"):
+            cfg["subtile"] = True
+        table[(row["m"], row["n"], row["k"])] = cfg
+    return table
 
 
 def gemm_config_rows(table: dict[tuple[int, int, int], dict[str, int]]) -> list[dict]:

@@ -8,8 +8,8 @@ kernel saw the flag, after how many polls, and the wall time. ``--warm 1`` does 
 and stream write before the spinning kernel (what any earlier call would have done).
 Run once per process: the first use is the question.
 
-    python scripts/probe_first_copy.py --warm 0
-    python scripts/probe_first_copy.py --warm 1
+    python benchmarks/probes/probe_first_copy.py --warm 0
+    python benchmarks/probes/probe_first_copy.py --warm 1
 """
 
 from __future__ import annotations

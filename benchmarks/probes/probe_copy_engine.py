@@ -3,7 +3,7 @@
 A spinning kernel first fills the GPU (or leaves room), then a 64 MB copy into the peer
 is enqueued on another stream. If the copy finishes while the spinner still runs, it did
 not need an SM (copy engine); if it only finishes once the spinner is released, it did.
-Run on a machine with 2+ GPUs:  python3 scripts/probe_copy_engine.py
+Run on a machine with 2+ GPUs:  python benchmarks/probes/probe_copy_engine.py
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ is printed with its start and duration in µs from the call's start, for ranks 0
 plus each call's median eager and graph-replay time. Shows whether a strategy loses in
 its GEMM (longer than cuBLAS), in its copies (bandwidth) or in a tail after the GEMM.
 
-    python scripts/probe_device_timeline.py [--world-size 4] [--model llama-7b] \
+    python benchmarks/probes/probe_device_timeline.py [--world-size 4] [--model llama-7b] \
         [--strategies fused,ce_fused:partials_from=plain]
 """
 

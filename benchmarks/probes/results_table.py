@@ -2,7 +2,7 @@
 instead, every strategy's T / bound per shape, eager and graph (a short table for a run's
 log).
 
-python scripts/results_table.py benchmarks/results/2026-11-22-h200-w2.json [--ratios]
+python benchmarks/probes/results_table.py benchmarks/results/2026-11-22-h200-w2.json [--ratios]
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Tune the segment GEMM's tile configs against cuBLAS on one GPU, on the per-rank GEMMs of
-the public shape table (DESIGN.md) for the given world sizes.
+the public shape table (docs/design.md, "Measuring") for the given world sizes.
 
-    python scripts/tune_gemm.py --worlds 2 4 --out DIR
+    python benchmarks/probes/tune_gemm.py --worlds 2 4 --out DIR [--emit]
 
-Prints, per shape, cuBLAS time and each config's time and writes ``gemm_tuning.json``.
-Correctness of every config is checked against a float32 reference first.
+Prints, per shape, cuBLAS time and each config's time and writes ``gemm_tuning.json``;
+``--emit`` writes the best configs into ``interlace/tune/configs/gemm.json`` (what
+``interlace.ops.segment_gemm.gemm_config`` reads). Correctness of every config is checked
+against a float32 reference first.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import statistics
 import torch
 
 from interlace.bench.timing import pipelined_median_ms
-from interlace.ops._gemm import GemmConfig, matmul
+from interlace.ops.segment_gemm import GemmConfig, matmul
+from interlace.tune.configs import GEMM_FIELDS, write_gemm_configs
 
 MODELS = {"llama-7b": (4096, 11008), "llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}
 
@@ -50,30 +53,31 @@ CANDIDATES = [
 ]
 
 
-def emit_table(results, path):
-    """Write ``TUNED = {(m, n, k): GemmConfig(...)}`` (the module ``ops/_gemm_tuned.py``)."""
-    lines = [
-        '"""Best segment-GEMM config per shape, measured by scripts/tune_gemm.py on one H200',
-        '(generated; edit by re-running the script with --emit)."""',
-        "",
-        "from ._gemm import GemmConfig",
-        "",
-        "TUNED = {",
-    ]
+def emit_table(results, device: str):
+    """Write the best config per shape (where it is not the default) to
+    ``interlace/tune/configs/gemm.json``."""
+    table = {}
     for r in results:
         best = r["best"]
         if best and best["config"] != "default":
-            lines.append(f"    ({r['M']}, {r['N']}, {r['K']}): {best['config']},")
-    lines.append("}")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+            cfg = CANDIDATES[[str(c) for c in CANDIDATES].index(best["config"])]
+            row = {f: getattr(cfg, f) for f in GEMM_FIELDS}
+            table[(r["M"], r["N"], r["K"])] = row | ({"subtile": True} if cfg.subtile else {})
+    about = (
+        f"Best segment-GEMM tile config per (m, n, k), measured on one {device} by "
+        "benchmarks/probes/tune_gemm.py (regenerate with its --emit). Read by "
+        "interlace.tune.configs."
+    )
+    print(f"wrote {write_gemm_configs(table, about)}")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--emit", help="also write the best configs as a Python table to this file")
+    ap.add_argument(
+        "--emit", action="store_true", help="write the best configs to tune/configs/gemm.json"
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     results = []
@@ -111,7 +115,7 @@ def main():
     with open(os.path.join(args.out, "gemm_tuning.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
     if args.emit:
-        emit_table(results, args.emit)
+        emit_table(results, torch.cuda.get_device_name())
     xs = [r["t_cublas_ms"] / r["best"]["t_ms"] for r in results if r["best"]]
     ds = [r["default_x_cublas"] for r in results if r["default_x_cublas"]]
     gm = lambda v: statistics.geometric_mean(v) if v else float("nan")  # noqa: E731
