@@ -43,6 +43,39 @@ AG_TEMPLATES = {
 }
 
 
+def ag_layout(
+    world: int, rank: int, m_loc: int, cfg: segment_gemm.GemmConfig, split: int, *,
+    pull: bool = False, arrival: int = 0, expected: int = 1, template: str = "full_mesh",
+) -> tuple[schedule.Schedule, list[Segment]]:  # fmt: skip
+    """The checked schedule and the consumer GEMM's segments for ``rank``, in arrival order
+    (no buffers: ``interlace.testing.emulated`` builds the same kernel layout on one
+    device). The own rows are read in place from the caller's shard (``store_own``); a
+    peer's chunk waits until flag ``arrival + its slot`` reaches ``expected`` (1 per copy,
+    or one per pulling program)."""
+    sched = AG_TEMPLATES[template](
+        world, m_loc, split, mode="pull" if pull else "push", backend="sm" if pull else "ce",
+        align=cfg.block_m,
+    )  # fmt: skip
+    schedule.check(sched)
+    segments = []
+    for chunk, slot in schedule.chunk_order(sched, rank):
+        if slot is None:  # own rows: read in place from the caller's shard
+            segments.append(
+                Segment(
+                    row0=chunk.lo, rows=chunk.rows, kind="store_own", owner=rank,
+                    out_row0=chunk.lo - rank * m_loc,
+                )
+            )  # fmt: skip
+        else:
+            segments.append(
+                Segment(
+                    row0=chunk.lo, rows=chunk.rows, kind="store", owner=chunk.owner,
+                    wait_first=arrival + slot, wait_count=1, wait_expected=expected,
+                )
+            )  # fmt: skip
+    return sched, segments
+
+
 @dataclass(frozen=True)
 class ShardCopy:
     """One copy of ``fused``: rows ``lo:hi`` of this rank's shard into ``dst`` (a peer's
@@ -160,31 +193,13 @@ class AGGemm(AlternatingSets, OverlappedGemm):
             return found
         w, r = self.world_size, self.rank
         cfg = self._cfg(w * m_loc, n, self.k)
-        split = self._split_of("sm_pull" if pull else "fused")
-        sched = AG_TEMPLATES[self.schedule](
-            w, m_loc, split, mode="pull" if pull else "push", backend="sm" if pull else "ce",
-            align=cfg.block_m,
-        )  # fmt: skip
-        schedule.check(sched)
         first, count = self._set_slots()
         arrival = first + s * count
-        expected = self._pull_programs() if pull else 1
-        segments = []
-        for chunk, slot in schedule.chunk_order(sched, r):
-            if slot is None:  # own rows: read in place from the caller's shard
-                segments.append(
-                    Segment(
-                        row0=chunk.lo, rows=chunk.rows, kind="store_own", owner=r,
-                        out_row0=chunk.lo - r * m_loc,
-                    )
-                )  # fmt: skip
-            else:
-                segments.append(
-                    Segment(
-                        row0=chunk.lo, rows=chunk.rows, kind="store", owner=chunk.owner,
-                        wait_first=arrival + slot, wait_count=1, wait_expected=expected,
-                    )
-                )  # fmt: skip
+        sched, segments = ag_layout(
+            w, r, m_loc, cfg, self._split_of("sm_pull" if pull else "fused"), pull=pull,
+            arrival=arrival, expected=self._pull_programs() if pull else 1,
+            template=self.schedule,
+        )  # fmt: skip
         one_loop = segment_gemm.one_loop_tables(
             segments, w * m_loc, n, self.k, cfg, self.dtype, self.group.device
         )

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ... import schedule
 from .. import segment_gemm
-from ..segment_gemm import Segment, tiles_of
+from ..segment_gemm import GemmConfig, Segment, tiles_of
 
 
 @dataclass
@@ -23,48 +23,60 @@ class FusedPlan:
     launchers: dict = field(default_factory=dict)
 
 
+def fused_segments(
+    world: int, rank: int, m: int, n: int, cfg: GemmConfig, split: int, *, all_reduce: bool,
+    partial: int, broadcast: int, go: int,
+) -> list[Segment]:  # fmt: skip
+    """The ``fused`` GEMM's segments for ``rank`` (no buffers: ``interlace.testing.emulated``
+    builds the same kernel layout on one device), from a checked schedule: its chunks in
+    the order this rank sends them (own rows last). A chunk of another rank is pushed to
+    its owner once the entry barrier raised ``go``, raising the owner's counter of (chunk,
+    source) from ``partial``; all-reduce: it then waits for the owner's broadcast counter of
+    the chunk (from ``broadcast``) before the kernel ends. This rank's own chunks wait for
+    every source's counter, reduce, and raise the broadcast counters."""
+    m_loc = m // world
+    template = schedule.partition_all_reduce if all_reduce else schedule.full_mesh_reduce_scatter
+    sched = template(world, m_loc, split, backend="sm", align=cfg.block_m)
+    schedule.check(sched)
+    slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
+    segments = []
+    for chunk, _ in schedule.chunk_order(sched, rank):
+        o, cid = chunk.owner, slot_of[chunk.id]
+        tiles = tiles_of(chunk.rows, n, cfg)
+        common = dict(row0=chunk.lo, rows=chunk.rows, owner=o, out_row0=chunk.lo - o * m_loc)
+        if o != rank:
+            src = (rank - o - 1) % world  # the owner numbers its sources from o + 1
+            segments.append(
+                Segment(
+                    kind="push", notify=partial + cid * (world - 1) + src,
+                    final_slot=broadcast + cid, final_expected=tiles if all_reduce else 0,
+                    wait_first=go, wait_count=1, wait_expected=1, **common,
+                )
+            )  # fmt: skip
+        else:
+            segments.append(
+                Segment(
+                    kind="reduce", wait_first=partial + cid * (world - 1),
+                    wait_count=world - 1, wait_expected=tiles, notify=broadcast + cid, **common,
+                )
+            )  # fmt: skip
+    return segments
+
+
 class Fused:
     """Mixed into the GEMM+RS / GEMM+AR context (:class:`.base.ScatterGemm`)."""
 
     def _fused_plan(self, m: int, n: int) -> FusedPlan:
-        """Segments from a checked schedule: its chunks in the order this rank sends them
-        (own rows last); counters: one per (chunk, source) on the owner, one broadcast
-        counter per chunk on every rank (all-reduce)."""
+        """The GEMM's tiles (:func:`fused_segments`): counters one per (chunk, source) on
+        the owner, one broadcast counter per chunk on every rank (all-reduce)."""
         if (found := self._known_plan((m, n))) is not None:
             return found
-        w, r = self.world_size, self.rank
-        m_loc = m // w
         cfg = self._cfg(m, n, self.k)
-        template = (
-            schedule.partition_all_reduce if self.BROADCAST else (schedule.full_mesh_reduce_scatter)
-        )
-        sched = template(w, m_loc, self._split_of("fused"), backend="sm", align=cfg.block_m)
-        schedule.check(sched)
-        slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
-        partial, broadcast = self.pad.offset("partial"), self.pad.offset("broadcast")
-        go = self.pad.offset("go")  # pushes wait for the entry barrier
-        segments = []
-        for chunk, _ in schedule.chunk_order(sched, r):
-            o, cid = chunk.owner, slot_of[chunk.id]
-            tiles = tiles_of(chunk.rows, n, cfg)
-            common = dict(row0=chunk.lo, rows=chunk.rows, owner=o, out_row0=chunk.lo - o * m_loc)
-            if o != r:
-                src = (r - o - 1) % w  # the owner numbers its sources from o + 1
-                segments.append(
-                    Segment(
-                        kind="push", notify=partial + cid * (w - 1) + src,
-                        final_slot=broadcast + cid,
-                        final_expected=tiles if self.BROADCAST else 0,
-                        wait_first=go, wait_count=1, wait_expected=1, **common,
-                    )
-                )  # fmt: skip
-            else:
-                segments.append(
-                    Segment(
-                        kind="reduce", wait_first=partial + cid * (w - 1), wait_count=w - 1,
-                        wait_expected=tiles, notify=broadcast + cid, **common,
-                    )
-                )  # fmt: skip
+        segments = fused_segments(
+            self.world_size, self.rank, m, n, cfg, self._split_of("fused"),
+            all_reduce=self.BROADCAST, partial=self.pad.offset("partial"),
+            broadcast=self.pad.offset("broadcast"), go=self.pad.offset("go"),
+        )  # fmt: skip
         tiles = segment_gemm.plan_tiles(
             segments, m, n, cfg, self.group.device, self.group.backend, single=True
         )
