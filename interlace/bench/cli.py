@@ -84,6 +84,30 @@ def ranks_plan(world_size: int | None, cpu: bool) -> tuple[bool, int] | None:
     return timed, world
 
 
+def rank_args(parser: argparse.ArgumentParser, out: str, quick: str, warmup: str) -> None:
+    """The options every multi-rank suite takes: ranks, dtype, timed runs, output folder,
+    the CPU emulation, fewer cases (``quick``: what it leaves) and no warm-up (``warmup``:
+    what it skips)."""
+    parser.add_argument("--world-size", type=int, default=None, help="ranks (default: GPUs)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--iters", type=int, default=20, help="timed runs per rank (median)")
+    parser.add_argument("--out", default=out, help="folder for the JSON results")
+    parser.add_argument("--cpu", action="store_true", help="force the CPU emulation")
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--no-warmup-pass", dest="warmup_pass", action="store_false",
+                        help=f"skip {warmup}")  # fmt: skip
+
+
+def start(args) -> tuple[bool, int] | None:
+    """:func:`ranks_plan` of parsed :func:`rank_args`, saying so when the run is the CPU
+    emulation's."""
+    plan = ranks_plan(args.world_size, args.cpu)
+    if plan is not None and not plan[0]:
+        print("No GPUs in use: the CPU emulation on tiny sizes, checked against "
+              "torch.distributed; no timings.", flush=True)  # fmt: skip
+    return plan
+
+
 def progress(total: int):
     """``(step, stop)``: a rich progress bar when rich is installed, plain lines otherwise."""
     try:

@@ -163,23 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from ..testing import World
-    from .cli import csv, parse_size, progress, ranks_plan
+    from .cli import csv, parse_size, progress, rank_args, start
     from .records import DEFAULT_OUT, write_records
 
     p = argparse.ArgumentParser(prog="python -m interlace bench collectives")
-    p.add_argument("--world-size", type=int, default=None, help="ranks (default: every GPU)")
+    rank_args(p, DEFAULT_OUT, "two sizes only", "the untimed pass over every size first")
     p.add_argument("--sizes", type=csv(kind=parse_size), default=None,
                    help="bytes per rank, e.g. 64M,256M")  # fmt: skip
     p.add_argument("--ops", type=csv(OPS), default=None, help=f"subset of {','.join(OPS)}")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--iters", type=int, default=20, help="timed runs per rank (median taken)")
-    p.add_argument("--no-warmup-pass", dest="warmup_pass", action="store_false",
-                   help="skip the untimed pass over every size before the timed one")  # fmt: skip
-    p.add_argument("--out", default=DEFAULT_OUT, help="folder for the JSON results")
-    p.add_argument("--cpu", action="store_true", help="force the CPU emulation")
-    p.add_argument("--quick", action="store_true", help="two sizes only")
     args = p.parse_args(argv)
-    plan = ranks_plan(args.world_size, args.cpu)
+    plan = start(args)
     if plan is None:
         return 2
     timed, world = plan
@@ -189,9 +182,6 @@ def main(argv: list[str] | None = None) -> int:
         else [12 << 10, 96 << 10]
     )
     jobs = [(op, size) for op in (args.ops or list(OPS)) for size in sizes]
-    if not timed:
-        print("No GPUs in use: the CPU emulation on tiny sizes, checked against "
-              "torch.distributed; no timings.", flush=True)  # fmt: skip
     # A whole untimed pass first: on a fresh GPU machine the first minute of timings ran
     # up to 3x slower (seen on 2 x H200), for NCCL and interlace alike.
     warmup = jobs if timed and args.warmup_pass else []

@@ -486,11 +486,11 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from ..testing import World
-    from .cli import csv, progress, ranks_plan
+    from .cli import csv, progress, rank_args, start
     from .records import DEFAULT_OUT, write_records
 
     p = argparse.ArgumentParser(prog="python -m interlace bench dense")
-    p.add_argument("--world-size", type=int, default=None, help="ranks (default: every GPU)")
+    rank_args(p, DEFAULT_OUT, "M = 8192 only", "the cuBLAS + NCCL load before timing")
     p.add_argument("--ops", "--dense-ops", dest="ops", type=csv(OPS), default=None,
                    help=f"subset of {','.join(OPS)}")  # fmt: skip
     p.add_argument("--models", type=csv(MODELS), default=None,
@@ -500,24 +500,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="only these strategies, e.g. auto,fused; variants for the ablation: "
                    "fused:split=4, sm_pull:comm_sms=8+split=2")  # fmt: skip
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip CUDA graphs")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--iters", type=int, default=20, help="timed runs per rank (median taken)")
     p.add_argument("--warmup-iters", type=int, default=5, help="untimed calls before each")
-    p.add_argument("--no-warmup-pass", dest="warmup_pass", action="store_false",
-                   help="skip the cuBLAS + NCCL load before timing")  # fmt: skip
     p.add_argument("--warmup-s", type=float, default=20.0,
                    help="seconds of cuBLAS + NCCL load before timing")  # fmt: skip
-    p.add_argument("--out", default=DEFAULT_OUT, help="folder for the JSON results")
-    p.add_argument("--cpu", action="store_true", help="force the CPU emulation")
-    p.add_argument("--quick", action="store_true", help="M = 8192 only")
     args = p.parse_args(argv)
-    plan = ranks_plan(args.world_size, args.cpu)
+    plan = start(args)
     if plan is None:
         return 2
     timed, world = plan
-    if not timed:
-        print("No GPUs in use: the CPU emulation on tiny sizes, checked against "
-              "torch.distributed; no timings.", flush=True)  # fmt: skip
     jobs = _jobs(args, timed, world)
     warm = timed and args.warmup_pass and args.warmup_s > 0
     step, stop = progress(len(jobs) + warm)

@@ -21,7 +21,7 @@ see ``_Case``):
 (``causal=False`` keeps the query slices equally expensive), its output projection
 reduce-scattered over the sequence. Every result is checked against vanilla.
 
-``python -m interlace.bench.p2p_ring --out DIR`` spawns the ranks (every GPU) and merges the
+``python -m interlace bench p2p_ring --out DIR`` spawns the ranks (every GPU) and merges the
 records into ``DIR/<date>-<device>-w<W>.json``; without GPUs (or with ``--cpu``) it runs
 the CPU emulation on tiny sizes as a correctness check only.
 """

@@ -20,7 +20,7 @@ per shape, the same on every rank (per-rank medians, then the max over ranks):
   (``t_torch_ms``) and the plain un-reorder (``t_unreorder_ms``); ``overhead`` =
   ``t_ms / t_plain_ms - 1``.
 
-``python -m interlace.bench.signal_reorder --out DIR`` spawns one rank per GPU and merges
+``python -m interlace bench signal_reorder --out DIR`` spawns one rank per GPU and merges
 the records into ``DIR/<date>-<device>-w<W>.json``; without GPUs it runs the CPU emulation
 on a tiny shape as a correctness check and writes nothing.
 """

@@ -12,27 +12,14 @@ import importlib
 
 from . import cache, configs, policy
 
-_SEARCH = (
-    "CommCurve",
-    "Model",
-    "best_partition",
-    "comm_time",
-    "enumerate_partitions",
-    "errors_without",
-    "exhaustive_candidates",
-    "grade",
-    "mean_abs_error",
-    "measure_curve",
-    "measure_model",
-    "predict",
-)
-
 
 def __getattr__(name: str):
-    if name in _SEARCH:
-        search = importlib.import_module(".search", __name__)
-        return getattr(search, name)
+    """The names of ``search`` (``best_partition``, ``measure_model``, ...), imported on
+    first use."""
+    search = importlib.import_module(".search", __name__)
+    if name == "search" or name in search.__all__:
+        return search if name == "search" else getattr(search, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["cache", "configs", "policy", *_SEARCH]
+__all__ = ["cache", "configs", "policy", "search"]
