@@ -31,7 +31,14 @@ class ChunkCopy(NamedTuple):
 
 
 class ChunkShipping:
-    """Mixed into the GEMM+RS / GEMM+AR context (:class:`.base.ScatterGemm`)."""
+    """Mixed into the GEMM+RS / GEMM+AR context (:class:`.base.ScatterGemm`).
+
+    Launch order: the partials GEMM never waits on anything, so it is enqueued first (on
+    every backend), before the kernels that spin waiting for its chunks. The other order
+    deadlocked on 2 x H200 until the waits timed out: the first launch of a kernel (here
+    the GEMM, at each new specialisation) blocked the host for as long as a kernel was
+    spinning on the device (benchmarks/NOTES.md, "A launch-order deadlock"). The GEMM's
+    grid leaves ``comm_sms`` SMs free for the spinning kernels."""
 
     def _partials_gemm(self, launchers, m, n, tiles, a, b, bias):
         """The plan's GEMM that stores partials and counts finished tiles per chunk
