@@ -1,0 +1,7 @@
+"""Expert parallelism: dispatch / combine over symmetric memory and the EP MoE layer."""
+
+from .dispatch import EPAllToAll
+from .ep_moe import EPMoE
+from .layout import EPCapacityError, EPHandle
+
+__all__ = ["EPAllToAll", "EPCapacityError", "EPHandle", "EPMoE"]
