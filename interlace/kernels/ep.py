@@ -98,6 +98,23 @@ def _rows_of(rel, idx, starts, rank, E_LOC: tl.constexpr, EP2: tl.constexpr):
 
 
 @triton.jit
+def _source_starts(seg_counts, s, world, E_LOC: tl.constexpr, EP2: tl.constexpr,
+                   WP: tl.constexpr):  # fmt: skip
+    """Source-major layout (rows grouped by source rank, then local expert, then token):
+    for each local expert, the value to add to a pair's ``pair_rel`` (its row within the
+    expert's source-ordered segment) to get its row within source ``s``'s region, and
+    the inclusive prefix sums of ``s``'s rows per expert (``offs`` of that region)."""
+    ev = tl.arange(0, EP2)
+    wv = tl.arange(0, WP)
+    m = (ev < E_LOC)[:, None] & (wv < world)[None, :]
+    seg = tl.load(seg_counts + ev[:, None] * world + wv[None, :], mask=m, other=0)
+    col = tl.sum(tl.where(wv[None, :] == s, seg, 0), axis=1)
+    before_s = tl.sum(tl.where(wv[None, :] < s, seg, 0), axis=1)
+    incl = tl.cumsum(col, 0)
+    return incl - col - before_s, incl
+
+
+@triton.jit
 def _round_e4m3(v):
     """``v`` rounded to the nearest e4m3 value, ties to even (as a hardware conversion
     rounds), so the later cast is exact on every backend (Triton's interpreter truncates
@@ -211,13 +228,14 @@ def ep_send_kernel(
 
 @triton.jit
 def ep_layout_kernel(
-    route_idx, route_n, pair_rel, counts, status, sig, ROUTE_OFF, err, rank, world, T_MAX,
-    capacity, OVERFLOW_SLOT, BAD_SLOT, max_spins,
+    route_idx, route_n, pair_rel, counts, seg_counts, status, sig, ROUTE_OFF, err, rank, world,
+    T_MAX, capacity, OVERFLOW_SLOT, BAD_SLOT, max_spins,
     E_LOC: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, WP: tl.constexpr,
 ):  # fmt: skip
     """After every source's routing has landed: program ``e`` (one per local expert) gives
     each pair routed to expert ``e`` its row within ``e``'s segment (sources in rank order,
-    tokens in order) and writes the segment's size to ``counts[e]``; the last program marks
+    tokens in order) and writes the segment's size to ``counts[e]`` (and the rows of each
+    source to ``seg_counts[e, s]``); the last program marks
     every other pair -1 and checks the whole routing: rows each rank receives against
     ``capacity``, expert ids in range. Every rank sees the same routing, so every rank
     finds the same failure: it writes ``status`` (1 overflow, 2 bad expert id) and records
@@ -232,6 +250,7 @@ def ep_layout_kernel(
         for s in range(world):
             n = _decode_count(tl.load(route_n + s))
             base = tl.cast(s, tl.int64) * T_MAX * KP
+            before = carry
             for t0 in range(0, n, BT):
                 rows = t0 + tl.arange(0, BT)
                 at = base + rows[:, None] * KP + cols[None, :]
@@ -241,6 +260,7 @@ def ep_layout_kernel(
                 rel = tl.reshape(tl.cumsum(flat, 0), [BT, KP]) - 1 + carry
                 tl.store(pair_rel + at, rel, mask=hit != 0)
                 carry += tl.sum(flat)
+            tl.store(seg_counts + pid * world + s, carry - before)
         tl.store(counts + pid, carry)
     else:
         wv = tl.arange(0, WP)
@@ -279,15 +299,21 @@ def ep_layout_kernel(
 def ep_expand_kernel(
     stage, stage_scale, route_idx, route_n, pair_rel, counts, status, recv_x, recv_scale,
     out_counts, out_offsets, sig, ROUTE_OFF, DATA_OFF, DONE_SLOT, n_senders, err, rank,
-    world, H, T_MAX, max_spins,
+    world, H, T_MAX, max_spins, seg_counts, src_offs, cap_s, SRC_DONE,
     E_LOC: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-    EP2: tl.constexpr, WP: tl.constexpr, FP8: tl.constexpr,
+    EP2: tl.constexpr, WP: tl.constexpr, FP8: tl.constexpr, SRC_MAJOR: tl.constexpr = False,
 ):  # fmt: skip
     """Copies each staged token into the expanded output once per local expert it is
     routed to (``recv_x[start[e] + pair_rel]``), source by source as each source's tokens
     land (own first, then rank-rotated). Program 0 writes the per-expert counts and their
     inclusive prefix sums (``offs`` of ``torch._grouped_mm``). The last program to finish
-    zeroes ``data`` and then releases ``route`` (slots free for the next call)."""
+    zeroes ``data`` and then releases ``route`` (slots free for the next call).
+
+    ``SRC_MAJOR`` (the overlapped MoE layer): rows go to a source-major layout instead,
+    source ``s``'s region starting at row ``s * cap_s`` and grouped by local expert there;
+    program 0 writes each region's ``offs`` to ``src_offs [W, E_LOC]``, and every program
+    release-adds 1 to local signal ``SRC_DONE + s`` once its rows of source ``s`` are
+    stored, so a consumer can start on a source's rows as soon as they are complete."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     state = tl.load(status)
@@ -301,6 +327,12 @@ def ep_expand_kernel(
     n_groups = H // FP8_GROUP
     for i in range(world):
         s = (rank + i) % world
+        if SRC_MAJOR:
+            rel_start, incl = _source_starts(seg_counts, s, world, E_LOC, EP2, WP)
+            starts = rel_start + s * cap_s
+            if pid == 0:
+                ev = tl.arange(0, EP2)
+                tl.store(src_offs + s * E_LOC + ev, incl, mask=ev < E_LOC)
         wait(sig + DATA_OFF + s, n_senders, err, rank, DATA_OFF + s, max_spins)
         n = tl.where(state == 0, _decode_count(tl.load(route_n + s)), 0)
         base = tl.cast(s, tl.int64) * T_MAX
@@ -336,6 +368,8 @@ def ep_expand_kernel(
                             recv_scale + rj[:, None] * n_groups + gc[None, :], sv,
                             mask=ok[:, None] & gm[None, :],
                         )  # fmt: skip
+        if SRC_MAJOR:
+            notify(sig + SRC_DONE + s, 1, ADD=True, LOCAL=True)
     tl.debug_barrier()
     if tl.atomic_add(sig + DONE_SLOT, 1, sem="acq_rel", scope="gpu") == n_prog - 1:
         wv = tl.arange(0, WP)
@@ -349,14 +383,18 @@ def ep_expand_kernel(
 @triton.jit
 def ep_combine_send_kernel(
     expert_out, route_idx, route_w, route_n, pair_rel, counts, status, comb, comb_tab,
-    sig_tab, COMB_OFF, err, rank, world, H, T_MAX, max_spins,
+    sig_tab, COMB_OFF, err, rank, world, H, T_MAX, max_spins, only_src, seg_counts,
     E_LOC: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-    EP2: tl.constexpr,
+    EP2: tl.constexpr, WP: tl.constexpr = 2, SRC_MAJOR: tl.constexpr = False,
 ):  # fmt: skip
     """For each token routed here, the weighted sum (fp32) of its rows of ``expert_out``
     over this rank's experts, stored once into slot ``rank`` of the token's home rank at
     the token's index (home ranks rank-rotated). Each program first waits until the home
-    rank consumed the previous call's ``comb[rank]`` adds, and release-adds 1 when done."""
+    rank consumed the previous call's ``comb[rank]`` adds, and release-adds 1 when done.
+
+    ``only_src >= 0``: only home rank ``only_src``'s tokens, whose rows ``expert_out``
+    holds in the source-major layout of that source's region alone (``SRC_MAJOR``; see
+    ``ep_expand_kernel``): one launch per source, each as soon as its rows are computed."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     state = tl.load(status)
@@ -365,8 +403,13 @@ def ep_combine_send_kernel(
     for i in range(world):
         s = (rank + i) % world
         flag = signal_base(sig_tab, s) + COMB_OFF + rank
-        _wait_below(flag, n_prog, err, rank, COMB_OFF + rank + (s + 1) * REMOTE_SLOT, max_spins)
-        n = tl.where(state == 0, _decode_count(tl.load(route_n + s)), 0)
+        mine = (only_src < 0) | (s == only_src)
+        if mine:
+            _wait_below(flag, n_prog, err, rank, COMB_OFF + rank + (s + 1) * REMOTE_SLOT, max_spins)
+        if SRC_MAJOR:
+            rel_start, _ = _source_starts(seg_counts, s, world, E_LOC, EP2, WP)
+            starts = rel_start
+        n = tl.where((state == 0) & mine, _decode_count(tl.load(route_n + s)), 0)
         base = tl.cast(s, tl.int64) * T_MAX
         dst = peer_ptr_aligned(comb, comb_tab, rank, s) + tl.cast(rank, tl.int64) * T_MAX * H
         for blk in range(pid, tl.cdiv(n, BT), n_prog):
@@ -397,7 +440,8 @@ def ep_combine_send_kernel(
                 )  # fmt: skip
     for i in range(world):
         s = (rank + i) % world
-        notify(signal_base(sig_tab, s) + COMB_OFF + rank, 1, ADD=True)
+        if (only_src < 0) | (s == only_src):
+            notify(signal_base(sig_tab, s) + COMB_OFF + rank, 1, ADD=True)
 
 
 @triton.jit

@@ -4,7 +4,9 @@ adversarial routing (a rank that receives nothing, every token to one expert, -1
 repeated experts), top-k from 1 to 8, ragged token counts, repeated calls on one context,
 FP8 dispatch against a quantise-dequantise reference, capacity overflow and bad expert
 ids raised on every rank, bad arguments raised before launch, and (on GPUs) CUDA-graph
-replay with new routing."""
+replay with new routing. The low-latency mode (``EPLowLatency``, both arrival protocols)
+against the same references, and ``EPMoE``'s overlapped ``fused`` and ``serial``
+strategies against an fp32 MoE reference."""
 
 from __future__ import annotations
 
@@ -333,4 +335,185 @@ def test_large_hidden(world):
 
 
 def test_exports():
+    from interlace.ops.ep import EPLowLatency
+    from interlace.ops.ep.low_latency import EPLowLatency as cls
+
     assert interlace.ops.ep.EPAllToAll is EPAllToAll
+    assert EPLowLatency is cls
+
+
+# ---------------------------------------------------------------------- low latency
+
+
+def _ll_check_call(group, ctx, gen, kind, n):
+    """One low-latency dispatch + combine against references from every rank's inputs:
+    rows per expert in (source, token) order, each (token, expert) once; combine of rows
+    scaled per expert equals the top-k weighted sum of the scaled token."""
+    dev, w, r = group.device, group.world_size, group.rank
+    x = rand(gen, n, ctx.hidden, dtype=ctx.dtype, device="cpu")
+    idx, wts = _routing(gen, kind, n, ctx.topk, ctx.experts, w)
+    ctx.recv_x.fill_(float("nan"))
+    h = ctx.dispatch(x.to(dev), idx.to(dev), wts.to(dev))
+    sync(group)
+    xs = [a.cpu() for a in _gather_padded(x.to(dev), ctx.max_tokens, group)]
+    idxs = [a.cpu() for a in _gather_padded(idx.to(dev), ctx.max_tokens, group)]
+    counts = h.expert_counts.cpu().tolist()
+    eo = nans(*h.recv_x.shape, dtype=ctx.dtype, device="cpu")
+    for e in range(ctx.e_loc):
+        g = r * ctx.e_loc + e
+        exp = torch.cat([xx[(ii == g).any(1)] for xx, ii in zip(xs, idxs)])
+        assert counts[e] == exp.shape[0], f"{kind}: expert {e}: {counts[e]} != {exp.shape[0]}"
+        got = h.recv_x[e, : counts[e]].cpu()
+        assert torch.equal(got, exp), f"{kind}: expert {e} rows differ"
+        eo[e, : counts[e]] = (got.float() * _scale_of(torch.tensor(g))).to(ctx.dtype)
+    out = ctx.combine(eo.to(dev), h, out=nans(n, ctx.hidden, dtype=ctx.dtype, device=dev))
+    sync(group)
+    sc = _scale_of(idx.clamp_min(0)) * wts * (idx >= 0)
+    ref = (sc[:, :, None] * x.float()[:, None, :]).sum(1)
+    if n:
+        assert not out.isnan().any(), kind
+        err = rel_err(out.cpu(), ref)
+        assert err < TOL, f"{kind}: combine rel err {err:.2e}"
+    return True
+
+
+def _ll_body(group, protocol, topk, e_loc, hidden, kinds, max_tokens=7):
+    from interlace.ops.ep import EPLowLatency
+
+    gen = torch.Generator().manual_seed(23 + group.rank)
+    w = group.world_size
+    with EPLowLatency(group, max_tokens, hidden, w * e_loc, topk, protocol=protocol) as ctx:
+        for i, kind in enumerate(kinds):
+            n = max_tokens if i % 2 == 0 else max(0, max_tokens - 3 - 2 * group.rank)
+            _ll_check_call(group, ctx, gen, kind, n)
+        ctx.check()
+    return True
+
+
+@pytest.mark.parametrize("protocol", ["flag_in_data", "token_flag"])
+def test_low_latency(world, protocol):
+    if world.world_size == 4 and world.backend == "cpu":
+        pytest.skip("low latency covered at W = 2, 3 on the CPU")
+    kinds = ("random", "one_expert", "not_rank0", "skewed")
+    world.run(_ll_body, protocol, 3, 2, 20, kinds)
+
+
+def _ll_errors_body(group):
+    """Low latency: an out-of-range expert id raises on every rank and the context works
+    afterwards; bad arguments raise before launch."""
+    from interlace.ops.ep import EPLowLatency
+
+    gen = torch.Generator().manual_seed(7 + group.rank)
+    w, dev = group.world_size, group.device
+    with EPLowLatency(group, 4, 16, 2 * w, 2) as ctx:
+        x = rand(gen, 4, 16, dtype=torch.bfloat16, device=dev)
+        wts = torch.rand(4, 2, device=dev)
+        bad = torch.tensor([[0, 2 * w + group.rank]] * 4, device=dev)
+        expect_error(InterlaceValueError, "expert id", _dispatch_checked, ctx, x, bad, wts)
+        _ll_check_call(group, ctx, gen, "random", 4)  # still usable
+        idx = torch.zeros(4, 2, dtype=torch.int64, device=dev)
+        expect_error(InterlaceValueError, "max_tokens", ctx.dispatch, x.repeat(2, 1), idx, wts)
+        expect_error(InterlaceTypeError, "dtype", ctx.dispatch, x.float(), idx, wts)
+        expect_error(InterlaceValueError, "topk_idx", ctx.dispatch, x, idx[:, :1], wts)
+        h = ctx.dispatch(x, idx, wts)
+        expect_error(InterlaceValueError, "expert_out", ctx.combine, x, h)
+        h2 = ctx.dispatch(x, idx, wts)
+        expect_error(InterlaceValueError, "latest dispatch", ctx.combine, h2.recv_x, h)
+        ctx.combine(h2.recv_x.clone(), h2)
+        ctx.check()
+    expect_error(InterlaceValueError, "max_tokens", EPLowLatency, group, 257, 16, 2 * w, 2)
+    expect_error(InterlaceValueError, "even", EPLowLatency, group, 8, 15, 2 * w, 2)
+    expect_error(InterlaceValueError, "protocol", EPLowLatency, group, 8, 16, 2 * w, 2,
+                 protocol="x")  # fmt: skip
+    return True
+
+
+def test_low_latency_errors(world):
+    if world.world_size == 4 and world.backend == "cpu":
+        pytest.skip("covered at W = 2, 3 on the CPU")
+    world.run(_ll_errors_body)
+
+
+def _moe_body(group, kinds):
+    """EPMoE ``fused`` (per-source grouped GEMM overlapped with the dispatch) and
+    ``serial`` against the fp32 reference, repeated calls, a rank with no tokens."""
+    gen = torch.Generator().manual_seed(9 + group.rank)
+    w, dev, hidden, topk, e_loc, t = group.world_size, group.device, 40, 3, 2, 7
+    weight = rand(gen, e_loc, hidden, hidden, dtype=torch.bfloat16, device=dev, scale=0.2)
+    for strategy in ("fused", "serial"):
+        with EPMoE(group, t, hidden, w * e_loc, topk, strategy=strategy) as moe:
+            for i, kind in enumerate(kinds):
+                n = t if i % 2 == 0 else (0 if group.rank == 1 else t - 2)
+                x = rand(gen, n, hidden, dtype=torch.bfloat16, device=dev)
+                idx, wts = _routing(gen, kind, n, topk, w * e_loc, w)
+                y = moe(x, idx.to(dev), wts.to(dev), weight)
+                sync(group)
+                ref = _moe_reference(x, idx.to(dev), wts.to(dev), weight, group, e_loc)
+                if n:
+                    err = rel_err(y, ref)
+                    assert err < 2 * TOL, f"{strategy} {kind}: rel err {err:.2e}"
+            moe.check()
+    return True
+
+
+def test_moe_overlap(world):
+    if world.world_size == 4 and world.backend == "cpu":
+        pytest.skip("covered at W = 2, 3 on the CPU")
+    world.run(_moe_body, ("random", "skewed", "not_rank0"))
+
+
+def _ll_graph_body(group, protocol):
+    """Low latency under CUDA-graph capture: replays with new tokens and routing written
+    into the captured inputs (epochs advance on the device); hidden 7168, top-8."""
+    from interlace.ops.ep import EPLowLatency
+
+    gen = torch.Generator().manual_seed(31 + group.rank)
+    w, dev, hidden, topk, e_loc, n = group.world_size, group.device, 7168, 8, 8, 128
+    ctx = EPLowLatency(group, n, hidden, w * e_loc, topk, protocol=protocol)
+    try:
+        for kind in ("random", "skewed"):  # eager calls (replayed from eager graphs)
+            _ll_check_call(group, ctx, gen, kind, n)
+        x = torch.empty(n, hidden, dtype=torch.bfloat16, device=dev)
+        idx = torch.empty(n, topk, dtype=torch.int64, device=dev)
+        wts = torch.empty(n, topk, dtype=torch.float32, device=dev)
+        eo = torch.empty_like(ctx.recv_x)
+
+        def fill(kind):
+            x.copy_(rand(gen, n, hidden, dtype=torch.bfloat16, device=dev))
+            i, ww = _routing(gen, kind, n, topk, w * e_loc, w)
+            idx.copy_(i)
+            wts.copy_(ww)
+
+        def step():
+            h = ctx.dispatch(x, idx, wts)
+            eo.copy_(h.recv_x)
+            return ctx.combine(eo, h)
+
+        fill("random")
+        step()
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = step()
+        for kind in ("random", "skewed", "not_rank0", "one_expert"):
+            fill(kind)
+            y.fill_(float("nan"))
+            dist.barrier()
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = (wts * (idx >= 0))[:, :, None].float() * x.float()[:, None, :]
+            assert rel_err(y, ref.sum(1)) < TOL, kind
+        ctx.check()
+        _ll_check_call(group, ctx, gen, "random", n - 5)
+    finally:
+        ctx.close()
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("protocol", ["flag_in_data", "token_flag"])
+def test_low_latency_graph(world, protocol):
+    if world.backend != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    world.run(_ll_graph_body, protocol)

@@ -50,16 +50,30 @@ def combine(ctx, expert_out, handle, out=None) -> torch.Tensor:
 
 
 def _combine(ctx, n, expert_out, out) -> None:
+    send_rows(ctx, expert_out)
+    recv_sum(ctx, n, out)
+
+
+def send_rows(ctx, expert_out, only_src: int = -1) -> None:
+    """Expert side of combine: weighted per-token sums sent home. ``only_src >= 0``: only
+    that home rank's tokens, ``expert_out`` holding that source's region of the
+    source-major layout (``EPMoE``'s overlapped path)."""
     cfg, w, pad = ctx.cfg, ctx.world_size, ctx.pad
-    err, rank = ctx.error.address, ctx.rank
     launch(
         ep_combine_send_kernel, cfg.programs, expert_out, ctx.route_idx.local,
         ctx.route_w.local, ctx.route_n.local, ctx.pair_rel, ctx.counts, ctx.status,
-        ctx.comb.local, ctx.comb.ptrs, pad.ptrs, pad.offset("comb"), err, rank, w,
-        ctx.hidden, ctx.max_tokens, ctx.max_spins,
+        ctx.comb.local, ctx.comb.ptrs, pad.ptrs, pad.offset("comb"), ctx.error.address,
+        ctx.rank, w, ctx.hidden, ctx.max_tokens, ctx.max_spins, only_src, ctx.seg_counts,
         E_LOC=ctx.e_loc, KP=ctx.kp, BT=cfg.block_tokens, BH=cfg.block_hidden,
-        EP2=max(2, next_pow2(ctx.e_loc)), num_warps=cfg.num_warps,
+        EP2=max(2, next_pow2(ctx.e_loc)), WP=max(2, next_pow2(w)), SRC_MAJOR=only_src >= 0,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
+
+
+def recv_sum(ctx, n, out) -> None:
+    """Home side of combine: the sum of the expert ranks' rows of each token."""
+    cfg, w, pad = ctx.cfg, ctx.world_size, ctx.pad
+    err, rank = ctx.error.address, ctx.rank
     launch(
         ep_combine_recv_kernel, cfg.programs, out, n, ctx.route_idx.local, ctx.comb.local,
         ctx.status, pad.buffer.local, pad.offset("comb"), pad.offset("done") + 1,

@@ -84,11 +84,15 @@ class EPAllToAll(OpContext):
                 f"{self.op_name}: fp8 dispatch needs hidden a multiple of {FP8_GROUP}, got {hidden}"
             )
         self.e_loc = experts // w
-        bound = w * max_tokens * min(topk, self.e_loc)
+        # every (token, k) pair is a row, also where a token names one expert twice
+        bound = w * max_tokens * topk
         capacity = bound if capacity is None else int(capacity)
         if capacity < 1:
             raise InterlaceValueError(f"{self.op_name}: capacity must be positive, got {capacity}")
-        regions = {"route": w, "data": w, "comb": w, "done": 2, "overflow": 1, "bad_index": 1}
+        regions = {
+            "route": w, "data": w, "comb": w, "done": 2, "overflow": 1, "bad_index": 1,
+            "src_done": w,
+        }  # fmt: skip
         super().__init__(group, dtype, max_tokens * hidden, regions, max_spins)
         self.max_tokens, self.hidden, self.experts, self.topk = max_tokens, hidden, experts, topk
         self.capacity, self.fp8 = capacity, bool(fp8)
@@ -106,6 +110,7 @@ class EPAllToAll(OpContext):
         self.comb = self._track(symm_empty((w, t, h), dtype, group))
         self.pair_rel = torch.full((w, t, kp), -1, dtype=torch.int32, device=dev)
         self.counts = torch.zeros(self.e_loc, dtype=torch.int32, device=dev)
+        self.seg_counts = torch.zeros(self.e_loc, w, dtype=torch.int32, device=dev)
         self.status = torch.zeros(1, dtype=torch.int32, device=dev)
         self._recv = torch.empty(capacity, h, dtype=stage_dtype, device=dev)
         self.recv_x = self._recv.view(torch.float8_e4m3fn) if self.fp8 else self._recv
@@ -182,7 +187,9 @@ class EPAllToAll(OpContext):
             self.recv_x, self.recv_scale, self.expert_counts, self.expert_offsets, n, self._calls
         )
 
-    def _dispatch(self, n, x, topk_idx, topk_weights) -> None:
+    def _dispatch(self, n, x, topk_idx, topk_weights, src_major=None) -> None:
+        """The four launches. ``src_major = (recv, src_offs, cap_s)``: the expansion
+        writes the source-major layout into ``recv`` instead (see ``EPMoE``)."""
         cfg, w, c = self.cfg, self.world_size, self._common()
         pad = self.pad
         sig_tab, sig = pad.ptrs, pad.buffer.local
@@ -206,21 +213,24 @@ class EPAllToAll(OpContext):
         )  # fmt: skip
         launch(
             ep_layout_kernel, self.e_loc + 1, self.route_idx.local, self.route_n.local,
-            self.pair_rel, self.counts, self.status, sig, pad.offset("route"), c["err"],
+            self.pair_rel, self.counts, self.seg_counts, self.status, sig, pad.offset("route"),
+            c["err"],
             c["rank"], c["world"], self.max_tokens, self.capacity, pad.offset("overflow"),
             pad.offset("bad_index"), self.max_spins,
             E_LOC=self.e_loc, KP=self.kp, BT=cfg.layout_tokens, WP=max(2, next_pow2(w)),
         )  # fmt: skip
         recv_scale = self.recv_scale if self.recv_scale is not None else self.status
+        recv, src_offs, cap_s = (self._recv, self.status, 0) if src_major is None else src_major
         launch(
             ep_expand_kernel, cfg.programs, self.stage.local, self.stage_scale.local,
             self.route_idx.local, self.route_n.local, self.pair_rel, self.counts,
-            self.status, self._recv, recv_scale, self.expert_counts, self.expert_offsets,
+            self.status, recv, recv_scale, self.expert_counts, self.expert_offsets,
             sig, pad.offset("route"), pad.offset("data"), pad.offset("done"), cfg.programs,
             c["err"], c["rank"], c["world"], self.hidden, self.max_tokens, self.max_spins,
+            self.seg_counts, src_offs, cap_s, pad.offset("src_done"),
             E_LOC=self.e_loc, KP=self.kp, BT=cfg.block_tokens, BH=cfg.block_hidden,
             EP2=max(2, next_pow2(self.e_loc)), WP=max(2, next_pow2(w)), FP8=self.fp8,
-            num_warps=cfg.num_warps,
+            SRC_MAJOR=src_major is not None, num_warps=cfg.num_warps,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ combine
