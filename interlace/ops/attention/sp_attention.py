@@ -38,8 +38,19 @@ Strategies:
 
 Eager calls alternate between two buffer sets (``AlternatingSets``), so consecutive calls
 need no device barrier; a call captured in a CUDA graph uses a third set behind one.
+With ``eager_graphs`` (the default where the driver allows) the device work of an eager
+``fused`` call, forward or backward, is replayed from a CUDA graph from the third call
+of each kind on (``OpContext._enqueue``): one launch from the host instead of every
+kernel, copy and signal write.
 Every call is collective: all ranks call with the same shapes, which each call checks
-(one small host all-reduce) before it launches anything.
+(one small host all-reduce, ``validate=True``) before it launches anything.
+
+Host order of a call: the copies to the peers are enqueued before any kernel that waits
+for the peers' copies. The first launch of a kernel blocks the host while a kernel spins
+on the device (benchmarks/NOTES.md, "A launch-order deadlock"): with the waiting kernels
+first, the backward's later kernels (dQ, the reduction) blocked each rank's host before
+its copies were enqueued, and every rank's dK/dV kernel waited for the others' copies
+until its spin bound ran out.
 """
 
 from __future__ import annotations
@@ -53,7 +64,7 @@ import triton
 
 from ...errors import InterlaceTypeError, InterlaceValueError
 from ...kernels import attention as K
-from ...runtime import copy_and_signal, fork_from_mark, fork_mark, join, symm_empty, use_stream
+from ...runtime import copy_and_signal, fork, join, symm_empty
 from .._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext, cdiv
 from .._launch import scratch
 
@@ -70,6 +81,9 @@ class AttnConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    #: forward only: the unmasked key loop warp-specialised (producer warps issue the
+    #: K / V tensor-descriptor loads)
+    warp_specialize: bool = False
 
 
 #: Kernel configs on a GPU per (kernel, head_dim): (query block, key block, warps,
@@ -188,7 +202,7 @@ def launch_fwd(a: KernelArgs, q, k, v, k_all, v_all, o, lse, arrival: int, wait:
     K.sp_attn_fwd_kernel[grid](
         q, k, v, k_all, v_all, o, lse, a.seg, a.cu, a.sig, a.err, a.rank, a.max_spins,
         arrival, a.sm_scale * K.LOG2E, a.s_loc, a.half, WAIT=wait, CLEAR=clear,
-        **_common(a, cfg),
+        WS=cfg.warp_specialize and a.backend == "cuda", **_common(a, cfg),
     )  # fmt: skip
 
 
@@ -248,7 +262,11 @@ class SPAttention(AlternatingSets, OpContext):
     """Sequence-parallel attention over ``group``; see the module docstring.
 
     ``max_tokens``: the most ``batch * S_loc`` a call takes on one rank (sizes the
-    gathered K/V and the backward's receive buffers)."""
+    gathered K/V and the backward's receive buffers). ``validate``: every call exchanges
+    its shape with the other ranks (one small host all-reduce) so that a rank called with
+    other shapes raises on every rank; False skips it. ``eager_graphs``: replay eager
+    ``fused`` calls from CUDA graphs (``OpContext._enqueue``; None: where the driver
+    allows)."""
 
     op_name = "sp_attention"
     STRATEGIES = STRATEGIES
@@ -256,6 +274,7 @@ class SPAttention(AlternatingSets, OpContext):
     def __init__(
         self, group, heads: int, kv_heads: int, head_dim: int, max_tokens: int,
         dtype: torch.dtype = torch.bfloat16, strategy: str = "fused", max_spins=None,
+        validate: bool = True, eager_graphs: bool | None = None,
     ):  # fmt: skip
         name = self.op_name
         if strategy not in STRATEGIES:
@@ -281,6 +300,8 @@ class SPAttention(AlternatingSets, OpContext):
         super().__init__(group, dtype, kv_numel, regions, max_spins)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.max_tokens, self.strategy = int(max_tokens), strategy
+        self.validate = bool(validate)
+        self._init_eager_graphs(eager_graphs)
         self._dummy = torch.zeros(2, dtype=torch.int32, device=group.device)
         self._seg_cache: dict = {}
         if strategy == "fused":
@@ -345,8 +366,9 @@ class SPAttention(AlternatingSets, OpContext):
 
     def _check_agree(self, shape: CallShape) -> None:
         """Every rank calls with the same shape: a host all-reduce of (min, max) per field,
-        so every rank raises alike. Skipped inside a CUDA-graph capture."""
-        if self._capturing() or self.world_size == 1:
+        so every rank raises alike. Skipped inside a CUDA-graph capture and without
+        ``validate``."""
+        if self._capturing() or self.world_size == 1 or not self.validate:
             return
         vals = [shape.batch, shape.s_loc, int(shape.causal), shape.docs]
         on_host = self.group.backend != "cuda" or self.group.shared_device
@@ -407,17 +429,19 @@ class SPAttention(AlternatingSets, OpContext):
     def _gather(self, s: int, k, v, arrival: int, consumer) -> None:
         """Push this rank's K and V into slot ``rank`` of every peer's set ``s``, peer by
         peer in rank-rotated order, each peer's flag raised from the comm stream after
-        both land; ``consumer()`` (the kernels) is enqueued first on a GPU."""
+        both land, then enqueue ``consumer()`` (the kernels, which wait for the peers'
+        flags) on the current stream: the copies first (see the module docstring).
+
+        Set ``GRAPH_SET`` (a call being captured): a device barrier on the current stream
+        first, so that every peer is done with the previous replay's chunks (and partial
+        gradients) before this replay writes them again. It runs before the consumer, not
+        beside it on the comm stream: a barrier kernel there could find no SM free while
+        the consumer's programs fill the GPU waiting for flags behind it."""
         w, r = self.world_size, self.rank
         numel = k.numel()
-        gpu = self.group.backend == "cuda"
-        fork_mark(self.group)
-        if gpu:
-            consumer()
-        stream = fork_from_mark(self.group)
         if s == GRAPH_SET:
-            with use_stream(stream):
-                self._barrier()  # every peer is done with the previous replay's chunks
+            self._barrier()
+        stream = fork(self.group)
         for i in range(1, w):
             dst = (r + i) % w
             flat = self.gathered.peers[dst][s]
@@ -425,12 +449,27 @@ class SPAttention(AlternatingSets, OpContext):
             copy_and_signal(flat[r * numel : (r + 1) * numel], k.view(-1), stream=stream)
             lo = (w + r) * numel
             copy_and_signal(flat[lo : lo + numel], v.view(-1), signal, arrival + r, stream=stream)
-        if not gpu:
-            consumer()
+        consumer()
         join(self.group, stream)
 
     def _arrival(self, s: int) -> int:
         return self.pad.offset("arrival") + s * (self.world_size + 1)
+
+    def _kind(self, step: str, shape: CallShape, a: KernelArgs):
+        """What, besides the operands' shapes, a graph-replayed call must share with the
+        captured one (``OpContext._enqueue``): the kernels' specialisation and scalars."""
+        return (step, shape.causal, a.varlen, a.sm_scale)
+
+    @staticmethod
+    def _operands(a: KernelArgs, *tensors) -> list:
+        """The call's tensors for ``_enqueue`` (re-pointed at each replay): each distinct
+        one once (``v`` may be ``k``), then the document tables when ``varlen``."""
+        seen, out = set(), []
+        for t in tensors:
+            key = (t.data_ptr(), t.numel())
+            out.append(None if key in seen else t)
+            seen.add(key)
+        return out + ([a.seg, a.cu] if a.varlen else [None, None])
 
     def _forward(self, q, k, v, shape: CallShape, cu, scale):
         if self.group.backend == "cuda":
@@ -440,14 +479,18 @@ class SPAttention(AlternatingSets, OpContext):
         lse = torch.empty(
             q.shape[0] * q.shape[1], shape.s_loc, dtype=torch.float32, device=q.device
         )
-        s = self._buffer_set()
-        arrival = self._arrival(s)
-        k_all, v_all = self._set_views(self.gathered, s, k.numel())
 
-        def consumer():
-            launch_fwd(a, q, k, v, k_all, v_all, o, lse, arrival, wait=True, clear=True)
+        def run():
+            s = self._buffer_set()
+            arrival = self._arrival(s)
+            k_all, v_all = self._set_views(self.gathered, s, k.numel())
 
-        self._gather(s, k, v, arrival, consumer)
+            def consumer():
+                launch_fwd(a, q, k, v, k_all, v_all, o, lse, arrival, wait=True, clear=True)
+
+            self._gather(s, k, v, arrival, consumer)
+
+        self._enqueue(self._kind("fwd", shape, a), run, *self._operands(a, q, k, v, o, lse))
         return o, lse
 
     def _backward(self, q, k, v, o, lse, do, shape: CallShape, cu, scale):
@@ -457,26 +500,31 @@ class SPAttention(AlternatingSets, OpContext):
         do = do.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
-        s = self._buffer_set()
-        arrival = self._arrival(s)
-        dkv_slot = self.pad.offset("dkv") + s * (self.world_size + 1)
         numel = k.numel()
-        k_all, v_all = self._set_views(self.gathered, s, numel)
-        recv = self.recv.local[s]
+        rows = k.shape[0] * k.shape[1] * shape.s_loc
 
-        def consumer():
-            launch_delta(a, o, do, delta)
-            launch_dkdv(
-                a, q, k, v, k_all, v_all, do, lse, delta, recv, self.recv.ptrs, self.pad.ptrs,
-                arrival, dkv_slot, wait=True,
-            )  # fmt: skip
-            launch_dq(a, q, k, v, k_all, v_all, do, lse, delta, dq, arrival, wait=True, clear=True)
-            launch_reduce(a, recv, dk, dv, dkv_slot, k.shape[0] * k.shape[1] * shape.s_loc)
+        def run():
+            s = self._buffer_set()
+            arrival = self._arrival(s)
+            dkv_slot = self.pad.offset("dkv") + s * (self.world_size + 1)
+            k_all, v_all = self._set_views(self.gathered, s, numel)
+            recv = self.recv.local[s]
 
-        if s == GRAPH_SET:
-            # the dK/dV stores land in the peers' set: they must be past their last replay
-            self._barrier()
-        self._gather(s, k, v, arrival, consumer)
+            def consumer():
+                launch_delta(a, o, do, delta)
+                launch_dkdv(
+                    a, q, k, v, k_all, v_all, do, lse, delta, recv, self.recv.ptrs,
+                    self.pad.ptrs, arrival, dkv_slot, wait=True,
+                )  # fmt: skip
+                launch_dq(
+                    a, q, k, v, k_all, v_all, do, lse, delta, dq, arrival, wait=True, clear=True
+                )  # fmt: skip
+                launch_reduce(a, recv, dk, dv, dkv_slot, rows)
+
+            self._gather(s, k, v, arrival, consumer)
+
+        operands = self._operands(a, q, k, v, o, lse, do, dq, dk, dv, delta)
+        self._enqueue(self._kind("bwd", shape, a), run, *operands)
         return dq, dk, dv
 
 
