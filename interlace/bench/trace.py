@@ -110,62 +110,10 @@ def run_trace(op, strategy, shape, world, calls=1, warmup=2, out=DEFAULT_OUT, cp
 
 
 # ---------------------------------------------------------------------- overhead
-class AGWaitsMet:
-    """AG+GEMM's consumer kernel of rank ``rank`` of ``world`` on one GPU, every chunk's
-    arrival flag raised before the launch (the kernel's own work, no communication), as
-    the op lowers it (``AGGemm._plan``: own rows first, then the chunks by arrival)."""
-
-    ARRIVAL = 64
-
-    def __init__(self, world, rank, m, n, k, device):
-        import torch
-
-        from .. import schedule
-        from ..ops import _gemm
-        from ..ops._gemm import Segment
-
-        cfg = _gemm.gemm_config(m, n, k)
-        m_loc = m // world
-        sched = schedule.full_mesh_all_gather(
-            world, m_loc, 1, mode="push", backend="ce", align=cfg.block_m
-        )
-        segments = []
-        for chunk, slot in schedule.chunk_order(sched, rank):
-            if slot is None:
-                segments.append(Segment(row0=chunk.lo, rows=chunk.rows, kind="store_own",
-                                        owner=rank, out_row0=chunk.lo - rank * m_loc))  # fmt: skip
-            else:
-                segments.append(Segment(row0=chunk.lo, rows=chunk.rows, kind="store",
-                                        owner=chunk.owner, wait_first=self.ARRIVAL + slot,
-                                        wait_count=1, wait_expected=1))  # fmt: skip
-        dtype = torch.bfloat16
-        table = _gemm.segment_table(segments, n, cfg, device)
-        grid = _gemm.programs_for(_gemm.total_tiles(segments, n, cfg), device, "cuda", comm_sms=1)
-        self.tiles = _gemm.total_tiles(segments, n, cfg)
-        one_loop = _gemm.one_loop_tables(segments, m, n, k, cfg, dtype, device)
-        self.sig = torch.zeros(4096, dtype=torch.int32, device=device)
-        self.sig[self.ARRIVAL : self.ARRIVAL + 64] = 1
-        self.err = torch.zeros(4, dtype=torch.int32, device=device)
-        self.run = _gemm.launcher(
-            m, n, k, cfg, grid, table, len(segments), dtype=dtype, device=device, own_a=True,
-            own_rows=m_loc, sig=self.sig, err=self.err.data_ptr(), rank=rank,
-            max_spins=1 << 22, world=world, one_loop=one_loop,
-        )  # fmt: skip
-        self.one_loop = one_loop is not None
-        gen = torch.Generator(device=device).manual_seed(5)
-        self.a = torch.randn(m, k, device=device, generator=gen).to(dtype)
-        self.a_own = self.a[rank * m_loc : (rank + 1) * m_loc].clone()
-        self.b = (torch.randn(k, n, device=device, generator=gen) / math.sqrt(k)).to(dtype)
-        self.c = torch.empty(m, n, device=device, dtype=dtype)
-        self.operands = (self.a, self.b, self.c, self.c, self.a_own)
-
-    def reference(self):
-        return self.a.float() @ self.b.float()
-
-
-def traced_launch(prepared, grid_tiles: int):
+def traced_launch(prepared, grid_tiles: int, device):
     """``prepared`` (a segment-GEMM ``PreparedLaunch``) with ``TRACE`` on, writing into a
-    buffer of its own: ``(launch, buffer)``; the same launch path as ``prepared``."""
+    buffer of its own on ``device``: ``(launch, buffer)``; the same launch path as
+    ``prepared``."""
     import torch
 
     from ..language.trace import buffer_stride
@@ -174,7 +122,7 @@ def traced_launch(prepared, grid_tiles: int):
     grid = prepared.grid
     per = -(-grid_tiles // grid)
     stride = buffer_stride(per)
-    buf = torch.zeros(1 + grid * stride, 4, dtype=torch.int64, device="cuda")
+    buf = torch.zeros(1 + grid * stride, 4, dtype=torch.int64, device=device)
     buf[0, :3] = torch.tensor([stride, grid, per])
     names = prepared.kernel.arg_names
     operands = tuple(names[i] for i in prepared._where)
@@ -208,14 +156,48 @@ def _events_written(buf) -> dict:
     )
 
 
+#: overhead cases: op -> (``testing.emulated`` mode, the op's strategy it stands for)
+OVERHEAD_CASES = {"ag_gemm": ("ag", "fused"), "gemm_rs": ("rs", "ce_fused")}
+
+
+class OverheadCase:
+    """One rank's kernel of ``op`` (``OVERHEAD_CASES``) with its waits met
+    (``testing.emulated.Emulated``, rank 0 of ``world``), untraced (``plain``) and traced
+    (``traced``, events into ``buf``), each checked once against float32 by
+    :meth:`check`."""
+
+    def __init__(self, op, world, m, n, k, device, one_loop=None):
+        from ..ops import segment_gemm
+        from ..testing.emulated import Emulated
+
+        mode, self.strategy = OVERHEAD_CASES[op]
+        # ``one_loop=None``: the one-loop mode where the op takes it on a GPU
+        self.kern = Emulated(world, 0, m, n, k, mode, device=device, one_loop=one_loop)
+        kern = self.kern
+        self.plain = kern.run.prepared
+        self.operands = kern.run._operands(kern.a, kern.b, kern.out, None, kern.a_own)
+        self.tiles = segment_gemm.total_tiles(kern.segments, n, kern.cfg)
+        self.one_loop = bool(self.plain.kwargs.get("ONE_LOOP"))
+        self.traced, self.buf = traced_launch(self.plain, self.tiles, device)
+
+    def check(self) -> tuple[float, dict]:
+        """Each launch once (outputs poisoned, chunk counters zeroed by ``Emulated.check``):
+        the larger relative error and the events the traced launch wrote."""
+        kern, errs = self.kern, []
+        for launch in (self.plain, self.traced):
+            kern.run.prepared = launch
+            try:
+                errs.append(kern.check())
+            finally:
+                kern.run.prepared = self.plain
+        return max(errs), _events_written(self.buf.cpu())
+
+
 def overhead(quick: bool, iters: int, reps: int = 10, as_world: int = 4, save=None) -> list[dict]:
     """TRACE on vs off for the per-rank kernels with waits met (see the module docstring);
     ``save(records)`` after each shape."""
     import torch
 
-    from ..ops._cef_emulated import ARRIVAL as Emulated_ARRIVAL
-    from ..ops._cef_emulated import Emulated
-    from ..ops._cef_emulated import rel_err as _rel
     from .dense import MODELS, model_shape
     from .timing import paired_median_ms
 
@@ -225,47 +207,24 @@ def overhead(quick: bool, iters: int, reps: int = 10, as_world: int = 4, save=No
     records = []
     for model in models:
         for m in ms:
-            for op in ("ag_gemm", "gemm_rs"):
+            for op in OVERHEAD_CASES:
                 shape = model_shape(op, model, m, as_world)
-                if op == "ag_gemm":
-                    kern = AGWaitsMet(as_world, 0, shape.M, shape.N, shape.K, dev)
-                    prepared, operands, tiles = kern.run.prepared, kern.operands, kern.tiles
-                    strategy, one_loop = "fused", kern.one_loop
-                else:
-                    kern = Emulated(as_world, 0, shape.M, shape.N, shape.K, "rs", one_loop=True)
-                    prepared = kern.run.prepared
-                    operands = kern.run._operands(kern.a, kern.b, kern.out, None, None)
-                    from ..ops import _gemm
-
-                    tiles = _gemm.total_tiles(kern.segments, shape.N, kern.cfg)
-                    strategy, one_loop = "ce_fused", True
-                traced, buf = traced_launch(prepared, tiles)
-                errs = []
-                for launch in (prepared, traced):  # each checked, output poisoned
-                    if op == "ag_gemm":
-                        kern.c.fill_(float("nan"))
-                        launch(*operands)
-                        torch.cuda.synchronize()
-                        errs.append(_rel(kern.c, kern.reference()))
-                    else:  # (counters start from zero for each checked launch)
-                        kern.pads[0][:Emulated_ARRIVAL].zero_()
-                        kern.run.prepared = launch
-                        errs.append(kern.check())
-                        kern.run.prepared = prepared
-                written = _events_written(buf.cpu())
-                graphs = [_graph(lambda p=p, o=operands: p(*o), reps) for p in (prepared, traced)]
+                case = OverheadCase(op, as_world, shape.M, shape.N, shape.K, dev)
+                err, written = case.check()
+                tiles, launches = case.tiles, (case.plain, case.traced)
+                graphs = [_graph(lambda p=p, o=case.operands: p(*o), reps) for p in launches]
                 t_off, t_on = (
                     t / reps for t in paired_median_ms(None, [g.replay for g in graphs], iters)
                 )  # fmt: skip
                 rec = dict(
-                    op="trace_overhead", strategy=strategy, model=model, dtype="bfloat16",
+                    op="trace_overhead", strategy=case.strategy, model=model, dtype="bfloat16",
                     M=shape.M, N=shape.N, K=shape.K, as_world=as_world, waits_met=True,
-                    one_loop=one_loop, ref="untraced", t_ms=round(t_on, 5),
+                    one_loop=case.one_loop, ref="untraced", t_ms=round(t_on, 5),
                     t_ref_ms=round(t_off, 5), overhead_pct=round((t_on / t_off - 1) * 100, 2),
-                    rel_err=max(errs), tiles=tiles, tiles_traced=written["tiles"],
+                    rel_err=err, tiles=tiles, tiles_traced=written["tiles"],
                 )  # fmt: skip
                 print(f"{op:8s} {model:11s} M={m:5d}: off {t_off:.4f} ms, on {t_on:.4f} ms "
-                      f"({rec['overhead_pct']:+.2f} %), err {max(errs):.1e}, tiles "
+                      f"({rec['overhead_pct']:+.2f} %), err {err:.1e}, tiles "
                       f"{written['tiles']}/{tiles}", flush=True)  # fmt: skip
                 records.append(rec)
                 if save is not None:  # after every shape: a time-out keeps what was measured

@@ -26,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..errors import InterlaceValueError
 from ..kernels.trace import clock_kernel
 from ..language.trace import buffer_stride
 from ..ops import _trace as hooks
@@ -113,14 +114,13 @@ class Recorder:
             launches.append((info, buf.cpu().tolist()))
         spans = []
         if self.cuda:
-            c = self._clock.cpu().tolist()
-            i = min(range(ANCHORS), key=lambda i: c[2 * i + 1] - c[2 * i])
-            anchor, event = (c[2 * i] + c[2 * i + 1]) // 2, self._anchors[i]
+            i, anchor, window = tightest_bracket(self._clock.cpu().tolist())
+            event = self._anchors[i]
             for kind, track, start, end, meta in self.spans:
                 t0 = anchor + round(event.elapsed_time(start) * 1e6)
                 t1 = anchor + round(event.elapsed_time(end) * 1e6)
                 spans.append((kind, track, t0, t1, meta))
-            meta = dict(anchor_window_ns=(c[2 * i + 1] - c[2 * i]) // 2)
+            meta = dict(anchor_window_ns=window)
         else:
             spans = list(self.spans)
             meta = dict(anchor_window_ns=0)
@@ -143,6 +143,17 @@ class Recorder:
         if getattr(self.group, "shared_device", False):
             return "one GPU (every rank reads its global timer)"
         return None
+
+
+def tightest_bracket(reads: list[int]) -> tuple[int, int, int]:
+    """Of the brackets ``(reads[2 i], reads[2 i + 1])`` (timer reads before and after anchor
+    ``i``), the narrowest: ``(i, its middle, its half-width)``. The anchor lies within the
+    half-width of the middle."""
+    if len(reads) < 2 or len(reads) % 2:
+        raise InterlaceValueError(f"brackets come in pairs of reads, got {len(reads)} reads")
+    i = min(range(len(reads) // 2), key=lambda i: reads[2 * i + 1] - reads[2 * i])
+    lo, hi = reads[2 * i], reads[2 * i + 1]
+    return i, (lo + hi) // 2, -(-(hi - lo) // 2)
 
 
 def measure_clock(group, tries: int = CLOCK_TRIES) -> dict:

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import interlace.kernels.gemm as gemm_module
-from interlace.language.inspect import compile_for_hopper, cuda_compile_unavailable
+from interlace.testing.codegen import compile_for_hopper, cuda_compile_unavailable
 from tests.kernels.test_gemm_codegen import BASE, VARIANTS
 
 pytestmark = pytest.mark.skipif(
