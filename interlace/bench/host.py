@@ -2,9 +2,9 @@
 (``eager_graphs``, the default where the driver allows: a call replays its captured graph).
 
 What a user's eager call costs the CPU before it returns, with the device idle at its
-start (``host_us``: median of ``--iters`` calls after warm-up calls that compile and
-capture). One GPU is enough: the ranks then share it (``World(share_device=True)``),
-which changes device times, not the host path. Ops: AG+GEMM, GEMM+RS and GEMM+AR in
+start and every rank past a host barrier (``host_us``: median of ``--iters`` calls after
+warm-up calls that compile and capture). One GPU is enough: the ranks then share it
+(``World(share_device=True)``), which changes device times, not the host path. Ops: AG+GEMM, GEMM+RS and GEMM+AR in
 ``fused`` (and GEMM+RS / GEMM+AR in ``ce_fused``) at LLaMA-3-8B, M 2048; the collectives
 in their default method at 16 MB per rank. Records: ``op``, ``strategy``, the shape,
 ``as_world``, ``host_us``, ``eager_graphs: true``; written with ``world_size`` 1 on one
@@ -14,31 +14,18 @@ GPU, with the world size on several.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
 from .collectives import _inputs
 from .dense import model_shape
+from .timing import host_us
 
 DENSE = (("ag_gemm", "fused"), ("gemm_rs", "fused"), ("gemm_rs", "ce_fused"),
          ("gemm_ar", "fused"), ("gemm_ar", "ce_fused"))  # fmt: skip
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 MODEL, M, COLLECTIVE_BYTES = "llama3-8b", 2048, 16 << 20
-
-
-def host_us(fn, iters: int = 20) -> float:
-    """Median host time of one call in µs (the device idle at the start of each)."""
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def _max_over_ranks(group, value: float) -> float:
@@ -65,7 +52,7 @@ def measure(group, iters: int = 20, warmup: int = 5) -> list[dict]:
         with classes[op](group, max_m=s.M, n=s.N, k=s.K, strategy=strategy) as ctx:
             for _ in range(warmup):
                 ctx(a, b)
-            t = host_us(lambda ctx=ctx, a=a, b=b: ctx(a, b), iters)
+            t = host_us(group, lambda ctx=ctx, a=a, b=b: ctx(a, b), iters)
             ctx.check()
         records.append({"op": op, "strategy": strategy, "model": MODEL, "M": s.M, "N": s.N,
                         "K": s.K, "as_world": w, "host_us": round(_max_over_ranks(group, t), 1),
@@ -77,7 +64,7 @@ def measure(group, iters: int = 20, warmup: int = 5) -> list[dict]:
         with collective[op](group, capacity, torch.bfloat16) as ctx:
             for _ in range(warmup):
                 ctx(x)
-            t = host_us(lambda ctx=ctx, x=x: ctx(x), iters)
+            t = host_us(group, lambda ctx=ctx, x=x: ctx(x), iters)
             ctx.check()
             method = getattr(ctx, "method", "default")
         records.append({"op": op, "strategy": method, "bytes_per_rank": COLLECTIVE_BYTES,
