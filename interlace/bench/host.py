@@ -1,14 +1,14 @@
 """``python -m interlace bench host``: the host time of one eager call per op, graphs on
 (``eager_graphs``, the default where the driver allows: a call replays its captured graph).
 
-What a user's eager call costs the CPU before it returns, with the device idle at its
-start and every rank past a host barrier (``host_us``: median of ``--iters`` calls after
-warm-up calls that compile and capture). One GPU is enough: the ranks then share it
-(``World(share_device=True)``), which changes device times, not the host path. Ops: AG+GEMM, GEMM+RS and GEMM+AR in
-``fused`` (and GEMM+RS / GEMM+AR in ``ce_fused``) at LLaMA-3-8B, M 2048; the collectives
-in their default method at 16 MB per rank. Records: ``op``, ``strategy``, the shape,
-``as_world``, ``host_us``, ``eager_graphs: true``; written with ``world_size`` 1 on one
-GPU, with the world size on several.
+What a user's eager call costs the CPU before it returns, with the device idle at its start
+and every rank past a host barrier (``host_us``: median of ``--iters`` calls after warm-up
+calls that compile and capture). One GPU is enough: the ranks then share it
+(``World(share_device=True)``), which changes device times, not the host path. Ops:
+AG+GEMM, GEMM+RS and GEMM+AR in ``fused`` (and GEMM+RS / GEMM+AR in ``ce_fused``) at
+LLaMA-3-8B, M 2048; the collectives in their default method at 16 MB per rank. Records:
+``op``, ``strategy``, the shape, ``as_world``, ``host_us``, ``eager_graphs: true``; written
+with ``world_size`` 1 on one GPU, with the world size on several.
 """
 
 from __future__ import annotations
