@@ -211,8 +211,10 @@ def gemm_segments_kernel(
     n_prog = tl.num_programs(0)
     if ENTRY_BARRIER:
         if pid == 0:
-            barrier_all(sig_table, bar_slot, rank, WORLD, err, max_spins)
-            notify(sig + go_slot, 1)
+            # no "go" when a peer is in another call (the fault is recorded): the
+            # segments that write into peers then stop at their wait instead
+            if barrier_all(sig_table, bar_slot, rank, WORLD, err, max_spins) != 0:
+                notify(sig + go_slot, 1)
     tiles_n = tl.cdiv(N, BLOCK_N)
     out_ty = c.dtype.element_ty
     b_desc = None

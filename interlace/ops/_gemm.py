@@ -312,7 +312,7 @@ def check_gemm_shape(op: str, max_m, n, k, dtype) -> None:
     """A GEMM context's capacity and dtype: ``max_m``, ``n`` and ``k`` positive, ``dtype``
     one of ``SUPPORTED``; the message names the op."""
     if dtype not in SUPPORTED:
-        raise InterlaceValueError(f"{op}: dtype must be one of {SUPPORTED}, got {dtype}")
+        raise InterlaceTypeError(f"{op}: dtype must be one of {SUPPORTED}, got {dtype}")
     for name, v in (("max_m", max_m), ("n", n), ("k", k)):
         if int(v) <= 0:
             raise InterlaceValueError(f"{op}: {name} must be positive, got {v}")

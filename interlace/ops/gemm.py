@@ -80,7 +80,7 @@ from ..runtime import (
     use_stream,
 )
 from . import _gemm
-from ._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext
+from ._context import BUFFER_SETS, AlternatingSets, OpContext
 from ._gemm import MAX_SPLIT, GemmConfig, Segment, tiles_of
 from ._rs_variants import RING_MAX_PROGRAMS, ScatterVariants
 
@@ -275,6 +275,7 @@ class AGGemm(AlternatingSets, _OverlappedGemm):
             self._check_out(out, (w * m_loc, n))
             _gemm.check_tma_aligned(self.op_name, out, names=("out",))
         strategy = self._resolve(w * m_loc, n, self.k)
+        self._begin_call(M=w * m_loc, N=n, K=self.k, strategy=strategy, bias=bias is not None)
         if strategy == "none":
             self._baseline(a_shard, b, bias, out)
         elif strategy == "fused":
@@ -387,9 +388,10 @@ class AGGemm(AlternatingSets, _OverlappedGemm):
         if consumer_first:
             self._gemm(plan, a_shard, b, bias, out, m_loc)
         stream = fork_from_mark(self.group)
-        if s == GRAPH_SET:
-            with use_stream(stream):
-                self._barrier()  # every peer is done with the previous replay's rows
+        with use_stream(stream):
+            # every peer is in this same call (the barrier carries the call fingerprint),
+            # and, for a captured call, done with the previous replay's rows
+            self._barrier()
         for dst, lo, hi, signal, slot in plan[4]:
             src = a_shard if hi - lo == whole else a_shard[lo:hi]
             copy_and_signal(dst, src, signal, slot, stream=stream)
@@ -652,6 +654,7 @@ class GemmRS(_ScatterGemm):
             self._check_out(out, (m // w, n))
             _gemm.check_tma_aligned(self.op_name, out, names=("out",))
         strategy = self._resolve(m, n, self.k)
+        self._begin_call(M=m, N=n, K=self.k, strategy=strategy, bias=bias is not None)
         self._switch_barrier(strategy)
         if strategy == "none":
             c = torch.matmul(a, b)
@@ -736,6 +739,7 @@ class GemmAR(_ScatterGemm):
         m, n = a.shape[0], b.shape[1]
         out = self._check_out(out, (m, n))
         strategy = self._resolve(m, n, self.k)
+        self._begin_call(M=m, N=n, K=self.k, strategy=strategy, bias=bias is not None)
         self._switch_barrier(strategy)
         if strategy == "none":
             result = torch.matmul(a, b, out=out) if out is not None else torch.matmul(a, b)
