@@ -126,13 +126,17 @@ class SymmetricTensor:
         mine = os.path.join(SHM_DIR, f"{shm_prefix()}-{g.uid}-{seq}-r{g.rank}-p{os.getpid()}")
         fd = os.open(mine, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         why = ""
+        free = _shm_free()
+        if self.nbytes > free:  # (fallocate would fill /dev/shm before it fails)
+            why = f"only {free / 2**20:.1f} MiB free in {SHM_DIR}"
         try:
+            if why:
+                raise OSError(why)
             # Reserve the pages now (a new file reads as zeros): a /dev/shm too small for
             # the buffer is an error here, not a bus error at the first touch.
             os.posix_fallocate(fd, 0, self.nbytes)
         except OSError as e:
-            free = _shm_free()
-            why = f"{e.strerror or e} ({free / 2**20:.1f} MiB free in {SHM_DIR})"
+            why = why or f"{e.strerror or e} ({_shm_free() / 2**20:.1f} MiB free in {SHM_DIR})"
         finally:
             os.close(fd)
         try:
