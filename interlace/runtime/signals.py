@@ -262,13 +262,15 @@ class ErrorWord:
         stream.synchronize()
 
 
-def abort_open_calls() -> int:
+def abort_open_calls(every: bool = False) -> int:
     """Report an abort in the group fault word of every context of this process that is in
-    the middle of a call (``ErrorWord.in_call``), so their peers stop waiting at once
-    instead of running out of time. Returns how many were reported."""
+    the middle of a call (``ErrorWord.in_call``; with ``every``, of every open context), so
+    their peers stop waiting at once instead of running out of time; those contexts then
+    refuse further calls on every rank. For an exception handler around a rank's step:
+    the rank is giving up, its peers should too. Returns how many were reported."""
     n = 0
     for word in list(_open_words):
-        if word.in_call:
+        if (word.in_call or every) and word.pad is not None:
             word.report(CAUSE_ABORT)
             word.in_call = False
             n += 1
