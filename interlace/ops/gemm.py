@@ -369,9 +369,10 @@ class AGGemm(AlternatingSets, _OverlappedGemm):
         run(gathered, b, out, bias, a_shard)
 
     def _fused(self, a_shard, b, bias, out):
-        """The consumer GEMM on the caller's stream, and on the comm stream the copies of
-        this rank's shard into its peers' buffers of this call's buffer set (no device
-        barrier when eager, ``AlternatingSets``). On a GPU the GEMM is launched first: it
+        """A device barrier that checks the call fingerprints, then the consumer GEMM on
+        the caller's stream, and on the comm stream the copies of this rank's shard into
+        its peers' buffers of this call's buffer set (``AlternatingSets``). On a GPU the
+        GEMM is launched before the copies: it
         starts on its own shard at once, so the host time before its launch is all an
         eager call exposes (a profiled eager call on 2 x H200, copies first: the GEMM began
         165 us after the call, 80 us after the copy), and it waits per chunk for the peers'
@@ -384,14 +385,17 @@ class AGGemm(AlternatingSets, _OverlappedGemm):
         plan = self._plan(m_loc, b.shape[1], pull=False, s=s)
         whole = a_shard.shape[0]
         consumer_first = self.group.backend == "cuda"
+        # Every peer is in this same call (the barrier carries the call fingerprint: a
+        # peer that called with other shapes is reported at once) and done with its
+        # previous call (a captured call's set is rewritten by every replay). On the
+        # caller's stream, before the GEMM: on the comm stream, behind a persistent GEMM
+        # that holds the SMs, the one-program barrier could not be scheduled (seen on
+        # ranks sharing one H100).
+        self._barrier()
         fork_mark(self.group)  # the copies may start once the inputs are ready
         if consumer_first:
             self._gemm(plan, a_shard, b, bias, out, m_loc)
         stream = fork_from_mark(self.group)
-        with use_stream(stream):
-            # every peer is in this same call (the barrier carries the call fingerprint),
-            # and, for a captured call, done with the previous replay's rows
-            self._barrier()
         for dst, lo, hi, signal, slot in plan[4]:
             src = a_shard if hi - lo == whole else a_shard[lo:hi]
             copy_and_signal(dst, src, signal, slot, stream=stream)
