@@ -388,9 +388,9 @@ class AGGemm(AlternatingSets, _OverlappedGemm):
         # Every peer is in this same call (the barrier carries the call fingerprint: a
         # peer that called with other shapes is reported at once) and done with its
         # previous call (a captured call's set is rewritten by every replay). On the
-        # caller's stream, before the GEMM: on the comm stream, behind a persistent GEMM
-        # that holds the SMs, the one-program barrier could not be scheduled (seen on
-        # ranks sharing one H100).
+        # caller's stream, before the GEMM: on the comm stream, beside a persistent GEMM
+        # that holds the SMs and waits for the copies, the one-program barrier may never
+        # be scheduled.
         self._barrier()
         fork_mark(self.group)  # the copies may start once the inputs are ready
         if consumer_first:
