@@ -133,3 +133,75 @@ def merge_ranks(per_rank: list[list[dict]], world: int) -> list[dict]:
                 rec[key] = round(rec[key], 4)
         merged.append(rec)
     return merged
+
+
+def _table(records: list[dict], timed: bool) -> None:
+    from .cli import ms, print_table, ratio
+
+    head = ["op", "strategy", "MB/rank", "t_ms", "graph_ms", "pipe_ms", "nccl_ms", "nccl_pipe",
+            "busbw", "nccl_busbw", "x NCCL", "rel_err"]  # fmt: skip
+    rows = []
+    for r in records:
+        t, tn = r.get("t_ms"), r.get("t_nccl_ms")
+        rows.append(
+            [
+                r["op"], r["strategy"], f"{r['bytes_per_rank'] / 2**20:.3g}", ms(t),
+                ms(r.get("t_graph_ms")), ms(r.get("t_pipelined_ms")), ms(tn),
+                ms(r.get("t_nccl_pipelined_ms")),
+                f"{r['busbw_gbps']:.0f}" if timed else "-",
+                f"{r['nccl_busbw_gbps']:.0f}" if timed else "-", ratio(tn, t),
+                f"{r['rel_err']:.1e}",
+            ]
+        )  # fmt: skip
+    title = "interlace collectives" + ("" if timed else " (CPU emulation: correctness only)")
+    print_table(title, head, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m interlace bench collectives``: every collective and method against NCCL
+    (2+ GPUs), or its CPU-emulation correctness run."""
+    import argparse
+
+    from ..testing import World
+    from .cli import csv, parse_size, progress, rank_args, start
+    from .records import DEFAULT_OUT, write_records
+
+    p = argparse.ArgumentParser(prog="python -m interlace bench collectives")
+    rank_args(p, DEFAULT_OUT, "two sizes only", "the untimed pass over every size first")
+    p.add_argument("--sizes", type=csv(kind=parse_size), default=None,
+                   help="bytes per rank, e.g. 64M,256M")  # fmt: skip
+    p.add_argument("--ops", type=csv(OPS), default=None, help=f"subset of {','.join(OPS)}")
+    args = p.parse_args(argv)
+    plan = start(args)
+    if plan is None:
+        return 2
+    timed, world = plan
+    sizes = args.sizes or (
+        ([16 << 20, 256 << 20] if args.quick else [1 << 20, 16 << 20, 64 << 20, 256 << 20])
+        if timed
+        else [12 << 10, 96 << 10]
+    )
+    jobs = [(op, size) for op in (args.ops or list(OPS)) for size in sizes]
+    # A whole untimed pass first: on a fresh GPU machine the first minute of timings ran
+    # up to 3x slower (seen on 2 x H200), for NCCL and interlace alike.
+    warmup = jobs if timed and args.warmup_pass else []
+    step, stop = progress(len(warmup) + len(jobs))
+    records, path = [], None
+    device = torch.cuda.get_device_name(0) if timed else "cpu"
+    with World(world, "cuda" if timed else "cpu", timeout=600) as ranks:
+        try:
+            for op, size in warmup:
+                ranks.run(run_size, op, size, args.dtype, 5, timed)
+                step(f"warm-up {op} {size / 2**20:g} MB")
+            for op, size in jobs:
+                per_rank = ranks.run(run_size, op, size, args.dtype, args.iters, timed)
+                records += merge_ranks(per_rank, world)
+                step(f"{op} {size / 2**20:g} MB")
+        finally:
+            stop()
+    if timed and records:
+        path = write_records(args.out, device, world, records)
+    _table(records, timed)
+    print(f"results written to {path}" if path else "every collective matches its reference "
+          "(CPU emulation; no timings written)")  # fmt: skip
+    return 0

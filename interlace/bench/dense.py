@@ -1,6 +1,6 @@
 """Benchmark of the overlapped dense ops (AG+GEMM, GEMM+RS, GEMM+AR) and their CPU check.
 
-For each shape of the public table (DESIGN.md, "Measuring") one rank body times, in the same
+For each shape of the public table (docs/design.md, "Measuring") one rank body times, in the same
 run, cuBLAS alone, the NCCL collective alone, both back to back (``none``), torch's fused op
 where one exists, and every interlace strategy eager and replayed from a CUDA graph; it also
 checks each strategy against a float32 reference. Timings are per-rank medians, then the max
@@ -141,7 +141,7 @@ def make_record(
     last_strategy: str | None = None,
     notes=(),
 ) -> dict:
-    """One result record (DESIGN.md format) with bound, efficiencies and the ``ok`` flag.
+    """One result record (docs/design.md, "Measuring") with bound, efficiencies and the ``ok`` flag.
 
     ``times`` holds the keys of ``TIME_KEYS`` in ms (None where not measured)."""
     t = {k: times.get(k) for k in TIME_KEYS}
@@ -167,12 +167,6 @@ def make_record(
     if notes:
         rec["note"] = "; ".join(notes)
     return rec
-
-
-def record_key(rec: dict) -> tuple:
-    """What makes a dense record unique in a results file."""
-    return (rec.get("op"), rec.get("strategy"), rec.get("model"), rec.get("M"), rec.get("N"),
-            rec.get("K"))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- rank side
@@ -435,3 +429,113 @@ def warm_device(group, seconds: float) -> int:
         rounds += 1
         if not go.item():
             return rounds
+
+
+def _table(records: list[dict], timed: bool) -> None:
+    from .cli import ms, print_table, ratio
+
+    head = ["op", "model", "M", "strategy", "t_ms", "graph_ms", "none_ms", "torch_ms",
+            "gemm_ms", "comm_ms", "T/bound", "T_graph/bound", "x none", "rel_err"]  # fmt: skip
+    rows = []
+    for r in records:
+        ran = r.get("last_strategy")
+        strategy = r["strategy"] + (f">{ran}" if ran and ran != r["strategy"] else "")
+        bound, err = r.get("bound_ms"), r.get("rel_err")
+        rows.append(
+            [
+                r["op"], r["model"], str(r["M"]), strategy + ("" if r.get("ok") else " !"),
+                ms(r.get("t_ms")), ms(r.get("t_graph_ms")), ms(r.get("t_none_ms")),
+                ms(r.get("t_torch_ms")), ms(r.get("t_gemm_ms")), ms(r.get("t_comm_ms")),
+                ratio(r.get("t_ms"), bound), ratio(r.get("t_graph_ms"), bound),
+                ratio(r.get("t_none_ms"), r.get("t_ms")), "-" if err is None else f"{err:.1e}",
+            ]
+        )  # fmt: skip
+    title = "interlace dense ops" + ("" if timed else " (CPU emulation: correctness only)")
+    print_table(title, head, rows, width=170)
+    for r in records:
+        if r.get("note"):
+            print(f"note {r['op']} {r['model']} M={r['M']} {r['strategy']}: {r['note']}")
+
+
+def _jobs(args, timed: bool, world: int) -> list:
+    """``(shape, strategies)`` per dense case; ops whose class does not exist yet are
+    skipped on GPUs and only get their cuBLAS + NCCL baseline checked on the CPU."""
+    ops = args.ops or list(OPS)
+    missing = [op for op in ops if op_class(op) is None]
+    for op in missing:
+        what = "skipped" if timed else "only its cuBLAS + NCCL baseline checked"
+        print(f"dense: interlace.{OPS[op]} does not exist yet: {op} {what}", flush=True)
+    if timed:
+        present = [op for op in ops if op not in missing]
+        ms_ = args.ms or ([8192] if args.quick else list(MS))
+        shapes = shape_table(present, args.models or list(MODELS), ms_, world)
+    else:
+        shapes = cpu_shapes(ops, world)
+    jobs = [(shape, strategies_of(shape.op, args.strategies)) for shape in shapes]
+    if args.strategies:
+        known = {s for op in ops for s in strategies_of(op)}
+        for s in sorted(set(args.strategies)):
+            if split_variant(s)[0] not in known:
+                print(f"dense: no op has strategy {s!r}", flush=True)
+    return jobs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m interlace bench dense``: every strategy of AG+GEMM, GEMM+RS and GEMM+AR
+    against cuBLAS + NCCL on the public shapes (2+ GPUs), or the CPU-emulation check."""
+    import argparse
+
+    from ..testing import World
+    from .cli import csv, progress, rank_args, start
+    from .records import DEFAULT_OUT, write_records
+
+    p = argparse.ArgumentParser(prog="python -m interlace bench dense")
+    rank_args(p, DEFAULT_OUT, "M = 8192 only", "the cuBLAS + NCCL load before timing")
+    p.add_argument("--ops", "--dense-ops", dest="ops", type=csv(OPS), default=None,
+                   help=f"subset of {','.join(OPS)}")  # fmt: skip
+    p.add_argument("--models", type=csv(MODELS), default=None,
+                   help=f"subset of {','.join(MODELS)}")  # fmt: skip
+    p.add_argument("--ms", type=csv(kind=int), default=None, help="M values, e.g. 8192")
+    p.add_argument("--strategies", type=csv(), default=None,
+                   help="only these strategies, e.g. auto,fused; variants for the ablation: "
+                   "fused:split=4, sm_pull:comm_sms=8+split=2")  # fmt: skip
+    p.add_argument("--no-graph", dest="graph", action="store_false", help="skip CUDA graphs")
+    p.add_argument("--warmup-iters", type=int, default=5, help="untimed calls before each")
+    p.add_argument("--warmup-s", type=float, default=20.0,
+                   help="seconds of cuBLAS + NCCL load before timing")  # fmt: skip
+    args = p.parse_args(argv)
+    plan = start(args)
+    if plan is None:
+        return 2
+    timed, world = plan
+    jobs = _jobs(args, timed, world)
+    warm = timed and args.warmup_pass and args.warmup_s > 0
+    step, stop = progress(len(jobs) + warm)
+    device = torch.cuda.get_device_name(0) if timed else "cpu"
+    records, path = [], None
+    with World(world, "cuda" if timed else "cpu", timeout=600) as ranks:
+        try:
+            if warm:
+                ranks.run(warm_device, args.warmup_s)
+                step(f"warm-up {args.warmup_s:g} s")
+            for shape, strategies in jobs:
+                rows = ranks.run(
+                    run_shape, shape, strategies, args.dtype, args.iters, args.warmup_iters,
+                    args.graph, timed,
+                )[0]  # fmt: skip
+                records += rows
+                if timed and rows:  # after every shape: a time-out keeps what was measured
+                    path = write_records(args.out, device, world, rows)
+                step(f"{shape.op} {shape.model} M={shape.M}")
+        finally:
+            stop()
+    if records:
+        _table(records, timed)
+    bad = [r for r in records if not r["ok"]]
+    if path:
+        print(f"results written to {path}")
+    elif not timed:
+        print("all results match their references (CPU emulation; no timings written)")
+    if bad:
+        print(f"{len(bad)} dense records failed their check (rel_err > 2e-2 or errors)")
+    return 1 if bad else 0

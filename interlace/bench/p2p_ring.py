@@ -1,8 +1,9 @@
 """Benchmark of the ``p2p_ring`` strategy (CommFuse) against vanilla and Megatron-style
 slicing, on the tensor-parallel MLP and on query-split attention (LLaMA-3-8B sizes).
 
-For each case one rank body times, in the same run (DESIGN.md protocol: CUDA events, warm-up,
-median per rank, max over ranks; the callables interleaved round by round, see ``_Case``):
+For each case one rank body times, in the same run (docs/design.md, "Measuring": CUDA
+events, warm-up, median per rank, max over ranks; the callables interleaved round by round,
+see ``_Case``):
 
 * ``t_gemm_ms``: the unsliced compute alone; ``t_none_ms``: vanilla, compute then the NCCL
   collective(s); ``t_comm_ms``: the vanilla collective(s) alone;
@@ -20,7 +21,7 @@ median per rank, max over ranks; the callables interleaved round by round, see `
 (``causal=False`` keeps the query slices equally expensive), its output projection
 reduce-scattered over the sequence. Every result is checked against vanilla.
 
-``python -m interlace.bench.p2p_ring --out DIR`` spawns the ranks (every GPU) and merges the
+``python -m interlace bench p2p_ring --out DIR`` spawns the ranks (every GPU) and merges the
 records into ``DIR/<date>-<device>-w<W>.json``; without GPUs (or with ``--cpu``) it runs
 the CPU emulation on tiny sizes as a correctness check only.
 """
@@ -362,7 +363,9 @@ def run_p2p_ring_bench(group, iters: int = 20, jobs=None, timed: bool | None = N
 
 
 def _table(records: list[dict], timed: bool) -> None:
-    from ..__main__ import _ms, _print_table, _ratio
+    from .cli import ms as _ms
+    from .cli import print_table as _print_table
+    from .cli import ratio as _ratio
 
     head = ["op", "B x S", "t_ms", "compute", "exposed", "exp/comm", "none_ms", "slicing_ms",
             "comm_ms", "x slicing", "best variant", "rel_err"]  # fmt: skip
@@ -390,10 +393,12 @@ def _table(records: list[dict], timed: bool) -> None:
 
 
 def main(argv=None) -> int:
-    from ..__main__ import _progress, _ranks, write_results
     from ..testing import World
+    from .cli import progress as _progress
+    from .cli import ranks_plan as _ranks
+    from .records import write_records as write_results
 
-    parser = argparse.ArgumentParser(prog="python -m interlace.bench.p2p_ring")
+    parser = argparse.ArgumentParser(prog="python -m interlace bench p2p_ring")
     parser.add_argument("--world-size", type=int, default=None, help="ranks (default: every GPU)")
     parser.add_argument("--ops", default=",".join(OPS), help=f"subset of {','.join(OPS)}")
     parser.add_argument("--iters", type=int, default=20, help="timed runs per rank (median)")
@@ -402,11 +407,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON results")
     parser.add_argument("--cpu", action="store_true", help="force the CPU emulation")
+    parser.add_argument("--quick", action="store_true", help="one shape per op")
     args = parser.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
     if any(o not in OPS for o in ops):
         parser.error(f"--ops: choose from {','.join(OPS)}")
-    # Multicast / NVLS stays off on the lent machines (DESIGN.md).
+    # Multicast / NVLS stays off on the lent machines (docs/design.md, "Measuring").
     for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                        ("NVSHMEM_DISABLE_NVLS", "1")):  # fmt: skip
         os.environ.setdefault(key, value)
@@ -417,6 +423,8 @@ def main(argv=None) -> int:
     if not timed:
         print("No GPUs in use: CPU emulation on tiny sizes, checked against vanilla; no timings.")
     jobs = default_jobs(world, timed, ops)
+    if args.quick:
+        jobs = [next(j for j in jobs if j.op == op) for op in ops]
     step, stop = _progress(len(jobs) + timed)
     records, path = [], None
     device = torch.cuda.get_device_name(0) if timed else ""

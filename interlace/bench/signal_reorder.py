@@ -1,13 +1,13 @@
 """Benchmark of the ``signal_reorder`` strategy (FlashOverlap) on GEMM + all-reduce, its
 predictor and its reorder cost.
 
-For each shape of the public table (GEMM+AR: ``A [M, I/W]``, ``B [I/W, H]``; DESIGN.md,
+For each shape of the public table (GEMM+AR: ``A [M, I/W]``, ``B [I/W, H]``; docs/design.md,
 "Measuring") the rank body times, in one run: cuBLAS alone, NCCL all-reduce alone, both back
 to back (``none``), and ``SignalReorderGemmAR`` with the partition the predictor picks
 (eager and replayed from a CUDA graph), checked against a float32 reference. Three records
 per shape, the same on every rank (per-rank medians, then the max over ranks):
 
-* ``op: gemm_ar, strategy: signal_reorder``: the DESIGN.md record, plus ``partition``,
+* ``op: gemm_ar, strategy: signal_reorder``: the docs/design.md record, plus ``partition``,
   ``predicted_ms`` and ``comm_sms``; ``t_eager_graphs_ms``: the same eager calls with
   ``eager_graphs`` (replayed from a CUDA graph the context captured; GPUs only).
 * ``op: signal_reorder_predictor``: the measured model (``curve`` beside the GEMM,
@@ -20,7 +20,7 @@ per shape, the same on every rank (per-rank medians, then the max over ranks):
   (``t_torch_ms``) and the plain un-reorder (``t_unreorder_ms``); ``overhead`` =
   ``t_ms / t_plain_ms - 1``.
 
-``python -m interlace.bench.signal_reorder --out DIR`` spawns one rank per GPU and merges
+``python -m interlace bench signal_reorder --out DIR`` spawns one rank per GPU and merges
 the records into ``DIR/<date>-<device>-w<W>.json``; without GPUs it runs the CPU emulation
 on a tiny shape as a correctness check and writes nothing.
 """
@@ -238,7 +238,8 @@ def _predictor_record(ctx, mdl, model, m, n, k, dtype_name, a, b, limit, iters, 
         ],
         "mean_abs_err": _r(tune.mean_abs_error(rows)),
         "mean_abs_err_without": ablation,
-        # t_ms: what following the predictor gives (DESIGN.md: every record has one)
+        # t_ms: what following the predictor gives (every record has one: docs/design.md,
+        # "Measuring")
         "t_ms": _r(chosen["measured_ms"]),
         "best_predicted": chosen["partition"], "t_best_predicted_ms": _r(chosen["measured_ms"]),
         "best_measured": best["partition"], "t_best_measured_ms": _r(best["measured_ms"]),
@@ -365,7 +366,7 @@ def print_summary(records: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m interlace.bench.signal_reorder")
+    parser = argparse.ArgumentParser(prog="python -m interlace bench signal_reorder")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON")
     parser.add_argument("--world-size", type=int, default=None, help="ranks (default: GPUs)")
     parser.add_argument("--models", default=None, help=f"subset of {','.join(MODELS)}")
@@ -377,17 +378,19 @@ def main(argv=None) -> int:
     parser.add_argument("--comm-sms", type=int, default=None, help="SMs the GEMM leaves free")
     parser.add_argument("--no-graph", dest="graph", action="store_false")
     parser.add_argument("--cpu", action="store_true", help="CPU emulation (correctness only)")
+    parser.add_argument("--quick", action="store_true", help="M = 8192 only")
     args = parser.parse_args(argv)
 
-    from .. import __main__ as cli
     from ..testing import World
+    from .cli import ranks_plan
+    from .records import write_records
 
-    plan = cli._ranks(args.world_size, args.cpu)
+    plan = ranks_plan(args.world_size, args.cpu)
     if plan is None:
         return 2
     timed, world = plan
     models = args.models.split(",") if args.models else None
-    ms = [int(x) for x in args.ms.split(",")] if args.ms else None
+    ms = [int(x) for x in args.ms.split(",")] if args.ms else ([8192] if args.quick else None)
     shape_list = shapes(world, models, ms) if timed else [("tiny", 37 * world, 40, 24)]
     device = torch.cuda.get_device_name(0) if timed else "cpu"
     records, path = [], None
@@ -400,7 +403,7 @@ def main(argv=None) -> int:
             )[0]  # fmt: skip
             records += recs
             if timed:
-                path = cli.write_results(args.out, device, world, recs)
+                path = write_records(args.out, device, world, recs)
             print(f"done {shape[0]} M={shape[1]}", flush=True)
     print_summary(records)
     if path:

@@ -1,4 +1,4 @@
-"""The one timing protocol (DESIGN.md, "Measuring"): CUDA events around each call, warm-up
+"""The one timing protocol (docs/design.md, "Measuring"): CUDA events around each call, warm-up
 first, median over the runs of a rank, and the caller takes the max over ranks.
 
 ``group=None`` times one process on its own (single-GPU scripts): the same protocol

@@ -396,14 +396,15 @@ def _one_loop(
     """The store segments (``KIND_STORE``, leading ``KIND_STORE_OWN``) of a launch with a
     program's tiles of all segments in one pipelined loop: the loop does not restart at
     each segment (with about one tile per program and segment, the restarts cost 7-15 %
-    of AG+GEMM's kernel at TP 4 on an H200, ``scripts/probe_cross_segment.py``).
+    of AG+GEMM's kernel at TP 4 on an H200,
+    ``benchmarks/results/history/2026-11-24-h200-ag-one-loop-probe.txt``).
 
     Each tile looks its segment up (``mt_seg``) and, the first time this program meets
     the segment, waits for it with ``wait_inline`` (one PTX statement, which keeps the
     loop pipelined); its A coordinate takes the token (``guard_coord``). Own rows come
     from ``a_own`` in a first loop of their own (another A descriptor). TMA only, one
     output descriptor over all of ``c``: the host enables this only when no tile of a
-    segment overhangs into another segment's rows (``_gemm.one_loop_tables``)."""
+    segment overhangs into another segment's rows (``ops.segment_gemm.one_loop_tables``)."""
     pid, n_prog, tiles_n, total = _one_loop_grid(seg, n_seg, N, BLOCK_M, BLOCK_N)
     out_ty = c.dtype.element_ty
     c_desc = tl.make_tensor_descriptor(
@@ -508,7 +509,8 @@ def _one_loop_scatter(
     first time this program meets the segment), add the peers' partials and are stored
     (all-reduce: broadcast) through pointers. Two loops, not one loop whose tiles pick
     their epilogue: the reduce code in the push tiles' loop, even where they ran none of
-    it, cost them 7-9 % of the kernel on an H200 (session 9).
+    it, cost them 7-9 % of the kernel on an H200
+    (``benchmarks/results/history/2026-11-24-h200-ce-fused-one-loop-epilogue-ablation.txt``).
 
     Counting without a CTA barrier: a tile is counted (``count_tile``: each warp adds 1
     once its stores have landed, so a chunk's counter ends at tiles x ``COUNT_UNIT``)

@@ -29,12 +29,14 @@ Two layouts (``STRIPS``):
 The all-reduce layout stores each tile by TMA and counts it per warp one tile later
 (``count_tile``: each warp waits for its bulk stores, then adds 1), which keeps the loop
 pipelined without a CTA barrier; the strip layouts use plain stores, each thread
-releasing its own. Measured on one H200 (``scripts/probe_signal_gemm.py``, TP 4 shapes,
-session 10) the TMA path took 2-3 % off the GEMM (7B M 8192 0.313 -> 0.307 ms); what
-remains against cuBLAS (0.265) is mostly its grid: it leaves ``comm_sms`` SMs to the
-collectives, and with fewer programs the tiles take another wave. (Session 4, on
-2 x H200, had found the plain-store GEMM 10-28 % slower than cuBLAS with its signals and
-without them alike.) Padding rows and columns of a tile hold zeros
+releasing its own. Measured on one H200 at TP 4 shapes, the TMA path took 2-3 % off the
+GEMM (7B M 8192 0.313 -> 0.307 ms,
+``benchmarks/results/history/2026-11-24-h200-w1-signal-gemm-tma-store.txt``); what remains
+against cuBLAS (0.265) is mostly its grid: it leaves ``comm_sms`` SMs to the collectives,
+and with fewer programs the tiles take another wave. The plain-store GEMM is 10-28 %
+slower than cuBLAS, with its signals and without them alike
+(``history/2026-11-22-h200-w2-signal-gemm-probe.txt``, 2 x H200). ``python -m interlace
+bench kernels`` times it against cuBLAS. Padding rows and columns of a tile hold zeros
 (or the bias) and are stored too: the collectives treat them like any element and the
 un-reorder never reads them.
 """
@@ -99,7 +101,7 @@ def signal_gemm_kernel(
     """See the module docstring. ``a [M, K]``, ``b [K, N]``, ``buf`` the reordered output
     (flat), ``counters`` int32, one per wave group; ``LANES``: what one finished tile adds
     to its group's counter. ``SIGNAL=False`` leaves the counters alone
-    (``scripts/probe_signal_gemm.py``: what the signals cost).
+    (what the signals cost).
 
     ``TMA_STORE`` (all-reduce layout, ``STRIPS == 1``): each tile goes into its slot by a
     TMA store (in halves with ``SUBTILE``) and is counted by ``count_tile`` (each warp adds
@@ -156,7 +158,7 @@ def signal_gemm_kernel(
         if TMA_STORE:
             # Every count sits here, after the main loop: one placed before it (reading
             # what the previous tile's epilogue left) ran out of order once the loop was
-            # pipelined, one tile per program counted twice (one H200, session 10).
+            # pipelined, one tile per program counted twice (seen on one H200).
             if SIGNAL:  # the previous tile, of this group: its stores are done by now
                 count_tile(counters + tl.maximum(pend, 0), (pend >= 0).to(tl.int32), LANES)
             row = tl.load(row_of + MAP_SLOT) * BLOCK_M

@@ -135,6 +135,9 @@ ERROR_POLL = tl.constexpr(8 if os.environ.get("TRITON_INTERPRET", "0") == "1" el
 CAUSE_TIMEOUT = tl.constexpr(1)
 CAUSE_MISMATCH = tl.constexpr(2)
 CAUSE_PEER = tl.constexpr(3)  # another wait (any rank) recorded a fault first
+# A device-side argument check that every rank makes alike (``record_check``): recorded in
+# this rank's error word only, so the op raises its own error and the context stays usable.
+CAUSE_CHECK = tl.constexpr(5)
 
 _GE = tl.constexpr(0)  # wait until value >= expected
 _EQ = tl.constexpr(1)  # wait until value == expected
@@ -181,7 +184,7 @@ def record_fault(err, rank, slot, seen, expected, cause):
         tl.atomic_xchg(word + 4, cause, sem="relaxed", scope="sys")
         tl.atomic_xchg(word + 5, expected, sem="relaxed", scope="sys")
         tl.atomic_xchg(word, 2, sem="release", scope="sys")
-    if cause != CAUSE_PEER:
+    if (cause != CAUSE_PEER) & (cause != CAUSE_CHECK):
         group = _group_word(err)
         if group != 0:
             g = group.to(tl.pointer_type(tl.int32))
@@ -198,6 +201,36 @@ def record_fault(err, rank, slot, seen, expected, cause):
 def record_timeout(err, rank, slot, seen):
     """``record_fault`` of a wait that ran out of time."""
     record_fault(err, rank, slot, seen, seen + 1, CAUSE_TIMEOUT)
+
+
+@triton.jit
+def record_check(err, rank, slot, seen):
+    """Record ``[2, rank, slot, seen, CAUSE_CHECK, 0]`` in this rank's error word (first
+    wins), not in the group's fault word: for a check of the call's arguments that every
+    rank makes on the same data, so every rank raises it alike and no wait is stopped."""
+    record_fault(err, rank, slot, seen, 0, CAUSE_CHECK)
+
+
+@triton.jit
+def wait_deadline(bound_us):
+    """The ``now_ns`` value at which a wait that starts now runs out of time (``bound_us``:
+    the ``max_spins`` argument, microseconds)."""
+    return now_ns() + bound_us.to(tl.int64) * 1000
+
+
+@triton.jit
+def wait_stop(err, deadline):
+    """For a spin loop of its own (one that polls something other than one signal), called
+    every ``ERROR_POLL`` spins: 0 to go on, else why to stop, as ``_spin`` decides it:
+    ``CAUSE_PEER`` once this rank's error word or the group's fault word holds a fault,
+    ``CAUSE_TIMEOUT`` once the clock passed ``deadline`` (``wait_deadline``). The loop then
+    records ``record_fault(..., cause)``."""
+    cause = 0
+    if failed(err) != 0:
+        cause = CAUSE_PEER
+    elif now_ns() > deadline:
+        cause = CAUSE_TIMEOUT
+    return cause
 
 
 @triton.jit

@@ -34,7 +34,7 @@ from ..errors import (
 )
 from ..language.primitives import barrier_kernel
 from ..runtime import ErrorWord, Group, SignalPad, default_max_spins, graphs
-from ..runtime.signals import CALL_WORDS, MAX_CALL_FIELDS, field_value, hash_text
+from ..runtime.signals import CALL_WORDS, CAUSE_CHECK, MAX_CALL_FIELDS, field_value, hash_text
 from ..runtime.symmetric import check_group
 from ._launch import PreparedLaunch
 
@@ -197,6 +197,7 @@ class OpContext:
         self._refuse_if_unusable()
         if self.group.backend == "cuda":
             torch.cuda.synchronize(self.group.device)
+        self._raise_recorded_check()
         if self.error.fault_pending() or self.error.group_record() is not None:
             self._fail()
 
@@ -213,6 +214,27 @@ class OpContext:
         if self._failed is not None:
             raise ContextFailedError(self.op_name, self._failed)
 
+    def _check_error(self, rank: int, slot: int, seen: int) -> BaseException | None:
+        """The op's own error for a device-side argument check its kernels recorded
+        (``primitives.record_check``: ``rank`` and ``seen`` as the kernel gave them, at
+        ``slot``), or None. Such a check is made alike on every rank, so every rank raises
+        it and the context stays usable. Ops whose kernels record checks override this."""
+        return None
+
+    def _raise_recorded_check(self) -> None:
+        """Raise the op's own error (``_check_error``) for a check recorded in this rank's
+        error word, and clear the word; anything else is left to ``_fail``."""
+        word = self.error
+        if word._state.value == 0:  # the common case
+            return
+        _, rank, slot, seen, cause, _ = (int(v) for v in word.words[:6].tolist())
+        if cause != CAUSE_CHECK:
+            return
+        exc = self._check_error(rank, slot, seen)
+        if exc is not None:
+            word.words[:6].zero_()
+            raise exc
+
     def _fail(self):
         """Raise the recorded fault (and remember it: later calls are refused)."""
         err = self.error.error(self.op_name, self.pad.describe)
@@ -226,6 +248,7 @@ class OpContext:
         captured in a CUDA graph."""
         self._refuse_if_unusable()
         if self.error.fault_pending():
+            self._raise_recorded_check()
             self._fail()
         self._capture = self.group.backend == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
 
@@ -297,6 +320,7 @@ class OpContext:
         call or ``check()``."""
         self.error.in_call = False
         if self.group.backend == "cpu" and self.error.fault_pending():
+            self._raise_recorded_check()
             self._fail()
 
     def _init_eager_graphs(self, eager_graphs: bool | None, collectives: bool = False) -> None:

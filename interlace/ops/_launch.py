@@ -4,7 +4,7 @@ Triton's launch path binds and specialises the arguments, looks the compiled ker
 then re-checks every global the kernel read at compile time (one ``constexpr``
 comparison each; the segment GEMM reads about twenty) before it calls the compiled
 kernel's launcher. An overlapped op launches per call, and at M = 2048 its host cost is
-as long as its GPU work (DESIGN.md). Two shorter paths:
+as long as its GPU work (docs/design.md, "Measuring"). Two shorter paths:
 
 * :func:`launch` keeps the binding and the lookup (Triton's own, so specialisation stays
   exact) and skips the rest once the kernel is compiled.
@@ -17,7 +17,7 @@ as long as its GPU work (DESIGN.md). Two shorter paths:
   differs from the bound one. On an idle 2 x H200 host, Triton's own launcher wrapper
   (scratch allocation through the allocator hook, per-tensor ``data_ptr`` calls and pointer
   checks) cost 15-35 µs of a 50-120 µs eager GEMM+RS call
-  (``scripts/probe_host_timeline.py``).
+  (``benchmarks/results/history/2026-11-22-h200-w2-host-timeline-before.txt``).
 
 The first launch of every specialisation, launches with Triton's launch hooks set
 (profilers), and the interpreter all take Triton's full path.

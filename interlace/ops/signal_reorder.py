@@ -58,7 +58,7 @@ from ..kernels.rmsnorm import reorder_rows_kernel
 from ..kernels.signal_gemm import MAP_COLS, signal_gemm_kernel
 from ..language.primitives import wait_kernel
 from ..runtime import ErrorWord, Group, default_max_spins, fork, join, use_stream
-from . import _gemm
+from . import segment_gemm as _gemm
 from ._context import OpContext, cdiv, sm_count
 from ._launch import install_scratch_allocator, launch
 
@@ -292,7 +292,7 @@ class SignalReorderGemm(OpContext):
     """GEMM + ``collective`` overlapped by wave-group signals; see the module docstring.
 
     ``comm_sms``: SMs the GEMM leaves free (cuda; default ``DEFAULT_COMM_SMS``);
-    ``config``: a fixed ``GemmConfig`` (default: ``ops._gemm.gemm_config`` per shape);
+    ``config``: a fixed ``GemmConfig`` (default: ``ops.segment_gemm.gemm_config`` per shape);
     ``eps``: RMSNorm epsilon; ``comm_group``: the torch process group the collectives run
     on (default: the group's own), e.g. an NCCL group built with ``config.max_ctas`` below
     ``comm_sms`` so that every NCCL CTA finds a free SM beside the GEMM. Every call is

@@ -4,7 +4,8 @@ An overlapped op enqueues a few stream operations around its kernels on every ca
 event record and a stream wait to fork the comm stream, a copy-engine copy and a signal
 write per transfer, and the join. Through torch each goes through the dispatcher and its
 Python wrappers: on an idle 2 x H200 host a fork cost 17-26 µs and one copy plus its signal
-write 37-53 µs (``scripts/probe_host_timeline.py``), while the driver calls behind them take
+write 37-53 µs (``benchmarks/results/history/2026-11-22-h200-w2-host-timeline-before.txt``),
+while the driver calls behind them take
 a microsecond or two. Here they are called directly (``ctypes`` on ``libcuda``, which every
 CUDA process has loaded), on raw handles: a stream's ``cuda_stream``, an event's
 ``cuda_event``, a tensor's ``data_ptr()``. They are the same operations torch enqueues

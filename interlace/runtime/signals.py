@@ -56,6 +56,9 @@ REMOTE_SLOT = 1 << 16
 
 # Causes recorded by device waits and host reports (mirrored in language.primitives).
 CAUSE_TIMEOUT, CAUSE_MISMATCH, CAUSE_PEER, CAUSE_ABORT = 1, 2, 3, 4
+#: A device-side argument check every rank makes alike (``primitives.record_check``):
+#: recorded in the rank's own error word only; the op raises its own error for it.
+CAUSE_CHECK = 5
 FAULT_WORDS = 8  # [state, rank, cause, slot, seen, expected, -, -]
 CALL_WORDS = 16  # [fingerprint, n_fields, fields...]
 MAX_CALL_FIELDS = CALL_WORDS - 2
@@ -212,6 +215,11 @@ class ErrorWord:
                 return WaitTimeoutError(op, rank, describe(slot), seen)
             record = [2, rank, cause, slot, seen, expected]
         _, rank, cause, slot, seen, expected = record[:6]
+        if cause == CAUSE_CHECK:  # (an op that records checks raises its own error first)
+            return CrossRankError(
+                op, rank, f"rank {rank} failed a device-side check at {describe(slot)} "
+                f"(value {seen})", me,
+            )  # fmt: skip
         if cause == CAUSE_MISMATCH:
             return CallMismatchError(op, rank, self._mismatch_text(op, rank, seen, expected), me)
         if cause == CAUSE_ABORT:

@@ -95,7 +95,8 @@ def _worker(
 def _warm_comm_path(group) -> None:
     """One copy and stream write on the comm stream before any test kernel runs. (Ranks on
     one GPU: a cold world's first fused AG+GEMM call timed out, each rank's first copy
-    waiting behind kernels that spun for it; see benchmarks/NOTES.md, session 11.)"""
+    waiting behind kernels that spun for it; benchmarks/NOTES.md, "The GPU suite with ranks
+    sharing one GPU".)"""
     import torch
 
     from ..runtime import comm_stream

@@ -14,7 +14,7 @@ import tempfile
 import pytest
 
 from interlace.kernels.gemm import gemm_segments_kernel
-from interlace.language.inspect import compile_for_hopper, cuda_compile_unavailable, data_loads
+from interlace.testing.codegen import compile_for_hopper, cuda_compile_unavailable, data_loads
 
 pytestmark = pytest.mark.skipif(
     cuda_compile_unavailable() is not None, reason=str(cuda_compile_unavailable())

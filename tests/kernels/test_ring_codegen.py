@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from interlace.kernels.ring import ring_reduce_scatter_kernel
-from interlace.language.inspect import compile_for_hopper, cuda_compile_unavailable
+from interlace.kernels.ring_reduce import ring_reduce_scatter_kernel
+from interlace.testing.codegen import compile_for_hopper, cuda_compile_unavailable
 
 pytestmark = pytest.mark.skipif(
     cuda_compile_unavailable() is not None, reason=str(cuda_compile_unavailable())

@@ -4,7 +4,7 @@ The kernels below are consumer GEMM main loops: per iteration ``t`` they wait on
 ``sig + t``, load tile ``t`` and accumulate it. They are compiled for Hopper
 (``GPUTarget("cuda", 90, 32)``, no GPU needed) with Triton's software pipeliner on
 (``num_stages=3``) and the TTGIR after pipelining, then the PTX, is inspected with
-``interlace.language.inspect``:
+``interlace.testing.codegen``:
 
 * a *guarded* load takes its mask from ``guard(mask, token, expected)`` (for TMA, a
   coordinate from ``guard_coord``), so its operands are computed from the acquire's
@@ -37,7 +37,7 @@ import functools
 
 import pytest
 
-from interlace.language.inspect import (
+from interlace.testing.codegen import (
     compile_for_hopper,
     cuda_compile_unavailable,
     data_loads,

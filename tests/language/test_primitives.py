@@ -27,6 +27,7 @@ from interlace.language.primitives import (
     wait_kernel,
 )
 from interlace.runtime import ErrorWord, SignalPad, default_max_spins, symm_empty
+from interlace.runtime.signals import ERROR_WORDS
 from tests.conftest import WITH_ONE_GPU
 
 SHORT_SPINS = 200  # a wait that is meant to time out
@@ -674,7 +675,7 @@ def test_wait_inline_sees_a_late_signal():
         pytest.skip("needs a GPU")
     dev = torch.device("cuda", 0)
     sig = torch.zeros(4, dtype=torch.int32, device=dev)
-    err = torch.zeros(4, dtype=torch.int32, device=dev)
+    err = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=dev)  # no group word, no call slot
     out = torch.full((1,), -7, dtype=torch.int32, device=dev)
     raised = torch.full((1,), 3, dtype=torch.int32).pin_memory()
     waiter, raiser = torch.cuda.Stream(dev), torch.cuda.Stream(dev)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from interlace.ops._gemm import MAX_SPLIT, GemmConfig, tiles_of
-from interlace.ops._rs_variants import cef_layout
+from interlace.ops.gemm_rs import cef_layout
+from interlace.ops.segment_gemm import MAX_SPLIT, GemmConfig, tiles_of
 
 CFG = GemmConfig(block_m=32, block_n=32)
 ARRIVAL, DONE = 100, 10

@@ -27,6 +27,9 @@ from interlace.errors import (
     PeerAbortError,
     WaitTimeoutError,
 )
+from interlace.ops.attention import FlashDecode, SPAttention
+from interlace.ops.ep import EPAllToAll, EPLowLatency, EPMoE
+from interlace.ops.moe import AGMoE, MoERS
 from interlace.runtime import signals, symmetric
 from tests.conftest import GPU_SIZES
 
@@ -143,11 +146,16 @@ def _absent_rank_body(group, op):
                                   max_spins=SHORT_BOUND_US)  # fmt: skip
         x = torch.randn(8, device=group.device)
         call = lambda: ctx(x)  # noqa: E731
-    else:
+    elif op == "gemm_rs":
         ctx = interlace.GemmRS(group, max_m=2 * w, n=16, k=8, strategy="fused",
                                max_spins=SHORT_BOUND_US)  # fmt: skip
         a, b = _rand(group, 2 * w, 8, seed=r), _rand(group, 8, 16, seed=1)
         call = lambda: ctx(a, b)  # noqa: E731
+    else:  # the low-latency kernels' own polling loops (count words of every source)
+        ctx = EPLowLatency(group, 4, 16, 2 * w, 2, max_spins=SHORT_BOUND_US)
+        x, wts = _rand(group, 4, 16, seed=r), torch.rand(4, 2, device=group.device)
+        idx = torch.tensor([[0, 2 * w - 1]] * 4, device=group.device)
+        call = lambda: ctx.dispatch(x, idx, wts)  # noqa: E731
     if r == 0:
         group.host_barrier()  # the peers have given up
         out = _outcome(ctx, call)
@@ -159,7 +167,7 @@ def _absent_rank_body(group, op):
 
 
 @pytest.mark.parametrize("world", PARAMS, indirect=True)
-@pytest.mark.parametrize("op", ["all_gather", "gemm_rs"])
+@pytest.mark.parametrize("op", ["all_gather", "gemm_rs", "ep_low_latency"])
 def test_absent_rank_times_out_on_every_rank(world, op):
     results = world.run(_absent_rank_body, op)
     _check(results, WaitTimeoutError, text=(op, "timed out waiting on signal"))
@@ -235,6 +243,13 @@ _CONSTRUCTORS = [
     lambda g: interlace.SignalReorderGemmAR(g, max_m=8, n=8, k=8),
     lambda g: interlace.SignalReorderGemmA2A(g, max_m=8, n=8, k=8),
     lambda g: interlace.symm_empty((8,), torch.float32, g),
+    lambda g: AGMoE(g, max_tokens=8, hidden=8, inter=8, experts=2, topk=1),
+    lambda g: MoERS(g, max_tokens=8, hidden=8, inter=8, experts=2, topk=1),
+    lambda g: EPAllToAll(g, 8, 16, 2, 1),
+    lambda g: EPLowLatency(g, 8, 16, 2, 1),
+    lambda g: EPMoE(g, 8, 16, 2, 1),
+    lambda g: SPAttention(g, 4, 2, 64, 16),
+    lambda g: FlashDecode(g, 2, heads=4, kv_heads=2, head_dim=16),
 ]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -104,9 +105,11 @@ def _ag_one_loop_body(group, strategy, split):
             if bias is not None:
                 ref += bias.float()
             assert rel_err(out, ref) < TOL, f"call {i}: rel err {rel_err(out, ref):.2e}"
-        plans = [*ctx._plans.values()]  # (cfg, table, ..., one-loop tables)
+        plans = [*ctx._plans.values()]
         if w * split > 1:  # (one segment: the plain loop)
-            assert plans and all(p[-1] is not None for p in plans), "one-loop mode not taken"
+            assert plans and all(p.tiles.one_loop is not None for p in plans), (
+                "one-loop mode not taken"
+            )
     finally:
         ctx.close()
     return True
@@ -223,7 +226,7 @@ def _ce_fused_one_loop_body(group, op):
     """GEMM+RS / GEMM+AR ``ce_fused`` on shapes whose chunks are whole tile rows: the
     GEMM runs its one-loop mode (push tiles, then reduce tiles, each counted per warp);
     repeated calls, bias and ``out=``, against float32; the plans must have taken it."""
-    from interlace.ops._rs_variants import CeFusedPlan
+    from interlace.ops.gemm_rs import CeFusedPlan
 
     w, r, dev = group.world_size, group.rank, group.device
     m_loc, n, k = 256, 512, 384
@@ -273,7 +276,7 @@ def test_ar_ce_fused_gathers_between_rounds(world, gather):
 
 
 def test_gather_order_reduces_each_own_chunk_one_round_late():
-    from interlace.ops._rs_variants import gather_order
+    from interlace.ops.gemm_rs import gather_order
 
     w, rank, split = 4, 1, 3
     sched = interlace.schedule.partition_all_reduce(w, 96, split, align=32)
@@ -315,18 +318,19 @@ def _auto_choice_body(group):
     return choices
 
 
-def _big_pick(cls, w: int) -> str:
+def _big_pick(op: str, w: int) -> str:
     """What ``auto`` overlaps LLaMA-7B at M 8192 with: ``ce_fused`` when the GEMM,
     estimated at 650 TFLOP/s, reaches the op's floor for this world size."""
-    floor = cls.ce_fused_floor(w)
+    from interlace.tune.policy import lookup
+
+    floor = lookup(op, w).ce_fused_min_gemm_us
     gemm_us = 2.0 * 8192 * 4096 * (11008 // w) / 650e6
     return "ce_fused" if floor is not None and gemm_us >= floor else "fused"
 
 
 def test_auto_falls_back_below_the_floor(world):
     w = world.world_size
-    big = {"ag": "fused", "rs": _big_pick(interlace.GemmRS, w)}
-    big["ar"] = _big_pick(interlace.GemmAR, w)
+    big = {"ag": "fused", "rs": _big_pick("gemm_rs", w), "ar": _big_pick("gemm_ar", w)}
     if w == 4:  # the GEMM+RS / AR floors as measured on 4 x H200
         assert big == {"ag": "fused", "rs": "ce_fused", "ar": "ce_fused"}
     for choices in world.run(_auto_choice_body):
@@ -342,18 +346,18 @@ def _auto_switch_body(group, calls):
     """GEMM+RS ``auto`` moving between ``fused`` (smaller calls) and ``ce_fused`` (larger
     ones) on one context: every call right, whatever ran before it (the two share
     buffers and signal slots; a switch runs a barrier first)."""
+    from interlace.tune.policy import lookup
+
     w, r = group.world_size, group.rank
     m_loc, n, k = _shapes(group)[0]
     gen = torch.Generator().manual_seed(17 + r)
     small, big = w * max(1, m_loc // 3), w * m_loc
-    switching = type(
-        "SwitchingGemmRS", (interlace.GemmRS,),
-        {  # overlap every size here; ce_fused from a GEMM between the two sizes
-            "WORLD_MIN_OVERLAP_US": {w: {"eager": 0.0, "graph": 0.0}},
-            "WORLD_CE_FUSED_MIN_GEMM_US": {w: 2.0 * (small + big) / 2 * n * k / 650e6},
-        },
+    # overlap every size here; ce_fused from a GEMM between the two sizes
+    policy = replace(
+        lookup("gemm_rs", w), min_overlap_eager_us=0.0, min_overlap_graph_us=0.0,
+        ce_fused_min_gemm_us=2.0 * (small + big) / 2 * n * k / 650e6,
     )  # fmt: skip
-    ctx = switching(group, max_m=w * m_loc, n=n, k=k, strategy="auto")
+    ctx = interlace.GemmRS(group, max_m=w * m_loc, n=n, k=k, strategy="auto", policy=policy)
     ran = []
     try:
         for i in range(calls):

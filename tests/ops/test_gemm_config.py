@@ -4,7 +4,7 @@ given, then shared memory made for the push / reduce epilogue."""
 
 from __future__ import annotations
 
-from interlace.ops._gemm import SHARED_BYTES, GemmConfig, scatter_config
+from interlace.ops.segment_gemm import SHARED_BYTES, GemmConfig, scatter_config
 
 NARROW = GemmConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=5)
 WIDE = GemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)

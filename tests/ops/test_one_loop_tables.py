@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from interlace.ops import _gemm
-from interlace.ops._gemm import GemmConfig, Segment
+from interlace.ops import segment_gemm as _gemm
+from interlace.ops.segment_gemm import GemmConfig, Segment
 
 CFG = GemmConfig(block_m=32, block_n=32, block_k=32)
 BF16 = torch.bfloat16

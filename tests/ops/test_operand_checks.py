@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from interlace.errors import InterlaceError
-from interlace.ops import _gemm
+from interlace.ops import segment_gemm as _gemm
 from interlace.ops._context import OpContext
 
 K, N, ROWS = 32, 48, 64

@@ -22,7 +22,7 @@ from interlace.ops.p2p_ring import (
     fuse_rs,
     partner,
 )
-from interlace.ops.p2p_ring.schedule import all_to_all_plan, gather_plan, reduce_plan
+from interlace.ops.p2p_ring.plans import all_to_all_plan, gather_plan, reduce_plan
 from tests.ops._helpers import gathered, nans, rand, reduced_rows, rel_err
 
 TRANSPORTS = ("p2p", "symm")

@@ -372,7 +372,7 @@ def test_signal_gemm_is_software_pipelined(strips):
     flight and prefetches both operands into shared memory. The all-reduce layout stores
     its tiles by TMA and each warp counts them (a ``red.release``); the strip layouts
     store with plain stores and every thread releases with its own atomic."""
-    from interlace.language.inspect import compile_for_hopper, cuda_compile_unavailable
+    from interlace.testing.codegen import compile_for_hopper, cuda_compile_unavailable
 
     reason = cuda_compile_unavailable()
     if reason is not None:

@@ -268,7 +268,7 @@ def test_measure_model_curves(world):
 
 
 def test_monotone_curve_drops_small_size_outliers():
-    from interlace.tune.predict import monotone
+    from interlace.tune.search import monotone
 
     assert monotone([2.5, 0.26, 0.27, 0.08, 0.09, 0.4]) == [0.08, 0.08, 0.08, 0.08, 0.09, 0.4]
     assert monotone([0.1, 0.2, 0.3]) == [0.1, 0.2, 0.3]

@@ -7,8 +7,8 @@ steps, each hidden under the compute of one sequence slice; the last step comput
 """
 
 from .autograd import FuseAGLinear, FuseRSLinear, fuse_ag, fuse_rs
-from .ring import MAX_CHUNKS, P2PRing, chunk_bounds
-from .schedule import SCHEDULES, partner, resolve_schedule
+from .context import MAX_CHUNKS, P2PRing, chunk_bounds
+from .plans import SCHEDULES, partner, resolve_schedule
 
 __all__ = [
     "MAX_CHUNKS",

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .ring import P2PRing
+from .context import P2PRing
 
 
 class _FuseAG(torch.autograd.Function):

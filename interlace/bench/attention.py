@@ -1,0 +1,514 @@
+"""Benchmark of sequence-parallel attention (``python -m interlace bench attention``).
+
+One GPU (always): the per-rank kernels with every wait already met, as rank 0 of
+``--as-world`` ranks, against torch SDPA on the same per-rank problem: 32 heads, d 128,
+bf16, S from 16k to 64k, causal and not. SDPA is timed as a user calls it (torch picks
+the backend) and with each backend forced (flash, cudnn, efficient; one that cannot run
+the problem is left out); ``t_ref_ms`` is the fastest of them and ``ref_backend`` names
+it. Rank 0 holds ``S / W`` queries and the gathered buffer holds every chunk of the ``S``
+keys, its arrival flags raised (and the backward's partial-gradient counters full), so the
+kernels never wait.
+
+* non-causal: SDPA on ``q [1, 32, S/W, 128]`` against ``k, v [1, 32, S, 128]``, the same
+  problem.
+* causal: rank 0's zigzag share (queries of chunks 0 and 2W - 1) does ``1/W`` of the whole
+  causal work. ``t_ref_ms`` is SDPA's causal attention over the whole sequence divided by
+  ``W`` (SDPA's rate on its best-shaped problem: the stricter reference);
+  ``t_ref_split_ms`` is SDPA on exactly rank 0's share (two calls, lower-right causal).
+
+Records (``op`` ``sp_attention`` / ``sp_attention_bwd``, ``strategy`` ``fused``): batch,
+heads, kv_heads, d, S, causal, ``t_ms`` (kernels with their flag waits, all met),
+``t_nowait_ms`` (the same kernels compiled without waits), ``tflops`` (useful FLOPs: causal
+counts the visible half), ``as_world``, ``waits_met``, ``ref: sdpa``, ``t_ref_ms``,
+``ref_backend``, ``t_sdpa_<backend>_ms`` for every SDPA timing (``default`` = no backend
+forced). The backward is the delta, dK/dV, dQ and reduction kernels. Host-cost records
+(``mode: host``, ``host_us``) time one eager forward call of a one-rank context, replayed
+from a CUDA graph (``variant: graph_replay``, the default) and launched kernel by kernel
+(``variant: launches``). ``--tune`` times candidate forward configs (records ``op``
+``sp_attention_cfg``, with their relative error).
+
+Several GPUs: every rank runs ``fused``, ``none`` (NCCL all-gather + SDPA) and ``ring``
+forward on its shard, same run; records add ``t_none_ms`` and ``t_ring_ms``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from ..runtime.signals import ERROR_WORDS
+
+AS_WORLD = 4
+SEQS = (16384, 32768, 65536)
+HEADS, KV_HEADS, D = 32, 32, 128
+
+
+def _flops(batch, heads, sq, sk, d, causal, bwd=False) -> float:
+    f = 4.0 * batch * heads * sq * sk * d * (0.5 if causal else 1.0)
+    return f * (2.5 if bwd else 1.0)
+
+
+def _time_ms(fn, setup=None, iters=20, warmup=3) -> float:
+    """Median of ``iters`` CUDA-event timings of ``fn()``, ``setup()`` (untimed) before each."""
+    for _ in range(warmup):
+        if setup:
+            setup()
+        fn()
+    times = []
+    for _ in range(iters):
+        if setup:
+            setup()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+class _PerRank:
+    """Rank 0's per-rank problem of one (S, causal) case, its waits met."""
+
+    def __init__(self, s, causal, world=AS_WORLD, heads=HEADS, kv_heads=KV_HEADS, d=D,
+                 dtype=torch.bfloat16):  # fmt: skip
+        from ..ops.attention.sp_attention import KernelArgs, use_descriptor_scratch
+
+        use_descriptor_scratch()
+        dev = torch.device("cuda")
+        self.s, self.causal, self.world = s, causal, world
+        self.s_loc = s_loc = s // world
+        gen = torch.Generator(device=dev).manual_seed(1)
+
+        def rnd(*shape):
+            return torch.randn(*shape, generator=gen, device=dev).to(dtype)
+
+        self.q = rnd(1, heads, s_loc, d)
+        self.k_full, self.v_full = rnd(1, kv_heads, s, d), rnd(1, kv_heads, s, d)
+        self.do = rnd(1, heads, s_loc, d)
+        # rank 0's chunk and every rank's chunk in the gathered buffer (its layout)
+        chunks_k = self._chunks(self.k_full)
+        chunks_v = self._chunks(self.v_full)
+        self.k, self.v = chunks_k[0], chunks_v[0]
+        self.k_all = torch.cat([c.reshape(-1) for c in chunks_k])
+        self.v_all = torch.cat([c.reshape(-1) for c in chunks_v])
+        self.sig = torch.zeros(4 * (world + 1), dtype=torch.int32, device=dev)
+        self.err = torch.zeros(ERROR_WORDS, dtype=torch.int32, pin_memory=True)
+        self.args = KernelArgs(
+            0, world, heads, kv_heads, d, s_loc, causal, False, 1.0 / math.sqrt(d),
+            torch.zeros(2, dtype=torch.int32, device=dev),
+            torch.zeros(2, dtype=torch.int32, device=dev), self.sig, self.err.data_ptr(),
+            1 << 25, "cuda",
+        )  # fmt: skip
+        self.o = torch.empty_like(self.q)
+        self.lse = torch.empty(heads, s_loc, dtype=torch.float32, device=dev)
+        self.recv = torch.empty(2 * world * self.k.numel(), dtype=dtype, device=dev)
+        # every owner is this GPU: the partial stores stay local (the same bytes move)
+        self.recv_table = torch.full((world,), self.recv.data_ptr(), dtype=torch.int64, device=dev)
+        self.sig_table = torch.full((world,), self.sig.data_ptr(), dtype=torch.int64, device=dev)
+        self.dq, self.dk, self.dv = (torch.empty_like(x) for x in (self.q, self.k, self.v))
+        self.delta = torch.empty_like(self.lse)
+
+    def _chunks(self, x):
+        from ..ops.attention.sp_attention import zigzag_shard
+
+        if self.causal:
+            return [zigzag_shard(x, self.world, r) for r in range(self.world)]
+        return [c.contiguous() for c in x.chunk(self.world, dim=2)]
+
+    def flags_up(self):
+        """Every arrival flag raised (slots 0..W-1), the dK/dV counters full (W+1..)."""
+        w = self.world
+        self.sig.zero_()
+        self.sig[:w] = 1
+        self.sig[w + 1 : 2 * w + 1] = self.k.shape[1] * self.s_loc
+
+    def fwd(self, wait=True, cfg=None):
+        from ..ops.attention.sp_attention import launch_fwd
+
+        launch_fwd(
+            self.args, self.q, self.k, self.v, self.k_all, self.v_all, self.o, self.lse, 0,
+            wait=wait, clear=False, cfg=cfg,
+        )  # fmt: skip
+
+    def bwd(self, wait=True, cfg_dkdv=None, cfg_dq=None):
+        from ..ops.attention import sp_attention as sp
+
+        a, w = self.args, self.world
+        sp.launch_delta(a, self.o, self.do, self.delta)
+        sp.launch_dkdv(
+            a, self.q, self.k, self.v, self.k_all, self.v_all, self.do, self.lse, self.delta,
+            self.recv, self.recv_table, self.sig_table, 0, w + 1, wait=wait, cfg=cfg_dkdv,
+        )  # fmt: skip
+        sp.launch_dq(
+            a, self.q, self.k, self.v, self.k_all, self.v_all, self.do, self.lse, self.delta,
+            self.dq, 0, wait=wait, clear=False, cfg=cfg_dq,
+        )  # fmt: skip
+        sp.launch_reduce(a, self.recv, self.dk, self.dv, w + 1, self.k.shape[1] * self.s_loc)
+
+    def reference(self):
+        """float32 SDPA output and dQ of rank 0's queries (cached)."""
+        if getattr(self, "_ref", None) is None:
+            self._ref = self._reference()
+        return self._ref
+
+    def check(self, cfg=None) -> dict:
+        """Relative errors of o and dq against SDPA in float32 on rank 0's queries
+        (cheap: ``S/W`` queries), with every wait met; ``cfg``: the forward's config."""
+        self.flags_up()
+        self.fwd(cfg=cfg)
+        self.bwd()
+        torch.cuda.synchronize()
+        ref, dq = self.reference()
+        err = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
+        return {"rel_err": err(self.o, ref), "rel_err_dq": err(self.dq, dq)}
+
+    def _reference(self):
+        from torch.nn.attention.bias import causal_lower_right
+
+        q = self.q.float().requires_grad_()
+        kf, vf = self.k_full.float(), self.v_full.float()
+        half = self.s_loc // 2
+        if self.causal:
+            outs = []
+            for i, chunk in enumerate((0, 2 * self.world - 1)):
+                end = (chunk + 1) * half
+                outs.append(
+                    torch.nn.functional.scaled_dot_product_attention(
+                        q[:, :, i * half : (i + 1) * half], kf[:, :, :end], vf[:, :, :end],
+                        attn_mask=causal_lower_right(half, end),
+                    )
+                )  # fmt: skip
+            ref = torch.cat(outs, 2)
+        else:
+            ref = torch.nn.functional.scaled_dot_product_attention(q, kf, vf)
+        (ref * self.do.float()).sum().backward()
+        return ref.detach(), q.grad
+
+
+SDPA_BACKENDS = ("default", "flash", "cudnn", "efficient")
+
+
+def _sdpa_context(backend: str):
+    """SDPA as a user calls it (``default``: torch picks) or with one backend forced."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    forced = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+    return contextlib.nullcontext() if backend == "default" else sdpa_kernel([forced[backend]])
+
+
+def _sdpa_times(s, causal, world, iters):
+    """SDPA forward and backward on the per-rank problem (see the module docstring), as
+    a user calls it and with each backend forced: ``{"fwd": {backend: ms}, "bwd": {...},
+    "fwd_split": ms or None}``; a backend that cannot run the problem is left out."""
+    import warnings
+
+    from torch.nn.attention.bias import causal_lower_right
+
+    F = torch.nn.functional
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    s_loc = s // world
+    sq = s if causal else s_loc
+    q = torch.randn(1, HEADS, sq, D, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(1, HEADS, s, D, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(1, HEADS, s, D, device=dev, dtype=dt, requires_grad=True)
+    # causal: the whole sequence's causal attention, counted 1/W (rank 0's share)
+    share = world if causal else 1
+    out = {"fwd": {}, "bwd": {}, "fwd_split": None}
+    for backend in SDPA_BACKENDS:
+        with _sdpa_context(backend), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+            try:
+                out["fwd"][backend] = _time_ms(fwd, iters=iters) / share
+                o = fwd()
+                do = torch.randn_like(o)
+                bwd = functools.partial(torch.autograd.grad, o, (q, k, v), do, retain_graph=True)
+                out["bwd"][backend] = _time_ms(bwd, iters=iters) / share
+            except RuntimeError as e:  # this backend cannot run the problem here
+                print(f"sdpa {backend}: skipped ({str(e).splitlines()[0][:80]})", flush=True)
+            o = do = None
+    if causal:
+        half = s_loc // 2
+
+        def split():
+            for chunk in (0, 2 * world - 1):
+                end = (chunk + 1) * half
+                F.scaled_dot_product_attention(
+                    q[:, :, :half], k[:, :, :end], v[:, :, :end],
+                    attn_mask=causal_lower_right(half, end),
+                )  # fmt: skip
+
+        try:
+            with torch.no_grad():
+                out["fwd_split"] = _time_ms(split, iters=iters)
+        except RuntimeError:
+            pass
+    return out
+
+
+def _ref_fields(times: dict) -> tuple[float, dict]:
+    """The fastest SDPA time, and the fields naming it and every SDPA timing."""
+    best = min(times, key=times.get)
+    fields = {"ref_backend": best}
+    fields.update({f"t_sdpa_{b}_ms": round(t, 4) for b, t in times.items()})
+    return times[best], fields
+
+
+def _record(op, s, causal, world, t, t_nowait, t_ref, extra=None) -> dict:
+    s_loc = s // world
+    flops = _flops(1, HEADS, s_loc, s, D, causal, bwd=op.endswith("bwd"))
+    rec = {
+        "op": op, "strategy": "fused", "dtype": "bfloat16", "batch": 1, "heads": HEADS,
+        "kv_heads": KV_HEADS, "d": D, "S": s, "causal": causal, "t_ms": round(t, 4),
+        "t_nowait_ms": round(t_nowait, 4), "tflops": round(flops / t / 1e9, 1),
+        "as_world": world, "waits_met": True, "ref": "sdpa", "t_ref_ms": round(t_ref, 4),
+        "tflops_ref": round(flops / t_ref / 1e9, 1),
+    }  # fmt: skip
+    rec.update(extra or {})
+    return rec
+
+
+#: Forward configs ``--tune`` times (block_m, block_n, warps, stages, warp-specialised).
+TUNE_FWD = (
+    (128, 128, 8, 3, False), (128, 128, 8, 3, True), (128, 128, 8, 4, False),
+    (128, 64, 8, 3, False), (128, 128, 4, 3, True),
+)  # fmt: skip
+
+
+def tune(s, iters, deadline: float, world=AS_WORLD) -> list[dict]:
+    """Time each candidate forward config with its waits met, with its relative error
+    (records ``op: sp_attention_cfg``); stops at ``deadline`` (``time.monotonic()``)."""
+    from ..ops.attention.sp_attention import AttnConfig
+
+    records = []
+    for causal in (False, True):
+        p = _PerRank(s, causal, world)
+        for bm, bn, warps, stages, ws in TUNE_FWD:
+            if time.monotonic() > deadline:
+                print("tune: out of time, stopped", flush=True)
+                return records
+            cfg = AttnConfig(bm, bn, warps, stages, ws)
+            try:
+                errs = p.check(cfg)
+                t = _time_ms(functools.partial(p.fwd, cfg=cfg), iters=iters)
+            except Exception as e:  # noqa: BLE001 - a config that fails to build is skipped
+                print(f"tune fwd {cfg}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
+                continue
+            flops = _flops(1, HEADS, p.s_loc, s, D, causal)
+            rec = {
+                "op": "sp_attention_cfg", "strategy": "fused", "dtype": "bfloat16", "batch": 1,
+                "heads": HEADS, "kv_heads": KV_HEADS, "d": D, "S": s, "causal": causal,
+                "as_world": world, "waits_met": True,
+                "variant": f"{bm}x{bn}-w{warps}-s{stages}{'-ws' if ws else ''}",
+                "t_ms": round(t, 4), "tflops": round(flops / t / 1e9, 1),
+                "rel_err": round(errs["rel_err"], 5),
+            }  # fmt: skip
+            records.append(rec)
+            print(
+                f"tune fwd S={s} causal={causal!s:<5} {rec['variant']:<18} {t:8.3f} ms "
+                f"{rec['tflops']:6.0f} TF/s  rel err {rec['rel_err']:.2e}",
+                flush=True,
+            )  # fmt: skip
+        del p
+        torch.cuda.empty_cache()
+    return records
+
+
+def one_gpu(seqs, iters, world=AS_WORLD) -> list[dict]:
+    records = []
+    for s in seqs:
+        for causal in (False, True):
+            p = _PerRank(s, causal, world)
+            errs = p.check() if s == seqs[0] else {}
+            p.flags_up()
+            t_fwd = _time_ms(p.fwd, iters=iters)
+            t_fwd_nw = _time_ms(functools.partial(p.fwd, wait=False), iters=iters)
+            t_bwd = _time_ms(p.bwd, setup=p.flags_up, iters=iters)
+            t_bwd_nw = _time_ms(functools.partial(p.bwd, wait=False), setup=p.flags_up, iters=iters)
+            del p
+            torch.cuda.empty_cache()
+            ref = _sdpa_times(s, causal, world, iters)
+            torch.cuda.empty_cache()
+            t_ref_fwd, extra_fwd = _ref_fields(ref["fwd"])
+            t_ref_bwd, extra_bwd = _ref_fields(ref["bwd"])
+            if errs:
+                extra_fwd["rel_err"] = round(errs["rel_err"], 5)
+                extra_bwd["rel_err_dq"] = round(errs["rel_err_dq"], 5)
+            if causal and ref["fwd_split"] is not None:
+                extra_fwd["t_ref_split_ms"] = round(ref["fwd_split"], 4)
+            records.append(
+                _record("sp_attention", s, causal, world, t_fwd, t_fwd_nw, t_ref_fwd, extra_fwd)
+            )
+            records.append(
+                _record("sp_attention_bwd", s, causal, world, t_bwd, t_bwd_nw, t_ref_bwd, extra_bwd)
+            )  # fmt: skip
+            for r in records[-2:]:
+                print(
+                    f"{r['op']:<17} S={s:>6} causal={causal!s:<5} {r['t_ms']:8.3f} ms "
+                    f"{r['tflops']:6.0f} TF/s  sdpa ({r['ref_backend']}) {r['t_ref_ms']:8.3f} ms  "
+                    f"x{r['t_ref_ms'] / r['t_ms']:.3f}  "
+                    f"wait +{100 * (r['t_ms'] / r['t_nowait_ms'] - 1):.1f}%",
+                    flush=True,
+                )  # fmt: skip
+    return records
+
+
+HOST_SHAPE = dict(heads=8, kv_heads=8, d=128, s=1024)
+
+
+def _host_body(group, eager_graphs: bool, n: int = 200):
+    """Host time of one eager forward call of a context on ``group`` (us), the median of
+    ``n`` calls each timed alone (device idle first, so no call waits for a queue)."""
+    from ..ops.attention import SPAttention
+
+    dev, sh = group.device, HOST_SHAPE
+    ctx = SPAttention(
+        group, sh["heads"], sh["kv_heads"], sh["d"], max_tokens=sh["s"], eager_graphs=eager_graphs
+    )  # fmt: skip
+    q = torch.randn(1, sh["heads"], sh["s"], sh["d"], device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, sh["kv_heads"], sh["s"], sh["d"], device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    try:
+        for _ in range(5):
+            ctx(q, k, v, causal=True)
+        times = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ctx(q, k, v, causal=True)
+            times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        ctx.check()
+    finally:
+        ctx.close()
+    return statistics.median(times)
+
+
+def host_records() -> list[dict]:
+    from ..testing.world import run_world
+
+    out = []
+    for variant, eager_graphs in (("graph_replay", True), ("launches", False)):
+        host = run_world(_host_body, 1, eager_graphs, backend="cuda")[0]
+        out.append({
+            "op": "sp_attention", "strategy": "fused", "mode": "host", "variant": variant,
+            "batch": 1, "heads": HOST_SHAPE["heads"], "kv_heads": HOST_SHAPE["kv_heads"],
+            "d": HOST_SHAPE["d"], "S": HOST_SHAPE["s"], "causal": True,
+            "host_us": round(host, 1),
+        })  # fmt: skip
+        print(f"host: {variant} {host:.1f} us per eager forward call", flush=True)
+    return out
+
+
+def _multi_body(group, seqs, iters):
+    """Several GPUs: ``fused`` vs ``none`` vs ``ring`` forward on each rank's shard."""
+    from ..ops.attention import SPAttention
+    from .timing import max_over_ranks, median_ms
+
+    w, dev = group.world_size, group.device
+    out = []
+    for s in seqs:
+        s_loc = s // w
+        for causal in (False, True):
+            q = torch.randn(1, HEADS, s_loc, D, device=dev, dtype=torch.bfloat16)
+            k = torch.randn(1, KV_HEADS, s_loc, D, device=dev, dtype=torch.bfloat16)
+            times = {}
+            for strategy in ("fused", "none", "ring"):
+                ctx = SPAttention(group, HEADS, KV_HEADS, D, max_tokens=s_loc, strategy=strategy)
+                try:
+                    call = functools.partial(ctx, q, k, k, causal=causal)
+                    times[strategy] = median_ms(group, call, iters)
+                finally:
+                    ctx.close()
+            t = max_over_ranks(group, times)
+            flops = _flops(1, HEADS, s_loc, s, D, causal)
+            out.append({
+                "op": "sp_attention", "strategy": "fused", "dtype": "bfloat16", "batch": 1,
+                "heads": HEADS, "kv_heads": KV_HEADS, "d": D, "S": s, "causal": causal,
+                "t_ms": round(t["fused"], 4), "t_none_ms": round(t["none"], 4),
+                "t_ring_ms": round(t["ring"], 4), "tflops": round(flops / t["fused"] / 1e9, 1),
+            })  # fmt: skip
+    return out
+
+
+def _table(records) -> None:
+    head = ("op", "S", "causal", "t_ms", "TF/s", "ref_ms", "ref", "x ref", "wait")
+    print("{:<17} {:>6} {:<6} {:>9} {:>6} {:>9} {:<9} {:>6} {:>6}".format(*head))
+    for r in records:
+        if "t_ms" not in r:
+            print(f"{r['op']:<17} host {r['host_us']} us per eager call ({r.get('variant')})")
+            continue
+        ref = r.get("t_ref_ms") or r.get("t_none_ms")
+        name = r.get("ref_backend", r.get("variant", "none"))
+        wait = f"+{100 * (r['t_ms'] / r['t_nowait_ms'] - 1):.1f}%" if r.get("t_nowait_ms") else ""
+        ratio = f"{ref / r['t_ms']:6.3f}" if ref else "     -"
+        print(
+            f"{r['op']:<17} {r['S']:>6} {r['causal']!s:<6} {r['t_ms']:9.3f} {r['tflops']:6.0f} "
+            f"{ref or 0:9.3f} {name:<9} {ratio} {wait:>6}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m interlace bench attention")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON results")
+    parser.add_argument("--quick", action="store_true", help="S 16k only, fewer runs")
+    parser.add_argument("--tune", action="store_true", help="time candidate forward configs")
+    parser.add_argument("--tune-seconds", type=float, default=120.0, help="time limit of --tune")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--as-world", type=int, default=AS_WORLD)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench attention needs a GPU (the CPU emulation is covered by the tests)")
+        return 2
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):  # fmt: skip
+        os.environ.setdefault(key, value)
+    seqs = SEQS[:1] if args.quick else SEQS
+    iters = args.iters
+    device = torch.cuda.get_device_name(0)
+    from .records import write_records
+
+    records = one_gpu(seqs, iters, args.as_world)
+    path = write_records(args.out, device, 1, records)
+    try:
+        host = host_records()
+        write_records(args.out, device, 1, host)
+        records += host
+    except Exception as e:  # noqa: BLE001
+        print(f"host-time records skipped: {type(e).__name__}: {e}")
+    if args.tune:
+        tuned = tune(seqs[0], iters, time.monotonic() + args.tune_seconds, args.as_world)
+        if tuned:
+            write_records(args.out, device, 1, tuned)
+            records += tuned
+    n_gpu = torch.cuda.device_count()
+    if n_gpu < 2:
+        print("several-GPU overlap (fused vs none vs ring) needs 2+ GPUs: skipped")
+    else:
+        from ..testing import World
+
+        with World(n_gpu, "cuda", timeout=600) as ranks:
+            multi = ranks.run(_multi_body, seqs, iters)[0]
+        write_records(args.out, device, n_gpu, multi)
+        records += multi
+    _table(records)
+    print(f"results written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Benchmark of expert-parallel dispatch / combine (``EPAllToAll``) and ``EPMoE``::
+
+    python -m interlace bench ep [--out DIR] [--quick]
+
+On one GPU: (1) a world of one rank (every kernel of the op with its waits met at once):
+GPU time of dispatch, combine and the MoE layer against the ``none`` baseline
+(``all_to_all_single`` + ``torch._grouped_mm``) and the host time of one eager call
+(replayed from a CUDA graph) and of a user-captured graph's replay; (2) a world of two
+ranks sharing the GPU: the same calls' times (the ranks' kernels time-slice one GPU, so
+these check the protocol under load, not NVLink speed). With two or more GPUs, one rank
+per GPU: the op against ``all_to_all_single`` (NCCL) in the same run, with the algorithm
+bandwidth. Records: op ``ep_dispatch`` / ``ep_combine`` / ``ep_moe``."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+MODE = "normal"
+
+
+def _barrier(group):
+    torch.cuda.synchronize()
+    dist.barrier(group=group.process_group)
+    torch.cuda.synchronize()
+
+
+def _time_ms(group, fn, iters=20, warmup=3):
+    """Median over ``iters`` runs of ``fn`` (CUDA events), ranks aligned before each run."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        _barrier(group)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b))
+    return statistics.median(samples)
+
+
+def _host_us(group, fn, iters=20):
+    """Median host time of one call, every rank starting together on an idle device."""
+    samples = []
+    for _ in range(iters):
+        _barrier(group)
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def _routing(n, topk, experts, gen, dev):
+    scores = torch.rand(n, experts, generator=gen)
+    idx = scores.topk(topk, dim=1).indices
+    w = torch.rand(n, topk, generator=gen)
+    return idx.to(dev), (w / w.sum(1, keepdim=True)).to(dev)
+
+
+def bench_body(group, shapes, with_none: bool, iters: int) -> list[dict]:
+    return [rec for shape in shapes for rec in _one_shape(group, shape, with_none, iters)]
+
+
+def _one_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
+    from ..ops.ep import EPAllToAll, EPMoE
+    from ..ops.ep.baseline import a2a_combine, a2a_dispatch
+
+    w, dev = group.world_size, group.device
+    tokens, hidden, topk, experts = shape
+    gen = torch.Generator().manual_seed(1 + group.rank)
+    x = (torch.randn(tokens, hidden, generator=gen)).to(torch.bfloat16).to(dev)
+    idx, wts = _routing(tokens, topk, experts, gen, dev)
+    e_loc = experts // w
+    ctx = EPAllToAll(group, tokens, hidden, experts, topk)
+    h = ctx.dispatch(x, idx, wts)
+    eo = torch.randn(ctx.capacity, hidden, device=dev).to(torch.bfloat16)
+    ctx.combine(eo, h)
+    ctx.check()
+    base = dict(tokens=tokens, hidden=hidden, topk=topk, experts=experts, mode=MODE,
+                dtype="bfloat16", as_world=w, waits_met=w == 1)  # fmt: skip
+    t_d = _time_ms(group, lambda: ctx.dispatch(x, idx, wts), iters)
+    h = ctx.dispatch(x, idx, wts)
+    t_c = _time_ms(group, lambda: ctx.combine(eo, h), iters)
+    host_d = _host_us(group, lambda: ctx.dispatch(x, idx, wts), iters)
+    h = ctx.dispatch(x, idx, wts)
+    host_c = _host_us(group, lambda: ctx.combine(eo, h), iters)
+    # a user-captured graph of dispatch + combine: host time of one replay
+    _barrier(group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        hg = ctx.dispatch(x, idx, wts)
+        ctx.combine(eo, hg)
+    t_graph = _time_ms(group, graph.replay, iters)
+    host_graph = _host_us(group, graph.replay, iters)
+    ctx.check()
+    rec_d = dict(op="ep_dispatch", strategy="symm", **base, t_ms=t_d, host_us=host_d)
+    rec_c = dict(op="ep_combine", strategy="symm", **base, t_ms=t_c, host_us=host_c)
+    rec_g = dict(op="ep_dispatch_combine", strategy="graph", **base, t_ms=t_graph,
+                 host_us=host_graph)  # fmt: skip
+    nbytes = tokens * hidden * 2 * (topk if experts == w else _ranks_per_token(idx, e_loc))
+    for rec in (rec_d, rec_c):
+        rec["algbw_gbps"] = nbytes / (rec["t_ms"] * 1e-3) / 1e9
+    if with_none:
+        state = {}
+
+        def none_dispatch():
+            state["s"] = a2a_dispatch(group, x, idx, wts, experts)
+
+        t_nd = _time_ms(group, none_dispatch, iters)
+        eo_n = torch.randn(state["s"][0].shape[0], hidden, device=dev).to(torch.bfloat16)
+        t_nc = _time_ms(group, lambda: a2a_combine(group, eo_n, state["s"][3]), iters)
+        rec_d["t_nccl_ms"], rec_c["t_nccl_ms"] = t_nd, t_nc
+    # the MoE layer: one [hidden, hidden] map per expert, so at most 8 local experts
+    # (256 of them at hidden 7168 would take 26 GB of weights)
+    moe_experts = min(experts, 8 * w)
+    moe_idx, moe_w = _routing(tokens, topk, moe_experts, gen, dev)
+    weight = torch.randn(moe_experts // w, hidden, hidden, device=dev, dtype=torch.bfloat16)
+    weight *= 0.02
+    moe = {}
+    for strategy in EPMoE.STRATEGIES if with_none else ("fused", "serial"):
+        with EPMoE(group, tokens, hidden, moe_experts, topk, strategy=strategy) as m:
+            m(x, moe_idx, moe_w, weight)
+            moe[strategy] = _time_ms(group, lambda: m(x, moe_idx, moe_w, weight), iters)
+            m.check()
+    rec_m = dict(op="ep_moe", strategy="fused", **base, t_ms=moe["fused"],
+                 t_serial_ms=moe["serial"], t_none_ms=moe.get("none"))  # fmt: skip
+    rec_m["experts"] = moe_experts
+    ctx.close()
+    return [rec_d, rec_c, rec_g, rec_m]
+
+
+def ll_body(group, shapes, with_none: bool, iters: int) -> list[dict]:
+    """Low-latency dispatch / combine, both arrival protocols, against the normal mode
+    and (``with_none``) the ``all_to_all_single`` path, at each shape."""
+    return [rec for shape in shapes for rec in _ll_shape(group, shape, with_none, iters)]
+
+
+def _ll_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
+    from ..ops.ep import EPAllToAll, EPLowLatency
+    from ..ops.ep.baseline import a2a_combine, a2a_dispatch
+
+    w, dev = group.world_size, group.device
+    tokens, hidden, topk, experts = shape
+    gen = torch.Generator().manual_seed(7 + group.rank)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(dev)
+    idx, wts = _routing(tokens, topk, experts, gen, dev)
+    base = dict(tokens=tokens, hidden=hidden, topk=topk, experts=experts, dtype="bfloat16",
+                as_world=w, waits_met=w == 1)  # fmt: skip
+    nbytes = tokens * hidden * 2 * topk  # low latency: a row per (token, expert)
+    recs = []
+    times = {}
+    with EPAllToAll(group, tokens, hidden, experts, topk) as ctx:
+        h = ctx.dispatch(x, idx, wts)
+        eo = torch.randn(ctx.capacity, hidden, device=dev).to(torch.bfloat16)
+        ctx.combine(eo, h)
+        t_nd = _time_ms(group, lambda: ctx.dispatch(x, idx, wts), iters)
+        h = ctx.dispatch(x, idx, wts)
+        times["normal"] = (t_nd, _time_ms(group, lambda: ctx.combine(eo, h), iters))
+        ctx.check()
+    if with_none:
+        state = {}
+
+        def none_dispatch():
+            state["s"] = a2a_dispatch(group, x, idx, wts, experts)
+
+        t_nd = _time_ms(group, none_dispatch, iters)
+        eo_n = torch.randn(state["s"][0].shape[0], hidden, device=dev).to(torch.bfloat16)
+        t_nc = _time_ms(group, lambda: a2a_combine(group, eo_n, state["s"][3]), iters)
+    for protocol in ("flag_in_data", "token_flag"):
+        with EPLowLatency(group, tokens, hidden, experts, topk, protocol=protocol) as ll:
+            h = ll.dispatch(x, idx, wts)
+            eo = torch.randn(*ll.recv_x.shape, device=dev).to(torch.bfloat16)
+            ll.combine(eo, h)
+            t_d = _time_ms(group, lambda: ll.dispatch(x, idx, wts), iters)
+            h = ll.dispatch(x, idx, wts)
+            t_c = _time_ms(group, lambda eo=eo, h=h: ll.combine(eo, h), iters)
+            host_d = _host_us(group, lambda: ll.dispatch(x, idx, wts), iters)
+            h = ll.dispatch(x, idx, wts)
+            host_c = _host_us(group, lambda eo=eo, h=h: ll.combine(eo, h), iters)
+            _barrier(group)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                hg = ll.dispatch(x, idx, wts)
+                ll.combine(eo, hg)
+            t_graph = _time_ms(group, graph.replay, iters)
+            host_graph = _host_us(group, graph.replay, iters)
+            ll.check()
+        for op, t, host, t_norm in (("ep_dispatch", t_d, host_d, times["normal"][0]),
+                                    ("ep_combine", t_c, host_c, times["normal"][1])):  # fmt: skip
+            rec = dict(op=op, strategy=protocol, mode="low_latency", **base, t_ms=t,
+                       host_us=host, t_normal_ms=t_norm,
+                       algbw_gbps=nbytes / (t * 1e-3) / 1e9)  # fmt: skip
+            if with_none:
+                rec["t_nccl_ms"] = t_nd if op == "ep_dispatch" else t_nc
+            recs.append(rec)
+        recs.append(dict(op="ep_dispatch_combine", strategy=protocol, mode="low_latency",
+                         **base, t_ms=t_graph, host_us=host_graph))  # fmt: skip
+    return recs
+
+
+def _ranks_per_token(idx, e_loc) -> float:
+    """Mean number of ranks a token is sent to (each crossing once)."""
+    dest = idx // e_loc
+    distinct = (dest[:, :, None] == dest[:, None, :]).triu(1).any(2).logical_not().sum(1)
+    return float(distinct.float().mean())
+
+
+def _merge(per_rank: list[list[dict]]) -> list[dict]:
+    """Max of each time over ranks."""
+    out = []
+    for recs in zip(*per_rank):
+        rec = dict(recs[0])
+        for k in ("t_ms", "host_us", "t_nccl_ms", "t_none_ms", "t_serial_ms", "t_normal_ms"):
+            vals = [r.get(k) for r in recs if r.get(k) is not None]
+            if vals:
+                rec[k] = max(vals)
+        out.append(rec)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..testing import World
+    from .records import DEFAULT_OUT, device_name, write_records
+
+    p = argparse.ArgumentParser(prog="python -m interlace bench ep")
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("ep bench: needs a GPU")
+        return 1
+    iters = 10 if args.quick else 20
+    gpus = torch.cuda.device_count()
+    dev = device_name()
+    big = [(128, 7168, 8, 256), (4096, 7168, 8, 256)]
+    shapes = big[:1] if args.quick else big
+    ll_shapes = [(128, 7168, 8, 256), (256, 7168, 8, 256)]
+    results = []
+    with World(1, "cuda", timeout=600) as one:
+        recs = _merge(one.run(bench_body, shapes, True, iters))
+        recs += _merge(one.run(ll_body, ll_shapes, True, iters))
+    write_records(args.out, dev, 1, recs)
+    results += recs
+    if gpus >= 2:
+        with World(gpus, "cuda", timeout=600) as many:
+            recs = _merge(many.run(bench_body, shapes, True, iters))
+            recs += _merge(many.run(ll_body, ll_shapes, True, iters))
+        write_records(args.out, dev, gpus, recs)
+    else:
+        print("ep bench: overlap across GPUs needs 2+ GPUs; timing 2 ranks sharing one GPU")
+        with World(2, "cuda", timeout=600, share_device=True) as shared:
+            recs = _merge(shared.run(bench_body, shapes[:1], False, iters))
+            recs += _merge(shared.run(ll_body, ll_shapes[:1], False, iters))
+        for r in recs:
+            r["shared_gpu"] = True
+        write_records(args.out, dev, 1, [dict(r, variant="shared_gpu") for r in recs])
+    results += recs
+    print(
+        f"{'op':20s} {'mode/strategy':24s} {'W':>2s} {'tok':>4s} {'t_ms':>8s} {'normal':>8s} "
+        f"{'nccl/none':>9s} {'host_us':>8s}"
+    )
+    for r in results:
+        cols = []
+        for k in ("t_normal_ms", "t_nccl_ms"):
+            v = r.get(k) if k != "t_nccl_ms" else (r.get("t_nccl_ms") or r.get("t_none_ms"))
+            cols.append("-" if v is None else f"{v:.3f}")
+        host = r.get("host_us")
+        host_s = "-" if host is None else f"{host:.1f}"
+        tag = f"{r.get('mode', MODE)}/{r['strategy']}" + ("/sh" if r.get("shared_gpu") else "")
+        print(
+            f"{r['op']:20s} {tag:24s} {r['as_world']:2d} {r['tokens']:4d} {r['t_ms']:8.3f} "
+            f"{cols[0]:>8s} {cols[1]:>9s} {host_s:>8s}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""``python -m interlace bench host``: the host time of one eager call per op, graphs on
+(``eager_graphs``, the default where the driver allows: a call replays its captured graph).
+
+What a user's eager call costs the CPU before it returns, with the device idle at its
+start (``host_us``: median of ``--iters`` calls after warm-up calls that compile and
+capture). One GPU is enough: the ranks then share it (``World(share_device=True)``),
+which changes device times, not the host path. Ops: AG+GEMM, GEMM+RS and GEMM+AR in
+``fused`` (and GEMM+RS / GEMM+AR in ``ce_fused``) at LLaMA-3-8B, M 2048; the collectives
+in their default method at 16 MB per rank. Records: ``op``, ``strategy``, the shape,
+``as_world``, ``host_us``, ``eager_graphs: true``; written with ``world_size`` 1 on one
+GPU, with the world size on several.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from .collectives import _inputs
+from .dense import model_shape
+
+DENSE = (("ag_gemm", "fused"), ("gemm_rs", "fused"), ("gemm_rs", "ce_fused"),
+         ("gemm_ar", "fused"), ("gemm_ar", "ce_fused"))  # fmt: skip
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+MODEL, M, COLLECTIVE_BYTES = "llama3-8b", 2048, 16 << 20
+
+
+def host_us(fn, iters: int = 20) -> float:
+    """Median host time of one call in µs (the device idle at the start of each)."""
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def _max_over_ranks(group, value: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.process_group)
+    return float(t)
+
+
+def measure(group, iters: int = 20, warmup: int = 5) -> list[dict]:
+    """Rank body: one record per op, the max over ranks of each rank's median."""
+    import interlace
+
+    w, dev = group.world_size, group.device
+    classes = {"ag_gemm": interlace.AGGemm, "gemm_rs": interlace.GemmRS,
+               "gemm_ar": interlace.GemmAR}  # fmt: skip
+    records = []
+    for op, strategy in DENSE:
+        s = model_shape(op, MODEL, M, w)
+        rows = s.M // w if op == "ag_gemm" else s.M
+        a = torch.randn(rows, s.K, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(s.K, s.N, device=dev, dtype=torch.bfloat16) / s.K**0.5
+        with classes[op](group, max_m=s.M, n=s.N, k=s.K, strategy=strategy) as ctx:
+            for _ in range(warmup):
+                ctx(a, b)
+            t = host_us(lambda ctx=ctx, a=a, b=b: ctx(a, b), iters)
+            ctx.check()
+        records.append({"op": op, "strategy": strategy, "model": MODEL, "M": s.M, "N": s.N,
+                        "K": s.K, "as_world": w, "host_us": round(_max_over_ranks(group, t), 1),
+                        "eager_graphs": True})  # fmt: skip
+    collective = {"all_gather": interlace.AllGather, "reduce_scatter": interlace.ReduceScatter,
+                  "all_reduce": interlace.AllReduce}  # fmt: skip
+    for op in COLLECTIVES:
+        x, _, capacity = _inputs(group, op, COLLECTIVE_BYTES, torch.bfloat16, seed=0)
+        with collective[op](group, capacity, torch.bfloat16) as ctx:
+            for _ in range(warmup):
+                ctx(x)
+            t = host_us(lambda ctx=ctx, x=x: ctx(x), iters)
+            ctx.check()
+            method = getattr(ctx, "method", "default")
+        records.append({"op": op, "strategy": method, "bytes_per_rank": COLLECTIVE_BYTES,
+                        "as_world": w, "host_us": round(_max_over_ranks(group, t), 1),
+                        "eager_graphs": True})  # fmt: skip
+    return records
+
+
+def table(records: list[dict]) -> None:
+    from .cli import print_table
+
+    head = ["op", "strategy", "shape", "as W", "host_us"]
+    rows = []
+    for r in records:
+        shape = (f"{r['model']} M={r['M']}" if "model" in r
+                 else f"{r['bytes_per_rank'] >> 20} MB/rank")  # fmt: skip
+        rows.append([r["op"], r["strategy"], shape, str(r["as_world"]), f"{r['host_us']:.1f}"])
+    print_table("host time of one eager call (graphs on)", head, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..testing import World
+    from .records import DEFAULT_OUT, write_records
+
+    p = argparse.ArgumentParser(prog="python -m interlace bench host")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks (default: every GPU, or 2 sharing one GPU)")  # fmt: skip
+    p.add_argument("--iters", type=int, default=20, help="calls timed (median taken)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="folder for the JSON results")
+    p.add_argument("--quick", action="store_true", help="(the suite is short already)")
+    args = p.parse_args(argv)
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        print("bench host: needs a GPU (host time of a CUDA call)")
+        return 0
+    world = args.world_size or (gpus if gpus >= 2 else 2)
+    shared = world > gpus
+    if shared and gpus >= 2:
+        print(f"error: --world-size {world} but only {gpus} GPUs", file=sys.stderr)
+        return 2
+    with World(world, "cuda", share_device=shared, timeout=900) as ranks:
+        records = ranks.run(measure, args.iters)[0]
+    table(records)
+    path = write_records(args.out, torch.cuda.get_device_name(0), 1 if shared else world, records)
+    print(f"results written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

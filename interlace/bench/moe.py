@@ -1,0 +1,293 @@
+"""``python -m interlace bench moe``: the MoE ops' per-rank kernels on one GPU.
+
+For each of TileLink's MoE shapes (8192 tokens; (H, I, E, top-k) below) at TP 4 and 8,
+with balanced and Zipf-skewed routing, one process times the per-rank work of rank 0 with
+every wait already met (the arrival flags preset, the same kernels the ops launch):
+
+* ``ag_moe``: the three routing kernels + the grouped GEMM that gathers its rows and
+  applies SwiGLU (``t_ms``); the same GEMM on rows already permuted (``t_kernel_ms``: no
+  table building, no gather); against ``torch._grouped_mm`` on the already permuted rows
+  ``[M * k, H] x [E, H, 2 I / W]`` (``t_ref_ms``), and torch's whole path, index + grouped
+  GEMM + SwiGLU (``t_pipeline_ms``).
+* ``moe_rs``: the grouped GEMM whose epilogue adds each weighted row into its owner's
+  float32 accumulator (atomics; the owners' accumulators are local buffers here) + the
+  owner's finishing conversion (``t_ms``); against ``torch._grouped_mm`` on ``[M * k,
+  I / W] x [E, I / W, H]`` (``t_ref_ms``) and torch's grouped GEMM + weights + float32
+  ``index_add`` (``t_pipeline_ms``).
+
+With ``--sweep`` (the default) each shape is timed with every candidate tile config
+(``ops.moe._gemm.CANDIDATES``) and the fastest is recorded (``config``). Several-GPU
+overlap needs 2+ GPUs and is not run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from ..runtime.signals import ERROR_WORDS
+
+SHAPES = [(2048, 1536, 8, 2), (2048, 1536, 32, 2), (2048, 1536, 32, 5),
+          (4096, 2048, 8, 2), (4096, 2048, 32, 2), (4096, 2048, 32, 5)]  # fmt: skip
+TOKENS = 8192
+
+
+def routing_ids(tokens, k, experts, kind, gen):
+    """``[tokens, k]`` distinct experts per token: ``balanced`` (every expert the same
+    load) or ``zipf`` (expert popularity ~ 1 / rank^1.2, sampled without replacement)."""
+    if kind == "balanced":
+        t = torch.arange(tokens)[:, None] * k + torch.arange(k)[None, :]
+        return (t % experts).long()
+    p = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** 1.2
+    return torch.multinomial(p.expand(tokens, experts), k, replacement=False, generator=gen)
+
+
+def _cfg_name(c):
+    return f"{c.block_m}x{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}"
+
+
+class _Problem:
+    """One per-rank problem (rank 0 of ``world``) and torch's results on it."""
+
+    def __init__(self, hidden, inter, experts, k, world, kind, gen, dev, iters):
+        from ..ops.moe.baseline import swiglu
+        from ..ops.moe.routing import pack_meta
+        from .timing import median_ms
+
+        bf = torch.bfloat16
+        self.hidden, self.experts, self.k, self.world = hidden, experts, k, world
+        self.m, self.i_loc, self.dev = TOKENS // world, inter // world, dev
+        m, i_loc = self.m, self.i_loc
+        ids = routing_ids(TOKENS, k, experts, kind, gen).to(dev)
+        wts = torch.softmax(torch.randn(TOKENS, k, device=dev), -1)
+        self.x = torch.randn(TOKENS, hidden, device=dev).to(bf)
+        self.w1 = (torch.randn(experts, hidden, 2 * i_loc, device=dev) * 0.05).to(bf)
+        self.w2 = (torch.randn(experts, i_loc, hidden, device=dev) * 0.05).to(bf)
+        # every source rank's packed routing, as the copies would have left it
+        self.stride = 2 * m * k
+        self.meta = torch.empty(world, self.stride, dtype=torch.int32, device=dev)
+        for s in range(world):
+            pack_meta(self.meta[s], ids[s * m : (s + 1) * m], wts[s * m : (s + 1) * m])
+        self.sig = torch.ones(64, dtype=torch.int32, device=dev)  # every arrival flag raised
+        self.err = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=dev)
+        flat = ids.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        ends = torch.cumsum(torch.bincount(flat, minlength=experts), 0).to(torch.int32)
+        x_sorted = self.x[order // k]
+        w_sorted = wts.reshape(-1)[order]
+        x, w1, w2 = self.x, self.w1, self.w2
+
+        def pipe1():  # index + grouped GEMM + SwiGLU
+            return swiglu(torch._grouped_mm(x.index_select(0, order // k), w1, offs=ends), i_loc)
+
+        h_ref = pipe1()
+
+        def pipe2():  # grouped GEMM + weights + float32 top-k sum (index_add)
+            rows = torch._grouped_mm(h_ref, w2, offs=ends).float() * w_sorted[:, None]
+            y = torch.zeros(TOKENS, hidden, dtype=torch.float32, device=dev)
+            return y.index_add_(0, order // k, rows)
+
+        self.t_ref1 = median_ms(None, lambda: torch._grouped_mm(x_sorted, w1, offs=ends), iters)
+        self.t_pipe1 = median_ms(None, pipe1, iters)
+        self.t_ref2 = median_ms(None, lambda: torch._grouped_mm(h_ref, w2, offs=ends), iters)
+        self.t_pipe2 = median_ms(None, pipe2, iters)
+        self.h_ref, self.y_ref = h_ref, pipe2()[:m]
+
+    def routing(self, cfg):
+        """A built routing for ``cfg``'s row height, and the closure that rebuilds it."""
+        from ..ops.moe.routing import alloc_routing, launch_routing
+
+        work = alloc_routing(self.m, self.k, self.experts, self.world, cfg.block_m, self.dev)
+
+        def route():
+            launch_routing(
+                work, self.meta, self.stride, rank=0, sig=self.sig, flag0=0,
+                err=self.err.data_ptr(), max_spins=1 << 20, wait=True,
+            )  # fmt: skip
+
+        route()
+        torch.cuda.synchronize()
+        return work.routing, route
+
+    def permuted(self, rt, src):
+        """``src`` rows in the routing's padded row order (padding rows zero)."""
+        tok = rt.token_ids[: int(rt.offsets[-1])]
+        live = tok >= 0
+        out = torch.zeros(rt.rows, src.shape[1], dtype=src.dtype, device=self.dev)
+        out[: tok.shape[0]][live] = src
+        return out, tok, live
+
+    def gather(self, cfg, iters):
+        """(t_ms: routing + gather GEMM, t_gemm: the GEMM alone, t_kernel: on permuted
+        rows, rel err of h)."""
+        from ..ops.moe import _gemm
+        from .timing import median_ms
+
+        rt, route = self.routing(cfg)
+        i_loc = self.i_loc
+        h = torch.empty(rt.rows, i_loc, dtype=torch.bfloat16, device=self.dev)
+        grid = _gemm.programs(rt, i_loc, cfg, self.dev, "cuda")
+        run = dict(
+            w=self.w1, out=h, routing=rt, n=i_loc, up=i_loc, cfg=cfg, grid=grid, swiglu=True,
+            reduce=False, rank=0, err=self.err.data_ptr(), world=self.world,
+        )  # fmt: skip
+
+        def gemm():
+            _gemm.launch_gemm(
+                a=self.x, x_own=self.x[: self.m], gather=True, sig=self.sig, flag0=0,
+                max_spins=1 << 20, wait=self.world > 1, **run,
+            )  # fmt: skip
+
+        def both():
+            route()
+            gemm()
+
+        both()
+        torch.cuda.synchronize()
+        tok = rt.token_ids[: int(rt.offsets[-1])]
+        live = tok >= 0
+        got = h[: tok.shape[0]][live].float()
+        err = float((got - self.h_ref.float()).norm() / self.h_ref.float().norm())
+        xp, _, _ = self.permuted(rt, self.x[tok[live].long()])
+
+        def plain():
+            _gemm.launch_gemm(a=xp, x_own=None, gather=False, **run)
+
+        times = [median_ms(None, f, iters) for f in (both, gemm, plain)]
+        return (*times, err)
+
+    def reduce(self, cfg, iters):
+        """(t_ms: the reduce GEMM + the owner's finish, rel err of rank 0's rows)."""
+        from ..kernels.grouped_gemm import moe_finish_kernel
+        from ..ops.moe import _gemm
+        from .timing import median_ms
+
+        rt, _ = self.routing(cfg)
+        m, hidden, dev, world = self.m, self.hidden, self.dev, self.world
+        hp, _, _ = self.permuted(rt, self.h_ref)
+        accs = torch.zeros(world, m, hidden, dtype=torch.float32, device=dev)
+        table = torch.tensor([accs[i].data_ptr() for i in range(world)], device=dev)
+        sig = torch.zeros(8, dtype=torch.int32, device=dev)
+        sig_table = torch.tensor([sig.data_ptr()] * world, device=dev)
+        y = torch.empty(m, hidden, dtype=torch.bfloat16, device=dev)
+        grid = _gemm.programs(rt, hidden, cfg, dev, "cuda")
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        fin = max(1, min(-(-m * hidden // 1024), 2 * sms))
+        err_ptr = self.err.data_ptr()
+
+        def rs():
+            _gemm.launch_gemm(
+                a=hp, x_own=None, w=self.w2, out=None, routing=rt, n=hidden, up=0, cfg=cfg,
+                grid=grid, gather=False, swiglu=False, reduce=True, acc_table=table, sig=sig,
+                sig_table=sig_table, err=err_ptr, rank=0, max_spins=1 << 20, done_slot=0,
+                contrib_slot=1, world=world,
+            )  # fmt: skip
+            moe_finish_kernel[(fin,)](
+                accs[0], y, m * hidden, sig, 1, 2, err_ptr, 0, 1 << 20, WORLD=world,
+                BLOCK=1024, num_warps=4,
+            )  # fmt: skip
+
+        rs()
+        torch.cuda.synchronize()
+        err = float((y.float() - self.y_ref).norm() / self.y_ref.norm())
+        return median_ms(None, rs, iters), err
+
+
+def one_gpu(shapes, worlds, routings, sweep, iters, save=None):
+    from ..ops.moe import _gemm
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    records = []
+    cands = _gemm.CANDIDATES
+    if not sweep:
+        cands = {mode: [_gemm.GPU_CONFIGS[mode]] for mode in cands}
+    for (hidden, inter, experts, k), world, kind in [
+        (s, w, r) for s in shapes for w in worlds for r in routings
+    ]:
+        pb = _Problem(hidden, inter, experts, k, world, kind, gen, dev, iters)
+        g = min(((*pb.gather(c, iters), c) for c in cands["gather"]), key=lambda v: v[0])
+        r = min(((*pb.reduce(c, iters), c) for c in cands["reduce"]), key=lambda v: v[0])
+        if int(pb.err[0]):
+            raise RuntimeError(f"a wait timed out in the bench: {pb.err.tolist()}")
+        common = dict(
+            S=TOKENS, H=hidden, I=inter, E=experts, topk=k, routing=kind, as_world=world,
+            dtype="bfloat16", waits_met=True, ref="grouped_mm",
+        )  # fmt: skip
+        t_all, t_gemm, t_plain, err1, cfg1 = g
+        flops = 2 * TOKENS * k * hidden * 2 * pb.i_loc
+        records.append(dict(
+            op="ag_moe", strategy="fused", **common, t_ms=round(t_all, 5),
+            t_gemm_only_ms=round(t_gemm, 5), t_kernel_ms=round(t_plain, 5),
+            t_ref_ms=round(pb.t_ref1, 5), t_pipeline_ms=round(pb.t_pipe1, 5),
+            tflops=round(flops / t_all / 1e9, 1), config=_cfg_name(cfg1), rel_err=round(err1, 5),
+        ))  # fmt: skip
+        t2, err2, cfg2 = r
+        records.append(dict(
+            op="moe_rs", strategy="fused", **common, t_ms=round(t2, 5),
+            t_ref_ms=round(pb.t_ref2, 5), t_pipeline_ms=round(pb.t_pipe2, 5),
+            tflops=round(flops / 2 / t2 / 1e9, 1), config=_cfg_name(cfg2), rel_err=round(err2, 5),
+        ))  # fmt: skip
+        print(f"H{hidden} I{inter} E{experts} k{k} W{world} {kind}: ag {t_all:.3f} "
+              f"(gemm {t_gemm:.3f}, plain {t_plain:.3f}) ref {pb.t_ref1:.3f} "
+              f"pipe {pb.t_pipe1:.3f} err {err1:.1e} {_cfg_name(cfg1)} | rs {t2:.3f} "
+              f"ref {pb.t_ref2:.3f} pipe {pb.t_pipe2:.3f} err {err2:.1e} {_cfg_name(cfg2)}",
+              flush=True)  # fmt: skip
+        if save is not None:  # what is measured so far survives a run cut short
+            save(records[-2:])
+    return records
+
+
+def table(records):
+    lines = [f"{'op':7} {'H':>5} {'I':>5} {'E':>3} {'k':>2} {'W':>2} {'routing':9} "
+             f"{'t_ms':>7} {'ref':>7} {'x ref':>6} {'x pipe':>6}"]  # fmt: skip
+    for r in records:
+        lines.append(
+            f"{r['op']:7} {r['H']:5} {r['I']:5} {r['E']:3} {r['topk']:2} {r['as_world']:2} "
+            f"{r['routing']:9} {r['t_ms']:7.3f} {r['t_ref_ms']:7.3f} "
+            f"{r['t_ref_ms'] / r['t_ms']:6.2f} {r['t_pipeline_ms'] / r['t_ms']:6.2f}"
+        )
+    for op in ("ag_moe", "moe_rs"):
+        sp = [r["t_ref_ms"] / r["t_ms"] for r in records if r["op"] == op]
+        if sp:
+            g = math.exp(sum(math.log(v) for v in sp) / len(sp))
+            lines.append(f"{op}: vs grouped_mm geomean {g:.3f}, worst {min(sp):.3f} ({len(sp)})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m interlace bench moe", description=__doc__)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true", help="TP 4 only, fewer runs")
+    ap.add_argument("--no-sweep", action="store_true", help="only the default tile configs")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench moe needs a GPU")
+        return 1
+    worlds = (4,) if args.quick else (4, 8)
+    save = None
+    if not args.no_write:
+        from .records import device_name, write_records
+
+        def save(recs):
+            write_records(args.out, device_name(), 1, recs, plot=False)
+
+    records = one_gpu(SHAPES, worlds, ("balanced", "zipf"), not args.no_sweep,
+                      iters=20 if args.quick else 30, save=save)  # fmt: skip
+    if torch.cuda.device_count() < 2:
+        print("several-GPU overlap (op vs none vs bound) needs 2+ GPUs: not run")
+    if not args.no_write:
+        from .records import device_name, write_records
+
+        path = write_records(args.out, device_name(), 1, records)
+        print("wrote", path)
+    print(table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,604 @@
+"""Flash-attention kernels of sequence-parallel attention (forward and backward).
+
+Every rank holds ``S_loc`` tokens of Q, K and V (``[batch, heads, S_loc, d]``, K/V with
+``kv_heads`` heads, GQA). The K/V chunk of rank ``c`` sits at the global token positions
+given by the layout:
+
+* contiguous (non-causal): local index ``i`` of rank ``c`` is position ``c * S_loc + i``;
+* zigzag (causal): rank ``c`` holds the sequence chunks ``c`` and ``2W - 1 - c`` of length
+  ``half = S_loc / 2``, so index ``i < half`` is at ``c * half + i`` and index ``i >= half``
+  at ``(2W - 1 - c) * half + i - half``. Positions grow with the local index in both.
+
+Packed variable-length sequences (``VARLEN``): ``seg[p]`` is the document of global
+position ``p`` and ``cu`` its boundaries (``cu[s] .. cu[s + 1]``); a query sees only keys
+of its own document (and, causal, at or before it).
+
+Because positions grow with the local index, the keys of chunk ``c`` that a block of
+queries sees form one index range, and those it sees *entirely* (no mask needed) a range
+inside it: each kernel computes both from the block's first and last positions
+(``_block_ranges``), runs the unmasked blocks in one loop and the rest (the causal
+diagonal, document edges, a ragged tail) in a second loop with a mask, and skips fully
+masked blocks. The same holds with the roles of queries and keys swapped (dK / dV).
+
+Peers' chunks arrive in a gathered buffer ``[W * batch * kv_heads, S_loc, d]`` (chunk of
+rank ``c`` at rows ``c * batch * kv_heads ...``), each behind an arrival flag raised by the
+copy engine: a program waits on a chunk's flag before its first load from it, the load's
+coordinate depending on the wait's token (``guard_coord``) so it cannot be hoisted above
+the wait. The local chunk is read in place from the caller's K / V. Softmax statistics
+are kept in base 2 (``qk_scale = sm_scale * log2(e)``); ``lse`` is stored in base 2 too.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..language.primitives import INTERPRETED, guard_coord, notify, peer_ptr_aligned, wait
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """``acc + a @ b`` in float32. The interpreter's 16-bit dot is wrong, so there the
+    operands are widened first."""
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _count_le(x, c, S_loc, half, WORLD: tl.constexpr, ZIGZAG: tl.constexpr):
+    """How many local indices of rank ``c``'s chunk sit at a global position <= ``x``."""
+    if ZIGZAG:
+        lo = tl.minimum(tl.maximum(x - c * half + 1, 0), half)
+        hi = tl.minimum(tl.maximum(x - (2 * WORLD - 1 - c) * half + 1, 0), half)
+        return lo + hi
+    else:
+        return tl.minimum(tl.maximum(x - c * S_loc + 1, 0), S_loc)
+
+
+@triton.jit
+def _pos(idx, c, S_loc, half, WORLD: tl.constexpr, ZIGZAG: tl.constexpr):
+    """Global position of local index ``idx`` of rank ``c``'s chunk."""
+    if ZIGZAG:
+        return tl.where(idx < half, c * half + idx, (2 * WORLD - 1 - c) * half + idx - half)
+    else:
+        return c * S_loc + idx
+
+
+@triton.jit
+def _block_ranges(vlo, vhi, flo, fhi, c, S_loc, half, BLOCK: tl.constexpr,
+                  WORLD: tl.constexpr, ZIGZAG: tl.constexpr):  # fmt: skip
+    """Blocks of ``BLOCK`` indices of chunk ``c`` whose positions meet ``[vlo, vhi]``
+    (visible) and those wholly inside ``[flo, fhi]`` (no mask needed): returns ``(jlo,
+    jf_lo, jf_hi, jhi)``, the masked blocks being ``[jlo, jf_lo)`` and ``[jf_hi, jhi)``."""
+    a = _count_le(vlo - 1, c, S_loc, half, WORLD, ZIGZAG)
+    b = _count_le(vhi, c, S_loc, half, WORLD, ZIGZAG)
+    af = _count_le(flo - 1, c, S_loc, half, WORLD, ZIGZAG)
+    bf = _count_le(fhi, c, S_loc, half, WORLD, ZIGZAG)
+    jlo = a // BLOCK
+    jhi = tl.maximum(tl.cdiv(b, BLOCK), jlo)
+    jf_lo = tl.maximum(tl.cdiv(af, BLOCK), jlo)
+    jf_hi = tl.minimum(bf // BLOCK, jhi)
+    empty = jf_hi <= jf_lo
+    jf_lo = tl.where(empty, jhi, jf_lo)
+    jf_hi = tl.where(empty, jhi, jf_hi)
+    return jlo, jf_lo, jf_hi, jhi
+
+
+@triton.jit
+def _masked_block(t, jlo, jf_lo, jf_hi):
+    """The ``t``-th masked block: ``[jlo, jf_lo)`` first, then ``[jf_hi, ...)``."""
+    first = jf_lo - jlo
+    return tl.where(t < first, jlo + t, jf_hi + t - first)
+
+
+@triton.jit
+def _doc_bounds(seg, cu, p):
+    """First and last position of the document holding position ``p``."""
+    s = tl.load(seg + p)
+    return tl.load(cu + s), tl.load(cu + s + 1) - 1
+
+
+@triton.jit
+def _mask(q_pos, k_pos, k_idx, S_loc, seg, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
+          VARLEN: tl.constexpr):  # fmt: skip
+    """[rows, cols] mask of the keys each query sees: a valid row (``q_pos >= 0``), a key
+    inside the chunk (``k_idx < S_loc``), causal order, the same document."""
+    ok = (k_idx < S_loc)[None, :] & (q_pos >= 0)[:, None]
+    if CAUSAL:
+        ok = ok & (k_pos[None, :] <= q_pos[:, None])
+    if VARLEN:
+        last = WORLD * S_loc - 1
+        qs = tl.load(seg + tl.minimum(tl.maximum(q_pos, 0), last))
+        ks = tl.load(seg + tl.minimum(k_pos, last))
+        ok = ok & (qs[:, None] == ks[None, :])
+    return ok
+
+
+# ---------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_blocks(acc, l_i, m_i, q, k_desc, v_desc, row, j0, n, jlo, jf_lo, jf_hi, q_pos,
+                c, S_loc, half, seg, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                D: tl.constexpr, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
+                VARLEN: tl.constexpr, MASKED: tl.constexpr, WS: tl.constexpr):  # fmt: skip
+    """Online softmax over ``n`` key blocks of one chunk: blocks ``j0 ..`` (unmasked) or
+    the masked blocks (``MASKED``, ``_masked_block``). Unmasked, the scale is folded into
+    the exponent's argument (one fused multiply-add per logit); ``WS``: the loop is
+    warp-specialised (producer warps issue the TMA loads)."""
+    for t in tl.range(0, n, warp_specialize=WS and not MASKED):
+        if MASKED:
+            j = _masked_block(t, jlo, jf_lo, jf_hi)
+        else:
+            j = j0 + t
+        n0 = j * BLOCK_N
+        k = k_desc.load([row, n0, 0]).reshape(BLOCK_N, D)
+        qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32))
+        if MASKED:
+            qk = qk * qk_scale
+            k_idx = n0 + tl.arange(0, BLOCK_N)
+            k_pos = _pos(k_idx, c, S_loc, half, WORLD, CAUSAL)
+            ok = _mask(q_pos, k_pos, k_idx, S_loc, seg, WORLD, CAUSAL, VARLEN)
+            qk = tl.where(ok, qk, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_use[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_use = m_new
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = v_desc.load([row, n0, 0]).reshape(BLOCK_N, D)
+        acc = _dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_chunk(acc, l_i, m_i, q, k_desc, v_desc, row, c, qmin, qmax, q_pos, S_loc, half,
+               seg, cu, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               D: tl.constexpr, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
+               VARLEN: tl.constexpr, WS: tl.constexpr):  # fmt: skip
+    vlo, vhi, flo, fhi = _fwd_window(qmin, qmax, S_loc, seg, cu, WORLD, CAUSAL, VARLEN)
+    jlo, jf_lo, jf_hi, jhi = _block_ranges(
+        vlo, vhi, flo, fhi, c, S_loc, half, BLOCK_N, WORLD, CAUSAL
+    )
+    acc, l_i, m_i = _fwd_blocks(
+        acc, l_i, m_i, q, k_desc, v_desc, row, jf_lo, jf_hi - jf_lo, jlo, jf_lo, jf_hi, q_pos,
+        c, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, False, WS,
+    )  # fmt: skip
+    n_masked = (jf_lo - jlo) + (jhi - jf_hi)
+    acc, l_i, m_i = _fwd_blocks(
+        acc, l_i, m_i, q, k_desc, v_desc, row, jlo, n_masked, jlo, jf_lo, jf_hi, q_pos,
+        c, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, True, WS,
+    )  # fmt: skip
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_window(qmin, qmax, S_loc, seg, cu, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
+                VARLEN: tl.constexpr):  # fmt: skip
+    """Key positions a query block ``[qmin, qmax]`` sees at all ``[vlo, vhi]`` and by
+    every one of its rows ``[flo, fhi]``."""
+    big = WORLD * S_loc - 1
+    vlo = qmin * 0
+    flo = qmin * 0
+    vhi = vlo + big
+    fhi = vlo + big
+    if VARLEN:
+        vlo, fhi = _doc_bounds(seg, cu, qmin)
+        flo, vhi = _doc_bounds(seg, cu, qmax)
+    if CAUSAL:
+        vhi = tl.minimum(vhi, qmax)
+        fhi = tl.minimum(fhi, qmin)
+    return vlo, vhi, flo, fhi
+
+
+@triton.jit
+def _peer_chunk(t, rank, sig, arrival, err, max_spins, BKV, kv_row, WORLD: tl.constexpr,
+                WAIT: tl.constexpr):  # fmt: skip
+    """The chunk a program takes at step ``t >= 1`` (arrival order: rank - 1, rank - 2, ...)
+    and its row in the gathered buffer, after its arrival flag (``WAIT``)."""
+    c = (rank + WORLD - t) % WORLD
+    row = c * BKV + kv_row
+    if WAIT:
+        token = wait(sig + arrival + c, 1, err, rank, arrival + c, max_spins)
+        row = guard_coord(row, token, 1, WORLD * BKV)
+    return c, row
+
+
+@triton.jit
+def _exit_clear(sig, arrival, rank, err, max_spins, WORLD: tl.constexpr):
+    """Last act of every program of a consumer launch: the program that finishes last
+    waits for every peer's arrival flag (a flag whose chunk no program needed may still be
+    landing) and zeroes the flags and the finished-program counter (slot ``arrival +
+    WORLD``), so the next call with this buffer set starts from zero."""
+    tl.debug_barrier()
+    n_prog = tl.num_programs(0) * tl.num_programs(1)
+    arrived = tl.atomic_add(sig + arrival + WORLD, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_prog - 1:
+        for t in range(1, WORLD):
+            c = (rank + WORLD - t) % WORLD
+            wait(sig + arrival + c, 1, err, rank, arrival + c, max_spins)
+        offs = tl.arange(0, 64)
+        tl.store(sig + arrival + offs, 0, mask=offs <= WORLD)
+
+
+@triton.jit
+def sp_attn_fwd_kernel(
+    q, k, v, k_all, v_all, o, lse, seg, cu, sig, err, rank, max_spins, arrival,
+    qk_scale, S_loc, half,
+    H, HKV, D: tl.constexpr, WORLD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    VARLEN: tl.constexpr, WAIT: tl.constexpr, CLEAR: tl.constexpr, WS: tl.constexpr = False,
+):  # fmt: skip
+    """One program per (query block, batch x head), heaviest query blocks first (later
+    positions see more keys under the causal mask). Runs the local chunk, then each
+    peer's as its flag lands (``WAIT``; without it the gathered buffer must already hold
+    every chunk). ``CLEAR``: the last program zeroes the arrival flags (``_exit_clear``).
+    Writes ``o`` and the base-2 log-sum-exp ``lse`` [batch x heads, S_loc] (float32)."""
+    n_mb = tl.num_programs(0)
+    pid_m = n_mb - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    BH = tl.num_programs(1)
+    GROUP = H // HKV
+    BKV = BH // GROUP
+    kv_row = (bh // H) * HKV + (bh % H) // GROUP
+    q_desc = tl.make_tensor_descriptor(
+        q, shape=[BH, S_loc, D], strides=[S_loc * D, D, 1], block_shape=[1, BLOCK_M, D]
+    )
+    o_desc = tl.make_tensor_descriptor(
+        o, shape=[BH, S_loc, D], strides=[S_loc * D, D, 1], block_shape=[1, BLOCK_M, D]
+    )
+    k_desc = tl.make_tensor_descriptor(
+        k, shape=[BKV, S_loc, D], strides=[S_loc * D, D, 1], block_shape=[1, BLOCK_N, D]
+    )
+    v_desc = tl.make_tensor_descriptor(
+        v, shape=[BKV, S_loc, D], strides=[S_loc * D, D, 1], block_shape=[1, BLOCK_N, D]
+    )
+    m0 = pid_m * BLOCK_M
+    q_idx = m0 + tl.arange(0, BLOCK_M)
+    q_pos = tl.where(q_idx < S_loc, _pos(q_idx, rank, S_loc, half, WORLD, CAUSAL), -1)
+    qmin = _pos(m0, rank, S_loc, half, WORLD, CAUSAL)
+    qmax = _pos(tl.minimum(m0 + BLOCK_M, S_loc) - 1, rank, S_loc, half, WORLD, CAUSAL)
+    qb = q_desc.load([bh, m0, 0]).reshape(BLOCK_M, D)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    acc, l_i, m_i = _fwd_chunk(
+        acc, l_i, m_i, qb, k_desc, v_desc, kv_row, rank, qmin, qmax, q_pos, S_loc, half,
+        seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, WS,
+    )  # fmt: skip
+    if WORLD > 1:
+        kp_desc = tl.make_tensor_descriptor(
+            k_all, shape=[WORLD * BKV, S_loc, D], strides=[S_loc * D, D, 1],
+            block_shape=[1, BLOCK_N, D],
+        )  # fmt: skip
+        vp_desc = tl.make_tensor_descriptor(
+            v_all, shape=[WORLD * BKV, S_loc, D], strides=[S_loc * D, D, 1],
+            block_shape=[1, BLOCK_N, D],
+        )  # fmt: skip
+        for t in range(1, WORLD):
+            c, row = _peer_chunk(t, rank, sig, arrival, err, max_spins, BKV, kv_row, WORLD, WAIT)
+            acc, l_i, m_i = _fwd_chunk(
+                acc, l_i, m_i, qb, kp_desc, vp_desc, row, c, qmin, qmax, q_pos, S_loc, half,
+                seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, WS,
+            )  # fmt: skip
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    o_desc.store([bh, m0, 0], out.to(o.dtype.element_ty).reshape(1, BLOCK_M, D))
+    tl.store(lse + bh * S_loc + q_idx, m_i + tl.math.log2(l_safe), mask=q_idx < S_loc)
+    if CLEAR:
+        _exit_clear(sig, arrival, rank, err, max_spins, WORLD)
+
+
+# ---------------------------------------------------------------------------- backward
+@triton.jit
+def sp_attn_bwd_delta_kernel(o, do, delta, S_loc, D: tl.constexpr, BLOCK: tl.constexpr):
+    """``delta[bh, i] = sum_d o[bh, i, d] * do[bh, i, d]`` in float32."""
+    bh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D)
+    offs = (bh * S_loc + rows)[:, None] * D + cols[None, :]
+    ok = (rows < S_loc)[:, None]
+    a = tl.load(o + offs, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(do + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(delta + bh * S_loc + rows, tl.sum(a * b, 1), mask=rows < S_loc)
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, kb, vb, q_desc, do_desc, lse, delta, qrow, i0, n, ilo, if_lo, if_hi,
+                 k_pos, k_idx, rank, S_loc, half, seg, qk_scale, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, D: tl.constexpr, WORLD: tl.constexpr,
+                 CAUSAL: tl.constexpr, VARLEN: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """dK / dV of one key block over ``n`` query blocks of one head (see ``_fwd_blocks``)."""
+    for t in tl.range(0, n):
+        if MASKED:
+            i = _masked_block(t, ilo, if_lo, if_hi)
+        else:
+            i = i0 + t
+        m0 = i * BLOCK_M
+        q_idx = m0 + tl.arange(0, BLOCK_M)
+        qb = q_desc.load([qrow, m0, 0]).reshape(BLOCK_M, D)
+        dob = do_desc.load([qrow, m0, 0]).reshape(BLOCK_M, D)
+        if MASKED:
+            rows_ok = q_idx < S_loc
+            m_row = tl.load(lse + qrow * S_loc + q_idx, mask=rows_ok, other=0.0)
+            d_row = tl.load(delta + qrow * S_loc + q_idx, mask=rows_ok, other=0.0)
+        else:
+            m_row = tl.load(lse + qrow * S_loc + q_idx)
+            d_row = tl.load(delta + qrow * S_loc + q_idx)
+        qk_t = _dot(kb, tl.trans(qb), tl.zeros([BLOCK_N, BLOCK_M], tl.float32)) * qk_scale
+        p_t = tl.math.exp2(qk_t - m_row[None, :])
+        if MASKED:
+            q_pos = tl.where(q_idx < S_loc, _pos(q_idx, rank, S_loc, half, WORLD, CAUSAL), -1)
+            ok = _mask(q_pos, k_pos, k_idx, S_loc, seg, WORLD, CAUSAL, VARLEN)
+            p_t = tl.where(tl.trans(ok), p_t, 0.0)
+        dv = _dot(p_t.to(qb.dtype), dob, dv)
+        dp_t = _dot(vb, tl.trans(dob), tl.zeros([BLOCK_N, BLOCK_M], tl.float32))
+        ds_t = p_t * (dp_t - d_row[None, :])
+        dk = _dot(ds_t.to(qb.dtype), qb, dk)
+    return dk, dv
+
+
+@triton.jit
+def sp_attn_bwd_dkdv_kernel(
+    q, k, v, k_all, v_all, do, lse, delta, recv, recv_table, seg, cu, sig, sig_table, err,
+    rank, max_spins, arrival, dkv_slot, sm_scale, qk_scale, S_loc, half, n_kb,
+    H, HKV, D: tl.constexpr, WORLD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    VARLEN: tl.constexpr, WAIT: tl.constexpr,
+):  # fmt: skip
+    """This rank's share of dK / dV for one key block of one chunk (one program per
+    (chunk, key block), batch x kv head), summed over the GQA group's query heads and this
+    rank's queries. Chunks in arrival order, the local one first. The partial goes to the
+    chunk's owner: into slot ``rank`` of its ``recv`` buffer ``[2, WORLD (source),
+    batch x kv_heads, S_loc, d]`` with plain stores over NVLink, after which the owner's
+    counter ``dkv_slot + rank`` grows by the rows stored (the owner's reduction waits for
+    ``batch x kv_heads x S_loc`` from every source)."""
+    pid = tl.program_id(0)
+    t = pid // n_kb
+    jb = pid % n_kb
+    kv_row = tl.program_id(1)
+    BKV = tl.num_programs(1)
+    GROUP = H // HKV
+    b = kv_row // HKV
+    hk = kv_row % HKV
+    BH = BKV * GROUP
+    c = (rank + WORLD - t) % WORLD
+    n0 = jb * BLOCK_N
+    k_idx = n0 + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, D)
+    k_ok = k_idx < S_loc
+    k_pos = _pos(k_idx, c, S_loc, half, WORLD, CAUSAL)
+    kmin = _pos(n0, c, S_loc, half, WORLD, CAUSAL)
+    kmax = _pos(tl.minimum(n0 + BLOCK_N, S_loc) - 1, c, S_loc, half, WORLD, CAUSAL)
+    if c == rank:
+        src_k = k + kv_row.to(tl.int64) * S_loc * D
+        src_v = v + kv_row.to(tl.int64) * S_loc * D
+        ok_load = k_ok
+    else:
+        src_k = k_all + (c * BKV + kv_row).to(tl.int64) * S_loc * D
+        src_v = v_all + (c * BKV + kv_row).to(tl.int64) * S_loc * D
+        ok_load = k_ok
+        if WAIT:
+            token = wait(sig + arrival + c, 1, err, rank, arrival + c, max_spins)
+            ok_load = k_ok & (token >= 1)
+    kv_offs = k_idx[:, None] * D + cols[None, :]
+    kb = tl.load(src_k + kv_offs, mask=ok_load[:, None], other=0.0)
+    vb = tl.load(src_v + kv_offs, mask=ok_load[:, None], other=0.0)
+    # query positions that see this key block at all, and those that see all of it
+    big = WORLD * S_loc - 1
+    vlo = kmin * 0
+    flo = kmin * 0
+    vhi = vlo + big
+    fhi = vlo + big
+    if CAUSAL:
+        vlo = kmin
+        flo = kmax
+    if VARLEN:
+        d_lo, d_hi = _doc_bounds(seg, cu, kmin)
+        e_lo, e_hi = _doc_bounds(seg, cu, kmax)
+        vlo = tl.maximum(vlo, d_lo)
+        vhi = e_hi
+        flo = tl.maximum(flo, e_lo)
+        fhi = d_hi
+    ilo, if_lo, if_hi, ihi = _block_ranges(
+        vlo, vhi, flo, fhi, rank, S_loc, half, BLOCK_M, WORLD, CAUSAL
+    )
+    q_desc = tl.make_tensor_descriptor(
+        q, shape=[BH, S_loc, D], strides=[S_loc * D, D, 1], block_shape=[1, BLOCK_M, D]
+    )
+    do_desc = tl.make_tensor_descriptor(
+        do, shape=[BH, S_loc, D], strides=[S_loc * D, D, 1], block_shape=[1, BLOCK_M, D]
+    )
+    dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    n_masked = (if_lo - ilo) + (ihi - if_hi)
+    for g in range(GROUP):
+        qrow = b * H + hk * GROUP + g
+        dk, dv = _dkdv_blocks(
+            dk, dv, kb, vb, q_desc, do_desc, lse, delta, qrow, if_lo, if_hi - if_lo, ilo,
+            if_lo, if_hi, k_pos, k_idx, rank, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D,
+            WORLD, CAUSAL, VARLEN, False,
+        )  # fmt: skip
+        dk, dv = _dkdv_blocks(
+            dk, dv, kb, vb, q_desc, do_desc, lse, delta, qrow, ilo, n_masked, ilo, if_lo,
+            if_hi, k_pos, k_idx, rank, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD,
+            CAUSAL, VARLEN, True,
+        )  # fmt: skip
+    dk = dk * sm_scale
+    # slot ``rank`` (this rank as the source) of the owner's recv buffer
+    part = (rank * BKV + kv_row).to(tl.int64) * S_loc * D
+    whole = (WORLD * BKV).to(tl.int64) * S_loc * D
+    dst_k = peer_ptr_aligned(recv + part, recv_table, rank, c)
+    dst_v = peer_ptr_aligned(recv + whole + part, recv_table, rank, c)
+    tl.store(dst_k + kv_offs, dk.to(recv.dtype.element_ty), mask=k_ok[:, None])
+    tl.store(dst_v + kv_offs, dv.to(recv.dtype.element_ty), mask=k_ok[:, None])
+    rows = tl.minimum(S_loc - n0, BLOCK_N)
+    owner_sig = tl.load(sig_table + c).to(tl.pointer_type(tl.int32))
+    notify(owner_sig + dkv_slot + rank, rows, ADD=True)
+
+
+@triton.jit
+def _dq_blocks(dq, qb, dob, m_row, d_row, k_desc, v_desc, row, j0, n, jlo, jf_lo, jf_hi,
+               q_pos, c, S_loc, half, seg, qk_scale, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, D: tl.constexpr, WORLD: tl.constexpr,
+               CAUSAL: tl.constexpr, VARLEN: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """dQ of one query block over ``n`` key blocks of one chunk (see ``_fwd_blocks``)."""
+    for t in tl.range(0, n):
+        if MASKED:
+            j = _masked_block(t, jlo, jf_lo, jf_hi)
+        else:
+            j = j0 + t
+        n0 = j * BLOCK_N
+        kb = k_desc.load([row, n0, 0]).reshape(BLOCK_N, D)
+        vb = v_desc.load([row, n0, 0]).reshape(BLOCK_N, D)
+        qk = _dot(qb, tl.trans(kb), tl.zeros([BLOCK_M, BLOCK_N], tl.float32)) * qk_scale
+        p = tl.math.exp2(qk - m_row[:, None])
+        if MASKED:
+            k_idx = n0 + tl.arange(0, BLOCK_N)
+            k_pos = _pos(k_idx, c, S_loc, half, WORLD, CAUSAL)
+            p = tl.where(_mask(q_pos, k_pos, k_idx, S_loc, seg, WORLD, CAUSAL, VARLEN), p, 0.0)
+        dp = _dot(dob, tl.trans(vb), tl.zeros([BLOCK_M, BLOCK_N], tl.float32))
+        ds = p * (dp - d_row[:, None])
+        dq = _dot(ds.to(kb.dtype), kb, dq)
+    return dq
+
+
+@triton.jit
+def _dq_chunk(dq, qb, dob, m_row, d_row, k_desc, v_desc, row, c, qmin, qmax, q_pos, S_loc,
+              half, seg, cu, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              D: tl.constexpr, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
+              VARLEN: tl.constexpr):  # fmt: skip
+    vlo, vhi, flo, fhi = _fwd_window(qmin, qmax, S_loc, seg, cu, WORLD, CAUSAL, VARLEN)
+    jlo, jf_lo, jf_hi, jhi = _block_ranges(
+        vlo, vhi, flo, fhi, c, S_loc, half, BLOCK_N, WORLD, CAUSAL
+    )
+    dq = _dq_blocks(
+        dq, qb, dob, m_row, d_row, k_desc, v_desc, row, jf_lo, jf_hi - jf_lo, jlo, jf_lo,
+        jf_hi, q_pos, c, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL,
+        VARLEN, False,
+    )  # fmt: skip
+    n_masked = (jf_lo - jlo) + (jhi - jf_hi)
+    dq = _dq_blocks(
+        dq, qb, dob, m_row, d_row, k_desc, v_desc, row, jlo, n_masked, jlo, jf_lo, jf_hi,
+        q_pos, c, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN,
+        True,
+    )  # fmt: skip
+    return dq
+
+
+@triton.jit
+def sp_attn_bwd_dq_kernel(
+    q, k, v, k_all, v_all, do, lse, delta, dq, seg, cu, sig, err, rank, max_spins, arrival,
+    sm_scale, qk_scale, S_loc, half,
+    H, HKV, D: tl.constexpr, WORLD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    VARLEN: tl.constexpr, WAIT: tl.constexpr, CLEAR: tl.constexpr,
+):  # fmt: skip
+    """dQ of one query block (one program per (query block, batch x head)) over every
+    chunk, local first, as ``sp_attn_fwd_kernel``; ``CLEAR`` as there."""
+    n_mb = tl.num_programs(0)
+    pid_m = n_mb - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    BH = tl.num_programs(1)
+    GROUP = H // HKV
+    BKV = BH // GROUP
+    kv_row = (bh // H) * HKV + (bh % H) // GROUP
+    q_desc = tl.make_tensor_descriptor(
+        q, shape=[BH, S_loc, D], strides=[S_loc * D, D, 1], block_shape=[1, BLOCK_M, D]
+    )
+    do_desc = tl.make_tensor_descriptor(
+        do, shape=[BH, S_loc, D], strides=[S_loc * D, D, 1], block_shape=[1, BLOCK_M, D]
+    )
+    dq_desc = tl.make_tensor_descriptor(
+        dq, shape=[BH, S_loc, D], strides=[S_loc * D, D, 1], block_shape=[1, BLOCK_M, D]
+    )
+    k_desc = tl.make_tensor_descriptor(
+        k, shape=[BKV, S_loc, D], strides=[S_loc * D, D, 1], block_shape=[1, BLOCK_N, D]
+    )
+    v_desc = tl.make_tensor_descriptor(
+        v, shape=[BKV, S_loc, D], strides=[S_loc * D, D, 1], block_shape=[1, BLOCK_N, D]
+    )
+    m0 = pid_m * BLOCK_M
+    q_idx = m0 + tl.arange(0, BLOCK_M)
+    rows_ok = q_idx < S_loc
+    q_pos = tl.where(rows_ok, _pos(q_idx, rank, S_loc, half, WORLD, CAUSAL), -1)
+    qmin = _pos(m0, rank, S_loc, half, WORLD, CAUSAL)
+    qmax = _pos(tl.minimum(m0 + BLOCK_M, S_loc) - 1, rank, S_loc, half, WORLD, CAUSAL)
+    qb = q_desc.load([bh, m0, 0]).reshape(BLOCK_M, D)
+    dob = do_desc.load([bh, m0, 0]).reshape(BLOCK_M, D)
+    m_row = tl.load(lse + bh * S_loc + q_idx, mask=rows_ok, other=0.0)
+    d_row = tl.load(delta + bh * S_loc + q_idx, mask=rows_ok, other=0.0)
+    dq_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    dq_acc = _dq_chunk(
+        dq_acc, qb, dob, m_row, d_row, k_desc, v_desc, kv_row, rank, qmin, qmax, q_pos, S_loc,
+        half, seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN,
+    )  # fmt: skip
+    if WORLD > 1:
+        kp_desc = tl.make_tensor_descriptor(
+            k_all, shape=[WORLD * BKV, S_loc, D], strides=[S_loc * D, D, 1],
+            block_shape=[1, BLOCK_N, D],
+        )  # fmt: skip
+        vp_desc = tl.make_tensor_descriptor(
+            v_all, shape=[WORLD * BKV, S_loc, D], strides=[S_loc * D, D, 1],
+            block_shape=[1, BLOCK_N, D],
+        )  # fmt: skip
+        for t in range(1, WORLD):
+            c, row = _peer_chunk(t, rank, sig, arrival, err, max_spins, BKV, kv_row, WORLD, WAIT)
+            dq_acc = _dq_chunk(
+                dq_acc, qb, dob, m_row, d_row, kp_desc, vp_desc, row, c, qmin, qmax, q_pos,
+                S_loc, half, seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN,
+            )  # fmt: skip
+    dq_acc = dq_acc * sm_scale
+    dq_desc.store([bh, m0, 0], dq_acc.to(dq.dtype.element_ty).reshape(1, BLOCK_M, D))
+    if CLEAR:
+        _exit_clear(sig, arrival, rank, err, max_spins, WORLD)
+
+
+@triton.jit
+def sp_attn_bwd_reduce_kernel(
+    recv, dk, dv, sig, err, rank, max_spins, dkv_slot, n_rows, expected,
+    D: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """dK and dV of this rank's chunk: the sum (float32) of the ``WORLD`` partials in
+    ``recv`` ``[2, WORLD, n_rows, d]``, each read once its source's counter reached
+    ``expected`` rows. The program that finishes last zeroes the counters and its own
+    finished-program counter (slot ``dkv_slot + WORLD``)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D)
+    ok = rows < n_rows
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    acc_k = tl.zeros([BLOCK, D], dtype=tl.float32)
+    acc_v = tl.zeros([BLOCK, D], dtype=tl.float32)
+    whole = (WORLD * n_rows).to(tl.int64) * D
+    for t in range(WORLD):
+        src = (rank + WORLD - t) % WORLD
+        token = wait(sig + dkv_slot + src, expected, err, rank, dkv_slot + src, max_spins)
+        m = (ok & (token >= expected))[:, None]
+        base = (src * n_rows).to(tl.int64) * D
+        acc_k += tl.load(recv + base + offs, mask=m, other=0.0).to(tl.float32)
+        acc_v += tl.load(recv + whole + base + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(dk + offs, acc_k.to(dk.dtype.element_ty), mask=ok[:, None])
+    tl.store(dv + offs, acc_v.to(dv.dtype.element_ty), mask=ok[:, None])
+    tl.debug_barrier()
+    arrived = tl.atomic_add(sig + dkv_slot + WORLD, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        lanes = tl.arange(0, 64)
+        tl.store(sig + dkv_slot + lanes, 0, mask=lanes <= WORLD)
+
+
+__all__ = [
+    "LOG2E",
+    "sp_attn_bwd_delta_kernel",
+    "sp_attn_bwd_dkdv_kernel",
+    "sp_attn_bwd_dq_kernel",
+    "sp_attn_bwd_reduce_kernel",
+    "sp_attn_fwd_kernel",
+]
+_ = triton  # the kernels above are ``triton.jit`` functions

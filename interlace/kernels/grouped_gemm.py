@@ -1,0 +1,355 @@
+"""Kernels of the tensor-parallel MoE ops: the device-built routing tables and the
+persistent grouped GEMM that reads them.
+
+Routing (three launches, no host synchronisation). The token entries ``(token, slot j)``
+of every rank's routing reach each rank as a packed meta buffer: per source rank ``src``
+its ``m * k`` expert ids (int32), then its ``m * k`` weights (float32 bits), at
+``meta + src * meta_stride``. Entries are visited in *arrival order*: position ``p`` holds
+source rank ``(rank + p) % WORLD`` (this rank first, then the rank-rotated copy order),
+cut into chunks of ``CHUNK`` entries (``cps`` chunks per source).
+
+* ``moe_count_kernel`` (one program per chunk): the chunk's histogram of expert ids.
+* ``moe_scan_kernel`` (one program): prefix sums of the histograms over chunks; each
+  expert's rows padded to ``BLOCK_M`` (``offsets``: padded start of each expert, the total
+  at ``E``); the number of row tiles; and the *tile table*: row tile ``q`` in the order the
+  GEMM runs them -> (first row, expert, first and last arrival position its rows read).
+  Tiles are ordered by the last arrival position they need, then by expert, so the first
+  tiles need only the shards that arrive first.
+* ``moe_scatter_kernel`` (one program per chunk): a stable counting sort. Each entry's row
+  is ``offsets[e] + (entries of e in earlier chunks) + (rank in its chunk)``, so rows are
+  sorted by (expert, arrival position, token, slot). Writes ``sorted_tok[row]`` (the
+  token's global index ``src * m + t``; -1 in padding rows) and ``sorted_w[row]``.
+
+Ids outside ``[0, E)`` are dropped (the op checks them on the host where it can).
+
+Grouped GEMM (``moe_gemm_kernel``): persistent; tile ``g`` is row tile ``g // tiles_n`` of
+the tile table and column tile ``g % tiles_n``; the real tile count is read on the device,
+so the grid and the tables have a worst-case size known on the host. Two modes:
+
+* gather (the first half): A's rows are gathered through ``sorted_tok`` (this rank's
+  tokens read in place from ``x_own``, the peers' from ``gathered``), after a wait on the
+  arrival flags of the positions the tile reads; optional fused SwiGLU: ``w`` holds the
+  gate columns ``[0, I)`` and the up columns ``[I, 2 I)`` side by side, and the tile's
+  output is ``silu(x @ gate) * (x @ up)``.
+* reduce (the second half): A is the expert-sorted ``h``; the epilogue multiplies each
+  row by its routing weight and adds it (float32 atomics) into row ``t`` of the owner's
+  accumulator (``acc_table[src]``): the top-k sum and the reduce-scatter in one store.
+  When every program of the launch is done, the last one raises each owner's
+  contribution counter; ``moe_finish_kernel`` on the owner waits for all ``WORLD``
+  contributions, converts the accumulator to the output type and zeroes it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..language.primitives import (
+    INTERPRETED,
+    guard,
+    last_program_clears,
+    notify,
+    signal_base,
+    wait,
+    wait_inline,
+)
+
+#: tile table columns: first row, expert, first and last arrival position read
+TILE_ROW0 = tl.constexpr(0)
+TILE_EXPERT = tl.constexpr(1)
+TILE_FIRST = tl.constexpr(2)
+TILE_LAST = tl.constexpr(3)
+TILE_COLS = tl.constexpr(4)
+
+
+@triton.jit
+def _chunk_source(rank, cps, CHUNK: tl.constexpr, WORLD: tl.constexpr):
+    """``(arrival position, source rank, first entry)`` of this program's chunk."""
+    c = tl.program_id(0)
+    p = c // cps
+    return p, (rank + p) % WORLD, (c % cps) * CHUNK
+
+
+@triton.jit
+def _meta_wait(sig, flag0, p, err, rank, max_spins, WAIT: tl.constexpr):
+    """Wait for the meta flag of arrival position ``p`` (own entries: none)."""
+    token = 1
+    if WAIT:
+        if p > 0:
+            token = wait(sig + flag0 + p, 1, err, rank, flag0 + p, max_spins)
+    return token
+
+
+@triton.jit(do_not_specialize=["rank", "mk", "cps", "max_spins", "flag0"])
+def moe_count_kernel(
+    meta, meta_stride, mk, cps, counts, E, sig, flag0, err, rank, max_spins,
+    CHUNK: tl.constexpr, E_PAD: tl.constexpr, WORLD: tl.constexpr, WAIT: tl.constexpr,
+):  # fmt: skip
+    """``counts[c, e]``: entries of chunk ``c`` routed to expert ``e`` (``E_PAD`` columns;
+    the last column, at least ``E``, collects the ids out of range)."""
+    p, src, i0 = _chunk_source(rank, cps, CHUNK, WORLD)
+    token = _meta_wait(sig, flag0, p, err, rank, max_spins, WAIT)
+    offs = i0 + tl.arange(0, CHUNK)
+    ok = guard(offs < mk, token, 1)
+    ids = tl.load(meta + src.to(tl.int64) * meta_stride + offs, mask=ok, other=-1)
+    ids = tl.where((ids >= 0) & (ids < E), ids, E_PAD - 1)
+    hist = tl.histogram(ids, E_PAD)
+    e_r = tl.arange(0, E_PAD)
+    hist = tl.where(e_r < E, hist, 0)
+    tl.store(counts + tl.program_id(0) * E_PAD + e_r, hist)
+
+
+@triton.jit(do_not_specialize=["n_chunks", "cps", "E"])
+def moe_scan_kernel(
+    counts, prefix, n_chunks, cps, E, offsets, tiles, tile_count, scratch,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, WORLD: tl.constexpr,
+    CB: tl.constexpr, TB: tl.constexpr,
+):  # fmt: skip
+    """One program. ``prefix[c, e]``: entries of expert ``e`` in chunks before ``c``
+    (row ``n_chunks``: the totals); ``offsets``, ``tile_count`` and ``tiles`` as in the
+    module docstring. ``scratch``: int32 ``[2 * WORLD + 1, E_PAD]`` of working space."""
+    e_r = tl.arange(0, E_PAD)
+    carry = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c0 in range(0, n_chunks, CB):
+        rows = c0 + tl.arange(0, CB)
+        ok = (rows < n_chunks)[:, None]
+        blk = tl.load(counts + rows[:, None] * E_PAD + e_r[None, :], mask=ok, other=0)
+        excl = tl.cumsum(blk, axis=0) - blk + carry[None, :]
+        tl.store(prefix + rows[:, None] * E_PAD + e_r[None, :], excl, mask=ok)
+        carry += tl.sum(blk, axis=0)
+    total = tl.where(e_r < E, carry, 0)
+    tl.store(prefix + n_chunks * E_PAD + e_r, total)
+    padded = tl.cdiv(total, BLOCK_M) * BLOCK_M
+    start = tl.cumsum(padded, axis=0) - padded
+    tl.store(offsets + e_r, start, mask=e_r < E)
+    rows_total = tl.sum(padded, axis=0)
+    tl.store(offsets + E, rows_total)
+    n_tiles = rows_total // BLOCK_M
+    tl.store(tile_count, n_tiles)
+    tl.debug_barrier()
+    # Per arrival position p: the tiles of each expert whose rows all come from positions
+    # <= p (``n_le``), and where the bucket of tiles that need p last starts in the order.
+    prev = tl.zeros((E_PAD,), dtype=tl.int32)
+    q0 = 0
+    for p in tl.static_range(WORLD):
+        cum = tl.load(prefix + ((p + 1) * cps) * E_PAD + e_r)  # rows of e from positions <= p
+        n_le = tl.where(cum == total, tl.cdiv(total, BLOCK_M), cum // BLOCK_M)
+        b = n_le - prev
+        tl.store(scratch + p * E_PAD + e_r, q0 + tl.cumsum(b, axis=0) - b - prev)
+        tl.store(scratch + (WORLD + p) * E_PAD + e_r, n_le)
+        tl.store(scratch + (2 * WORLD) * E_PAD + e_r, start)
+        q0 += tl.sum(b, axis=0)
+        prev = n_le
+    tl.debug_barrier()
+    for j0 in range(0, n_tiles, TB):
+        # (names unused before this loop: Triton carries a reassigned name through it)
+        tj = j0 + tl.arange(0, TB)
+        t_ok = tj < n_tiles
+        t_row0 = tj * BLOCK_M
+        # the tile's expert: the last one whose padded rows start at or before its row
+        t_before = (start[None, :] <= t_row0[:, None]) & (e_r < E)[None, :]
+        t_e = tl.maximum(tl.sum(t_before.to(tl.int32), axis=1) - 1, 0)
+        t_start = tl.load(scratch + (2 * WORLD) * E_PAD + t_e, mask=t_ok, other=0)
+        t_i = (t_row0 - t_start) // BLOCK_M  # the tile's index inside its expert
+        t_first = tl.zeros((TB,), dtype=tl.int32)
+        t_last = tl.zeros((TB,), dtype=tl.int32)
+        for tp in tl.static_range(WORLD - 1):
+            t_cum = tl.load(prefix + ((tp + 1) * cps) * E_PAD + t_e, mask=t_ok, other=0)
+            t_nle = tl.load(scratch + (WORLD + tp) * E_PAD + t_e, mask=t_ok, other=0)
+            t_first += (t_cum <= t_i * BLOCK_M).to(tl.int32)  # positions wholly before it
+            t_last += (t_nle <= t_i).to(tl.int32)  # positions before it is complete
+        t_q = tl.load(scratch + t_last * E_PAD + t_e, mask=t_ok, other=0) + t_i
+        t_dst = tiles + t_q * TILE_COLS
+        tl.store(t_dst + TILE_ROW0, t_row0, mask=t_ok)
+        tl.store(t_dst + TILE_EXPERT, t_e, mask=t_ok)
+        tl.store(t_dst + TILE_FIRST, t_first, mask=t_ok)
+        tl.store(t_dst + TILE_LAST, t_last, mask=t_ok)
+
+
+@triton.jit(do_not_specialize=["rank", "mk", "cps", "m_loc", "max_spins", "flag0", "n_chunks"])
+def moe_scatter_kernel(
+    meta, meta_stride, w_off, mk, cps, m_loc, k, E, prefix, n_chunks, offsets, base_scratch,
+    sorted_tok, sorted_w, sig, flag0, err, rank, max_spins,
+    CHUNK: tl.constexpr, E_PAD: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
+    WAIT: tl.constexpr,
+):  # fmt: skip
+    """Rows of this program's chunk (see the module docstring); program 0 also marks each
+    expert's padding rows (token -1, weight 0)."""
+    c = tl.program_id(0)
+    p, src, i0 = _chunk_source(rank, cps, CHUNK, WORLD)
+    token = _meta_wait(sig, flag0, p, err, rank, max_spins, WAIT)
+    e_r = tl.arange(0, E_PAD)
+    src_meta = meta + src.to(tl.int64) * meta_stride
+    idx = tl.arange(0, CHUNK)
+    ok = guard(i0 + idx < mk, token, 1)
+    ids = tl.load(src_meta + i0 + idx, mask=ok, other=-1)
+    ids = tl.where((ids >= 0) & (ids < E), ids, E_PAD - 1)
+    hist = tl.histogram(ids, E_PAD)
+    start = tl.load(offsets + e_r, mask=e_r < E, other=0)
+    before = tl.load(prefix + c * E_PAD + e_r)
+    # row of the s-th entry in (expert, index) order = base[e] + s
+    base = start + before - (tl.cumsum(hist, axis=0) - hist)
+    tl.store(base_scratch + c * E_PAD + e_r, base)
+    tl.debug_barrier()
+    key = tl.sort(ids * CHUNK + idx)
+    e_s = key // CHUNK
+    orig = key % CHUNK
+    valid = e_s < E
+    row = tl.load(base_scratch + c * E_PAD + e_s, mask=valid, other=0) + idx
+    entry = i0 + orig
+    wgt = tl.load((src_meta + w_off + entry).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+    tl.store(sorted_tok + row, src * m_loc + entry // k, mask=valid)
+    tl.store(sorted_w + row, wgt, mask=valid)
+    if c == 0:
+        total = tl.load(prefix + n_chunks * E_PAD + e_r, mask=e_r < E, other=0)
+        pad = tl.cdiv(total, BLOCK_M) * BLOCK_M - total
+        r = tl.arange(0, BLOCK_M)
+        rows = (start + total)[:, None] + r[None, :]
+        mask = (r[None, :] < pad[:, None]) & (e_r < E)[:, None]
+        tl.store(sorted_tok + rows, tl.full((E_PAD, BLOCK_M), -1, tl.int32), mask=mask)
+        tl.store(sorted_w + rows, tl.zeros((E_PAD, BLOCK_M), tl.float32), mask=mask)
+
+
+@triton.jit
+def _dot(a_t, b_t, acc):
+    if INTERPRETED:  # the interpreter's dot mishandles bfloat16
+        return tl.dot(a_t.to(tl.float32), b_t.to(tl.float32), acc)
+    else:
+        return tl.dot(a_t, b_t, acc)
+
+
+@triton.jit
+def _load_b(w, b_desc, row, col, k_left, N_W, USE_TMA: tl.constexpr,
+            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The ``[BLOCK_K, BLOCK_N]`` tile of ``w`` viewed as ``[E * K, N_W]`` at (row, col);
+    rows past ``k_left`` of this expert read as zeros on the pointer path (with TMA they
+    read the next expert's rows, multiplied by A's zero columns)."""
+    if USE_TMA:
+        return b_desc.load([row, col])
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        cols = col + tl.arange(0, BLOCK_N)
+        ptrs = w + (row + ks)[:, None].to(tl.int64) * N_W + cols[None, :]
+        return tl.load(ptrs, mask=(ks < k_left)[:, None] & (cols < N_W)[None, :], other=0.0)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "rank", "m_loc", "max_spins", "flag0", "done_slot", "clear_first", "clear_count",
+        "contrib_slot",
+    ]
+)  # fmt: skip
+def moe_gemm_kernel(
+    a, x_own, w, out, tiles, tile_count, sorted_tok, sorted_w, m_loc, E, K, N, N_W, UP,
+    acc_table, sig, sig_table, flag0, err, rank, max_spins, done_slot, clear_first,
+    clear_count, contrib_slot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WORLD: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, REDUCE: tl.constexpr,
+    WAIT: tl.constexpr, USE_TMA: tl.constexpr, EXIT_CLEAR: tl.constexpr,
+):  # fmt: skip
+    """See the module docstring. ``a``: gathered tokens ``[WORLD * m_loc, K]`` (``GATHER``)
+    or ``h [rows, K]``; ``w``: ``[E, K, N_W]``; ``out``: ``[rows, N]`` (gather mode);
+    ``UP``: first up column of ``w`` (``SWIGLU``). ``WAIT``: tiles wait for the arrival
+    flags ``flag0 + p`` of the positions they read; ``EXIT_CLEAR``: the last program waits
+    for every position's flag (none may land after the clear) and zeroes ``clear_count``
+    slots from ``clear_first``, ``done_slot`` among them. ``REDUCE``: the last program
+    raises ``contrib_slot`` on every rank once all programs are done."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    n_tiles = tl.load(tile_count) * tiles_n
+    b_desc = None
+    if USE_TMA:
+        b_desc = tl.make_tensor_descriptor(
+            w, shape=[E * K, N_W], strides=[N_W, 1],
+            block_shape=[BLOCK_K, BLOCK_N],
+        )  # fmt: skip
+    ks = tl.arange(0, BLOCK_K)
+    r = tl.arange(0, BLOCK_M)
+    for g in tl.range(pid, n_tiles, n_prog):
+        q = g // tiles_n
+        col = (g % tiles_n) * BLOCK_N
+        info = tiles + q * TILE_COLS
+        row0 = tl.load(info + TILE_ROW0)
+        e = tl.load(info + TILE_EXPERT)
+        rows = row0 + r
+        tok = tl.load(sorted_tok + rows)
+        live = tok >= 0
+        if GATHER:
+            token = 1
+            if WAIT:
+                lo = tl.maximum(tl.load(info + TILE_FIRST), 1)
+                hi = tl.load(info + TILE_LAST)
+                needed = (hi >= lo).to(tl.int32)
+                count = tl.maximum(hi - lo + 1, 1)
+                token = wait_inline(
+                    sig + flag0 + lo, 1, needed, err, rank, flag0 + lo, max_spins, count
+                )
+            src = tok // m_loc
+            own = src == rank
+            a_rows = tl.where(own, x_own + (tok - src * m_loc).to(tl.int64) * K,
+                              a + tok.to(tl.int64) * K)  # fmt: skip
+            a_ok = guard(live, token, 1)
+        else:
+            a_rows = a + rows.to(tl.int64) * K
+            a_ok = live
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        w_row = e * K
+        for kk in range(0, K, BLOCK_K):
+            a_t = tl.load(a_rows[:, None] + (kk + ks)[None, :],
+                          mask=a_ok[:, None] & ((kk + ks) < K)[None, :], other=0.0)  # fmt: skip
+            b_t = _load_b(w, b_desc, w_row + kk, col, K - kk, N_W, USE_TMA, BLOCK_K, BLOCK_N)
+            acc = _dot(a_t, b_t, acc)
+            if SWIGLU:
+                u_t = _load_b(
+                    w, b_desc, w_row + kk, UP + col, K - kk, N_W, USE_TMA, BLOCK_K, BLOCK_N
+                )
+                acc_up = _dot(a_t, u_t, acc_up)
+        cols = col + tl.arange(0, BLOCK_N)
+        if REDUCE:
+            wgt = tl.load(sorted_w + rows, mask=live, other=0.0)
+            owner = tok // m_loc
+            base = tl.load(acc_table + owner, mask=live, other=0).to(tl.pointer_type(tl.float32))
+            dst = base + (tok - owner * m_loc).to(tl.int64) * N
+            tl.atomic_add(
+                dst[:, None] + cols[None, :], acc * wgt[:, None],
+                mask=live[:, None] & (cols < N)[None, :], sem="relaxed", scope="sys",
+            )  # fmt: skip
+        else:
+            if SWIGLU:
+                acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+            ptrs = out + rows[:, None].to(tl.int64) * N + cols[None, :]
+            tl.store(ptrs, acc.to(out.dtype.element_ty), mask=(cols < N)[None, :])
+    if REDUCE:
+        # the last program to finish publishes every program's atomics to every owner
+        tl.debug_barrier()
+        arrived = tl.atomic_add(sig + done_slot, 1, sem="acq_rel", scope="sys")
+        if arrived == n_prog - 1:
+            tl.atomic_xchg(sig + done_slot, 0, sem="relaxed", scope="gpu")
+            for i in tl.static_range(WORLD):
+                peer = (rank + i) % WORLD
+                notify(signal_base(sig_table, peer) + contrib_slot, 1, ADD=True)
+    if EXIT_CLEAR:
+        if pid == n_prog - 1:
+            for p in tl.static_range(1, WORLD):
+                wait(sig + flag0 + p, 1, err, rank, flag0 + p, max_spins)
+        last_program_clears(sig, done_slot, clear_first, clear_count)
+
+
+@triton.jit(do_not_specialize=["rank", "max_spins", "contrib_slot", "done_slot", "numel"])
+def moe_finish_kernel(
+    acc, y, numel, sig, contrib_slot, done_slot, err, rank, max_spins,
+    WORLD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The owner's end of the reduce-scatter: once every rank has contributed (counter
+    ``contrib_slot`` reaches ``WORLD``), ``y = acc`` in ``y``'s type and ``acc = 0`` for
+    the next call; the last program zeroes the counter and ``done_slot`` (the next slot)."""
+    token = wait(sig + contrib_slot, WORLD, err, rank, contrib_slot, max_spins)
+    for start in range(tl.program_id(0) * BLOCK, numel, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = guard(offs < numel, token, WORLD)
+        v = tl.load(acc + offs, mask=ok, other=0.0)
+        tl.store(y + offs, v.to(y.dtype.element_ty), mask=offs < numel)
+        tl.store(acc + offs, tl.zeros((BLOCK,), tl.float32), mask=ok)
+    last_program_clears(sig, done_slot, contrib_slot, 2)

@@ -1,0 +1,36 @@
+"""Tensor-parallel layers over interlace's fused ops, and ``parallelize(model, group)``
+for transformers-style decoders.
+
+    model = transformers.AutoModelForCausalLM.from_config(config)   # same seed everywhere
+    interlace.nn.parallelize(model, interlace.Group())
+    logits = model(input_ids).logits                                  # as on one device
+"""
+
+from .attention import ParallelAttention
+from .linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_parallel,
+    gather_from_sequence,
+    scatter_to_sequence,
+    shard,
+    sync_sequence_parallel_grads,
+)
+from .mlp import ParallelMLP
+from .moe import MoEBlock
+from .parallelize import decoder_layers, parallelize
+
+__all__ = [
+    "ColumnParallelLinear",
+    "MoEBlock",
+    "ParallelAttention",
+    "ParallelMLP",
+    "RowParallelLinear",
+    "copy_to_parallel",
+    "decoder_layers",
+    "gather_from_sequence",
+    "parallelize",
+    "scatter_to_sequence",
+    "shard",
+    "sync_sequence_parallel_grads",
+]

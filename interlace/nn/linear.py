@@ -1,0 +1,326 @@
+"""Tensor-parallel linear layers over the fused ops, and the sequence-parallel region
+helpers between them.
+
+* :class:`ColumnParallelLinear`: the weight's output rows split over ranks. With sequence
+  parallelism (the default) the input is each rank's share of the rows and the layer runs
+  AG+GEMM (``all_gather(x) @ w.T``); without it the input is the same on every rank and the
+  layer is a local GEMM (its input gradient all-reduced).
+* :class:`RowParallelLinear`: the weight's input columns split over ranks; GEMM+RS (each
+  rank gets its share of the output rows, sequence parallelism) or GEMM+AR (every rank the
+  whole output).
+
+Both are built from a plain ``nn.Linear`` with :meth:`from_linear` (the full weights,
+sharded on construction: each rank keeps its slice) or with random weights. Weights keep
+``nn.Linear``'s ``[out, in]`` layout; the fused GEMMs read ``weight.T`` through
+:func:`interlace.ops.library.contiguous_b` (one copy per weight version).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import InterlaceTypeError, InterlaceValueError
+from ..ops import AGGemm, GemmAR, GemmRS
+from ..ops import library as _library
+from ..runtime import Group
+
+ops = torch.ops.interlace
+
+
+# ---------------------------------------------------------------------------- sharding
+def shard(t: torch.Tensor, rank: int, world: int, dim: int = 0, parts=None) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``t`` along ``dim`` (a contiguous copy). ``parts``: sizes
+    of consecutive blocks along ``dim`` that are each split over the ranks, the rank's
+    slices concatenated in block order (a fused QKV or gate/up weight)."""
+    parts = [t.shape[dim]] if parts is None else list(parts)
+    if sum(parts) != t.shape[dim]:
+        raise InterlaceValueError(f"shard: parts {parts} do not add up to {t.shape[dim]}")
+    pieces, start = [], 0
+    for size in parts:
+        if size % world:
+            raise InterlaceValueError(
+                f"shard: a block of {size} along dim {dim} does not split over {world} ranks"
+            )
+        step = size // world
+        pieces.append(t.narrow(dim, start + rank * step, step))
+        start += size
+    return torch.cat(pieces, dim).contiguous() if len(pieces) > 1 else pieces[0].contiguous()
+
+
+def _check_group(name: str, group) -> Group:
+    if not isinstance(group, Group):
+        raise InterlaceTypeError(f"{name}: group must be an interlace Group, got {type(group)}")
+    return group
+
+
+def _check_strategy(name: str, strategy: str, cls) -> None:
+    if strategy not in cls.STRATEGIES:
+        raise InterlaceValueError(
+            f"{name}: strategy must be one of {cls.STRATEGIES}, got {strategy!r}"
+        )
+
+
+# ---------------------------------------------------------------------------- region helpers
+class _CopyToParallel(torch.autograd.Function):
+    """Forward identity; backward all-reduce (a replicated input feeding rank-specific
+    computation: each rank holds a partial gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, handle):
+        ctx.handle = handle
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return ops.all_reduce(dy.contiguous(), ctx.handle, "default"), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """Forward: this rank's slice along ``dim``; backward: all-gather of the slices'
+    gradients along ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x, handle, rank, world, dim):
+        ctx.handle, ctx.world, ctx.dim = handle, world, dim
+        step = x.shape[dim] // world
+        return x.narrow(dim, rank * step, step).contiguous()
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _gather_along(dy, ctx.handle, ctx.world, ctx.dim), None, None, None, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """Forward: all-gather along ``dim``; backward: this rank's slice of the gradient (the
+    gathered tensor feeds replicated computation, whose gradient every rank holds whole)."""
+
+    @staticmethod
+    def forward(ctx, x, handle, rank, world, dim):
+        ctx.rank, ctx.world, ctx.dim = rank, world, dim
+        return _gather_along(x, handle, world, dim)
+
+    @staticmethod
+    def backward(ctx, dy):
+        step = dy.shape[ctx.dim] // ctx.world
+        return dy.narrow(ctx.dim, ctx.rank * step, step).contiguous(), None, None, None, None
+
+
+def _gather_along(x: torch.Tensor, handle: int, world: int, dim: int) -> torch.Tensor:
+    out = ops.all_gather(x.contiguous(), handle, "default")  # rank-major along dim 0
+    if dim == 0:
+        return out
+    out = out.view(world, *x.shape).movedim(0, dim)
+    return out.reshape(*x.shape[:dim], world * x.shape[dim], *x.shape[dim + 1 :])
+
+
+def copy_to_parallel(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """``x`` (the same on every rank) entering rank-specific computation: identity forward,
+    all-reduced gradient."""
+    if group.world_size == 1:
+        return x
+    return _CopyToParallel.apply(x, _library.register_group(group))
+
+
+def scatter_to_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """This rank's share of ``x`` along ``dim`` (padded with zeros to a multiple of the
+    world size first); the gradient is all-gathered."""
+    w = group.world_size
+    if w == 1:
+        return x
+    pad = -x.shape[dim] % w
+    if pad:
+        widths = [0, 0] * (x.dim() - 1 - dim) + [0, pad]
+        x = F.pad(x, widths)
+    return _ScatterToSequence.apply(x, _library.register_group(group), group.rank, w, dim)
+
+
+def gather_from_sequence(x: torch.Tensor, group: Group, dim: int = 1, length=None):
+    """Every rank's share of ``x`` along ``dim``, concatenated in rank order (trimmed to
+    ``length``); the gradient of the result, the same on every rank, is sliced back."""
+    w = group.world_size
+    if w == 1:
+        return x
+    out = _GatherFromSequence.apply(x, _library.register_group(group), group.rank, w, dim)
+    if length is not None and length < out.shape[dim]:
+        out = out.narrow(dim, 0, length)
+    return out
+
+
+def sync_sequence_parallel_grads(params, group: Group) -> int:
+    """Register on each parameter (replicated weights applied to each rank's share of the
+    tokens, like a norm's) a hook that all-reduces each gradient it receives before it is
+    accumulated, so every rank holds the whole gradient (gradient accumulation over
+    several backward passes included). Returns the number of parameters hooked (a
+    parameter already hooked is skipped)."""
+    if group.world_size == 1:
+        return 0
+    handle = _library.register_group(group)
+    count = 0
+    for p in params:
+        if not p.requires_grad or getattr(p, "_interlace_grad_sync", None) is not None:
+            continue
+
+        def hook(grad, handle=handle):
+            return ops.all_reduce(grad.contiguous(), handle, "default")
+
+        p.register_hook(hook)
+        p._interlace_grad_sync = handle
+        count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------- layers
+class _ParallelLinear(nn.Module):
+    def __init__(self, in_features, out_features, group, bias, strategy, sequence_parallel,
+                 dtype, device, local_shape, bias_features):  # fmt: skip
+        super().__init__()
+        self.group = _check_group(type(self).__name__, group)
+        self.handle = _library.register_group(group)
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.strategy, self.sequence_parallel = strategy, bool(sequence_parallel)
+        kw = dict(dtype=dtype, device=group.device if device is None else device)
+        self.weight = nn.Parameter(torch.empty(local_shape, **kw))
+        self.bias = nn.Parameter(torch.empty(bias_features, **kw)) if bias else None
+        # as torch.nn.Linear (fan-in of the whole layer)
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features)
+            nn.init.uniform_(self.bias, -bound, bound)
+        # every rank's gradient of these is already whole (a shard's, or the row-parallel
+        # bias's, summed over ranks by its backward): no sequence-parallel gradient sync
+        for p in self.parameters():
+            p._interlace_tp = True
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"local={tuple(self.weight.shape)}, bias={self.bias is not None}, "
+            f"strategy={self.strategy!r}, sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x @ weight.T + bias`` with the output features split over ranks: each rank
+    holds rows ``[r * out / W, (r + 1) * out / W)`` of the weight (and bias) and returns
+    those output features.
+
+    ``sequence_parallel=True``: ``x`` is this rank's share of the rows (dim 0); the result
+    has every rank's rows, in rank order (AG+GEMM, ``strategy`` as :class:`~interlace.AGGemm`).
+    ``False``: ``x`` is the same on every rank, the result has its rows."""
+
+    def __init__(self, in_features, out_features, group: Group, bias: bool = True, *,
+                 strategy: str = "auto", sequence_parallel: bool = True, dtype=None,
+                 device=None, parts=None):  # fmt: skip
+        name = type(self).__name__
+        _check_strategy(name, strategy, AGGemm)
+        w = _check_group(name, group).world_size
+        self.parts = [int(out_features)] if parts is None else [int(p) for p in parts]
+        if sum(self.parts) != int(out_features) or any(p % w for p in self.parts):
+            raise InterlaceValueError(
+                f"{name}: out_features {out_features} (blocks {self.parts}) must split "
+                f"evenly over {w} ranks"
+            )
+        local = int(out_features) // w
+        super().__init__(in_features, out_features, group, bias, strategy, sequence_parallel,
+                         dtype, device, (local, int(in_features)), local)  # fmt: skip
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full ``[out, ...]`` weight, bias or gradient."""
+        return shard(full, self.group.rank, self.group.world_size, 0, self.parts)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Group, **kw):
+        """The column-parallel layer holding this rank's slice of ``linear``'s weights."""
+        return cls.from_weights(linear.weight, linear.bias, group, **kw)
+
+    @classmethod
+    def from_weights(cls, weight, bias, group: Group, **kw):
+        """From a full ``[out, in]`` weight (and ``[out]`` bias or None); ``parts`` in
+        ``kw`` names blocks of output rows that are each split (fused projections)."""
+        kw.setdefault("dtype", weight.dtype)
+        layer = cls(weight.shape[1], weight.shape[0], group, bias is not None, **kw)
+        with torch.no_grad():
+            layer.weight.copy_(layer.shard(weight.detach()))
+            if bias is not None:
+                layer.bias.copy_(layer.shard(bias.detach()))
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return F.linear(copy_to_parallel(x, self.group), self.weight, self.bias)
+        lead = x.shape[:-1]
+        y = ops.ag_gemm(x.reshape(-1, x.shape[-1]), self.weight.t(), self.bias, self.handle,
+                        self.strategy)  # fmt: skip
+        return y.view(self.group.world_size * lead[0], *lead[1:], y.shape[-1])
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x @ weight.T + bias`` with the input features split over ranks: each rank
+    holds columns ``[r * in / W, (r + 1) * in / W)`` of the weight and gets ``x``'s matching
+    features; the bias is whole, added once after the reduction.
+
+    ``sequence_parallel=True``: GEMM+RS, each rank returns its share of the rows (dim 0,
+    which must split evenly); ``False``: GEMM+AR, every rank the whole result. ``strategy``
+    as :class:`~interlace.GemmRS` / :class:`~interlace.GemmAR`."""
+
+    def __init__(self, in_features, out_features, group: Group, bias: bool = True, *,
+                 strategy: str = "auto", sequence_parallel: bool = True, dtype=None,
+                 device=None):  # fmt: skip
+        name = type(self).__name__
+        _check_strategy(name, strategy, GemmRS if sequence_parallel else GemmAR)
+        w = _check_group(name, group).world_size
+        if int(in_features) % w:
+            raise InterlaceValueError(
+                f"{name}: in_features {in_features} must split evenly over {w} ranks"
+            )
+        local = (int(out_features), int(in_features) // w)
+        super().__init__(in_features, out_features, group, bias, strategy, sequence_parallel,
+                         dtype, device, local, int(out_features))  # fmt: skip
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full ``[out, in]`` weight or gradient (the bias is whole)."""
+        return shard(full, self.group.rank, self.group.world_size, 1)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Group, **kw):
+        """The row-parallel layer holding this rank's slice of ``linear``'s weights."""
+        return cls.from_weights(linear.weight, linear.bias, group, **kw)
+
+    @classmethod
+    def from_weights(cls, weight, bias, group: Group, **kw):
+        kw.setdefault("dtype", weight.dtype)
+        layer = cls(weight.shape[1], weight.shape[0], group, bias is not None, **kw)
+        with torch.no_grad():
+            layer.weight.copy_(layer.shard(weight.detach()))
+            if bias is not None:
+                layer.bias.copy_(bias.detach())
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if not self.sequence_parallel:
+            y = ops.gemm_ar(x2, self.weight.t(), self.bias, self.handle, self.strategy)
+            return y.view(*lead, y.shape[-1])
+        w = self.group.world_size
+        if lead[0] % w:
+            raise InterlaceValueError(
+                f"{type(self).__name__}: {lead[0]} rows do not split over {w} ranks"
+            )
+        y = ops.gemm_rs(x2, self.weight.t(), self.bias, self.handle, self.strategy)
+        return y.view(lead[0] // w, *lead[1:], y.shape[-1])
+
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "copy_to_parallel",
+    "gather_from_sequence",
+    "scatter_to_sequence",
+    "shard",
+    "sync_sequence_parallel_grads",
+]

@@ -1,0 +1,573 @@
+"""Sequence-parallel attention with the K/V all-gather hidden behind the attention kernel,
+forward and backward.
+
+Each rank holds ``S_loc`` tokens of the sequence: ``q [batch, heads, S_loc, d]``,
+``k, v [batch, kv_heads, S_loc, d]`` (grouped-query attention when ``kv_heads < heads``).
+Token layout (``zigzag_shard`` / ``zigzag_unshard`` convert a whole sequence):
+
+* non-causal: rank ``r`` holds positions ``[r * S_loc, (r + 1) * S_loc)``;
+* causal: the zigzag layout: the sequence cut into ``2W`` chunks of ``S_loc / 2``, rank
+  ``r`` holds chunks ``r`` and ``2W - 1 - r``, so every rank does the same causal work.
+
+``cu_seqlens`` (int32, global boundaries ``0 = cu[0] < ... < cu[-1] = W * S_loc``, the same
+on every rank) packs several documents in the sequence: a token attends only within its
+document. It applies to every batch row alike.
+
+::
+
+    attn = interlace.ops.attention.SPAttention(group, heads=32, kv_heads=8, head_dim=128,
+                                               max_tokens=8192)
+    o = attn(q, k, v, causal=True)      # differentiable (autograd Function)
+    o.backward(grad)                    # dq, dk, dv of this rank's tokens
+    attn.close()
+
+Strategies:
+
+* ``fused`` (default): the copy engine pushes this rank's K and V into every peer's
+  gathered buffer, peer by peer in rank-rotated order, raising the peer's arrival flag
+  from the stream; the flash-attention kernel (``kernels.attention``) starts on the local
+  chunk and takes each peer's chunk once its flag is up. Backward gathers K/V again the
+  same way; its dK/dV kernel stores each chunk's partial gradient straight into the
+  owner's receive buffer (NVLink stores) and counts it there; the dQ kernel runs next
+  (hiding the last transfers) and a reduction kernel sums the partials of this rank's
+  chunk once they have all landed.
+* ``none``: NCCL all-gather of K and V, then torch SDPA (differentiable: its backward
+  reduces dK / dV over ranks).
+* ``ring``: ring attention with torch ops (forward only): K/V passed to the next rank
+  step by step (send/recv), SDPA partials merged by log-sum-exp (``ring.py``).
+
+Eager calls alternate between two buffer sets (``AlternatingSets``), so consecutive calls
+need no device barrier; a call captured in a CUDA graph uses a third set behind one.
+With ``eager_graphs`` (the default where the driver allows) the device work of an eager
+``fused`` call, forward or backward, is replayed from a CUDA graph from the third call
+of each kind on (``OpContext._enqueue``): one launch from the host instead of every
+kernel, copy and signal write.
+Every call is collective: all ranks call with the same shapes, which each call checks
+(one small host all-reduce, ``validate=True``) before it launches anything.
+
+Host order of a call: the copies to the peers are enqueued before any kernel that waits
+for the peers' copies. The first launch of a kernel blocks the host while a kernel spins
+on the device (benchmarks/NOTES.md, "A launch-order deadlock"): with the waiting kernels
+first, the backward's later kernels (dQ, the reduction) blocked each rank's host before
+its copies were enqueued, and every rank's dK/dV kernel waited for the others' copies
+until its spin bound ran out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import triton
+
+from ...errors import InterlaceTypeError, InterlaceValueError
+from ...kernels import attention as K
+from ...runtime import copy_and_signal, fork, join, symm_empty
+from .._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext, cdiv
+from .._launch import scratch
+
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16)
+STRATEGIES = ("fused", "none", "ring")
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Tile shape and launch parameters of one attention kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    #: forward only: the unmasked key loop warp-specialised (producer warps issue the
+    #: K / V tensor-descriptor loads)
+    warp_specialize: bool = False
+
+
+#: Kernel configs on a GPU per (kernel, head_dim): (query block, key block, warps,
+#: stages). Chosen on one H100 (bf16, d 128, S 16k as rank 0 of 4, non-causal) by
+#: ``python -m interlace bench attention --tune`` among 4 candidates per kernel: forward
+#: 128 x 128 with 3 stages 2.29 ms (2 stages 2.71, 128 x 64 2.39); dK/dV 128 keys
+#: against 64 queries (backward 8.1 ms, against 12.3 with 64 keys); dQ 128 x 64 with 3
+#: stages (0.65 ms less than 2 stages). The d 64 configs are the same, not tuned apart.
+GPU_CONFIGS = {
+    ("fwd", 64): AttnConfig(128, 128, 8, 3),
+    ("fwd", 128): AttnConfig(128, 128, 8, 3),
+    ("dq", 64): AttnConfig(128, 64, 8, 3),
+    ("dq", 128): AttnConfig(128, 64, 8, 3),
+    ("dkdv", 64): AttnConfig(64, 128, 8, 2),
+    ("dkdv", 128): AttnConfig(64, 128, 8, 2),
+}
+#: The interpreter (CPU emulation): small tiles, so that tiny test shapes have ragged
+#: blocks and several blocks per chunk.
+CPU_CONFIG = AttnConfig(16, 16, 4, 1)
+DELTA_BLOCK = 64
+REDUCE_BLOCK = 32
+
+
+def _descriptor_scratch(size: int, alignment: int, stream):
+    return scratch(
+        size, stream, torch.cuda.current_device(), torch.cuda.is_current_stream_capturing()
+    )
+
+
+def use_descriptor_scratch() -> None:
+    """Give Triton the scratch allocator its device-side tensor descriptors need, in the
+    calling thread: Triton keeps it per thread (a context variable), and autograd runs a
+    backward on a thread of its own."""
+    triton.set_allocator(_descriptor_scratch)
+
+
+def config_of(kind: str, d: int, backend: str) -> AttnConfig:
+    if backend != "cuda":
+        return CPU_CONFIG
+    return GPU_CONFIGS[(kind, d)]
+
+
+# ------------------------------------------------------------------------------ layout
+def zigzag_shard(x: torch.Tensor, world: int, rank: int, dim: int = 2) -> torch.Tensor:
+    """Rank ``rank``'s tokens of a whole sequence ``x`` in the causal (zigzag) layout:
+    chunks ``rank`` and ``2 * world - 1 - rank`` of ``2 * world`` along ``dim``."""
+    chunks = x.chunk(2 * world, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=dim).contiguous()
+
+
+def zigzag_unshard(parts: list[torch.Tensor], dim: int = 2) -> torch.Tensor:
+    """The whole sequence from every rank's zigzag shard (``parts`` in rank order)."""
+    w = len(parts)
+    halves = [p.chunk(2, dim=dim) for p in parts]
+    order = [halves[i][0] for i in range(w)] + [halves[w - 1 - i][1] for i in range(w)]
+    return torch.cat(order, dim=dim)
+
+
+def positions(rank: int, world: int, s_loc: int, causal: bool, device=None) -> torch.Tensor:
+    """Global positions of a rank's local tokens (zigzag when ``causal``)."""
+    idx = torch.arange(s_loc, device=device)
+    if not causal:
+        return rank * s_loc + idx
+    half = s_loc // 2
+    return torch.where(idx < half, rank * half + idx, (2 * world - 1 - rank) * half + idx - half)
+
+
+def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Document index of every global position (int32 [total])."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    ids = torch.arange(lengths.numel(), dtype=torch.int32, device=cu_seqlens.device)
+    return torch.repeat_interleave(ids, lengths, output_size=total)
+
+
+# ------------------------------------------------------------------------------ launches
+@dataclass
+class KernelArgs:
+    """What every attention launch of one call shares."""
+
+    rank: int
+    world: int
+    heads: int
+    kv_heads: int
+    d: int
+    s_loc: int
+    causal: bool
+    varlen: bool
+    sm_scale: float
+    seg: torch.Tensor  # int32 document ids of positions (a dummy unless varlen)
+    cu: torch.Tensor  # int32 cu_seqlens (a dummy unless varlen)
+    sig: torch.Tensor  # this rank's signal pad (int32)
+    err: int  # error word address
+    max_spins: int
+    backend: str
+
+    @property
+    def half(self) -> int:
+        return self.s_loc // 2
+
+
+def _common(a: KernelArgs, cfg: AttnConfig) -> dict:
+    return dict(
+        H=a.heads, HKV=a.kv_heads, D=a.d, WORLD=a.world, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, CAUSAL=a.causal, VARLEN=a.varlen, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def launch_fwd(a: KernelArgs, q, k, v, k_all, v_all, o, lse, arrival: int, wait: bool,
+               clear: bool, cfg: AttnConfig | None = None) -> None:  # fmt: skip
+    """The forward kernel: ``o`` and base-2 ``lse`` of this rank's queries against the local
+    K/V and the peers' chunks in ``k_all`` / ``v_all`` ``[W * batch * kv_heads, S_loc, d]``."""
+    cfg = cfg or config_of("fwd", a.d, a.backend)
+    bh = q.shape[0] * q.shape[1]
+    grid = (cdiv(a.s_loc, cfg.block_m), bh)
+    K.sp_attn_fwd_kernel[grid](
+        q, k, v, k_all, v_all, o, lse, a.seg, a.cu, a.sig, a.err, a.rank, a.max_spins,
+        arrival, a.sm_scale * K.LOG2E, a.s_loc, a.half, WAIT=wait, CLEAR=clear,
+        WS=cfg.warp_specialize and a.backend == "cuda", **_common(a, cfg),
+    )  # fmt: skip
+
+
+def launch_delta(a: KernelArgs, o, do, delta) -> None:
+    bh = o.shape[0] * o.shape[1]
+    block = DELTA_BLOCK if a.backend == "cuda" else 16
+    K.sp_attn_bwd_delta_kernel[(cdiv(a.s_loc, block), bh)](
+        o, do, delta, a.s_loc, D=a.d, BLOCK=block
+    )
+
+
+def launch_dkdv(a: KernelArgs, q, k, v, k_all, v_all, do, lse, delta, recv, recv_table,
+                sig_table, arrival: int, dkv_slot: int, wait: bool,
+                cfg: AttnConfig | None = None) -> None:  # fmt: skip
+    """The dK/dV kernel: partials of every chunk into its owner's ``recv`` slot ``rank``."""
+    cfg = cfg or config_of("dkdv", a.d, a.backend)
+    bkv = k.shape[0] * k.shape[1]
+    n_kb = cdiv(a.s_loc, cfg.block_n)
+    K.sp_attn_bwd_dkdv_kernel[(n_kb * a.world, bkv)](
+        q, k, v, k_all, v_all, do, lse, delta, recv, recv_table, a.seg, a.cu, a.sig,
+        sig_table, a.err, a.rank, a.max_spins, arrival, dkv_slot, a.sm_scale,
+        a.sm_scale * K.LOG2E, a.s_loc, a.half, n_kb, WAIT=wait, **_common(a, cfg),
+    )  # fmt: skip
+
+
+def launch_dq(a: KernelArgs, q, k, v, k_all, v_all, do, lse, delta, dq, arrival: int,
+              wait: bool, clear: bool, cfg: AttnConfig | None = None) -> None:  # fmt: skip
+    cfg = cfg or config_of("dq", a.d, a.backend)
+    bh = q.shape[0] * q.shape[1]
+    K.sp_attn_bwd_dq_kernel[(cdiv(a.s_loc, cfg.block_m), bh)](
+        q, k, v, k_all, v_all, do, lse, delta, dq, a.seg, a.cu, a.sig, a.err, a.rank,
+        a.max_spins, arrival, a.sm_scale, a.sm_scale * K.LOG2E, a.s_loc, a.half, WAIT=wait,
+        CLEAR=clear, **_common(a, cfg),
+    )  # fmt: skip
+
+
+def launch_reduce(a: KernelArgs, recv, dk, dv, dkv_slot: int, n_rows: int) -> None:
+    block = REDUCE_BLOCK if a.backend == "cuda" else 16
+    K.sp_attn_bwd_reduce_kernel[(cdiv(n_rows, block),)](
+        recv, dk, dv, a.sig, a.err, a.rank, a.max_spins, dkv_slot, n_rows, n_rows,
+        D=a.d, WORLD=a.world, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ context
+@dataclass(frozen=True)
+class CallShape:
+    """What every rank must agree on for one call."""
+
+    batch: int
+    s_loc: int
+    causal: bool
+    docs: int  # documents in cu_seqlens (0: none)
+
+
+class SPAttention(AlternatingSets, OpContext):
+    """Sequence-parallel attention over ``group``; see the module docstring.
+
+    ``max_tokens``: the most ``batch * S_loc`` a call takes on one rank (sizes the
+    gathered K/V and the backward's receive buffers). ``validate``: every call exchanges
+    its shape with the other ranks (one small host all-reduce) so that a rank called with
+    other shapes raises on every rank; False skips it. ``eager_graphs``: replay eager
+    ``fused`` calls from CUDA graphs (``OpContext._enqueue``; None: where the driver
+    allows)."""
+
+    op_name = "sp_attention"
+    STRATEGIES = STRATEGIES
+
+    def __init__(
+        self, group, heads: int, kv_heads: int, head_dim: int, max_tokens: int,
+        dtype: torch.dtype = torch.bfloat16, strategy: str = "fused", max_spins=None,
+        validate: bool = True, eager_graphs: bool | None = None,
+    ):  # fmt: skip
+        name = self.op_name
+        if strategy not in STRATEGIES:
+            raise InterlaceValueError(
+                f"{name}: strategy must be one of {STRATEGIES}, got {strategy!r}"
+            )
+        if dtype not in DTYPES:
+            raise InterlaceTypeError(f"{name}: dtype must be one of {DTYPES}, got {dtype}")
+        heads, kv_heads, head_dim = int(heads), int(kv_heads), int(head_dim)
+        if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+            raise InterlaceValueError(
+                f"{name}: heads = {heads} must be a positive multiple of kv_heads = {kv_heads}"
+            )
+        if head_dim not in HEAD_DIMS:
+            raise InterlaceValueError(
+                f"{name}: head_dim must be one of {HEAD_DIMS}, got {head_dim}"
+            )
+        if int(max_tokens) <= 0:
+            raise InterlaceValueError(f"{name}: max_tokens must be positive, got {max_tokens}")
+        w = group.world_size
+        regions = {"arrival": BUFFER_SETS * (w + 1), "dkv": BUFFER_SETS * (w + 1)}
+        kv_numel = int(max_tokens) * kv_heads * head_dim
+        super().__init__(group, dtype, kv_numel, regions, max_spins)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.max_tokens, self.strategy = int(max_tokens), strategy
+        self.validate = bool(validate)
+        self._init_eager_graphs(eager_graphs)
+        self._dummy = torch.zeros(2, dtype=torch.int32, device=group.device)
+        self._seg_cache: dict = {}
+        if strategy == "fused":
+            # per buffer set: [K | V] x [W sources] x (batch * kv_heads * S_loc * d), packed
+            self.gathered = self._track(symm_empty((BUFFER_SETS, 2 * w * kv_numel), dtype, group))
+            self.recv = self._track(symm_empty((BUFFER_SETS, 2 * w * kv_numel), dtype, group))
+
+    # ------------------------------------------------------------------ checks
+    def _check_inputs(self, q, k, v, causal, cu_seqlens) -> CallShape:
+        self._begin()
+        name = self.op_name
+        for label, t in (("q", q), ("k", k), ("v", v)):
+            self._check_placed(label, t)
+            if t.dim() != 4:
+                raise InterlaceValueError(
+                    f"{name}: {label} must be [batch, heads, S_loc, d], got shape {tuple(t.shape)}"
+                )
+            if not t.is_contiguous():
+                raise InterlaceValueError(f"{name}: {label} must be contiguous")
+        b, h, s_loc, d = q.shape
+        if h != self.heads or d != self.head_dim:
+            raise InterlaceValueError(
+                f"{name}: q has {h} heads of dim {d}, the context was built for "
+                f"{self.heads} heads of dim {self.head_dim}"
+            )
+        want = (b, self.kv_heads, s_loc, d)
+        for label, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != want:
+                raise InterlaceValueError(
+                    f"{name}: {label} has shape {tuple(t.shape)}, expected {want} "
+                    f"([batch, kv_heads, S_loc, d] matching q)"
+                )
+        if b * s_loc == 0 or b * s_loc > self.max_tokens:
+            raise InterlaceValueError(
+                f"{name}: batch * S_loc = {b * s_loc}; this context takes 1 to {self.max_tokens}"
+            )
+        if causal and s_loc % 2:
+            raise InterlaceValueError(
+                f"{name}: causal attention uses the zigzag layout (two chunks per rank): "
+                f"S_loc = {s_loc} must be even"
+            )
+        docs = 0
+        if cu_seqlens is not None:
+            docs = self._check_cu(cu_seqlens, s_loc)
+        shape = CallShape(b, s_loc, bool(causal), docs)
+        self._check_agree(shape)
+        return shape
+
+    def _check_cu(self, cu, s_loc) -> int:
+        name = self.op_name
+        if not isinstance(cu, torch.Tensor) or cu.dtype not in (torch.int32, torch.int64):
+            raise InterlaceTypeError(f"{name}: cu_seqlens must be an int32 or int64 tensor")
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise InterlaceValueError(f"{name}: cu_seqlens must be 1-D with at least 2 entries")
+        vals = cu.tolist()
+        total = self.world_size * s_loc
+        if vals[0] != 0 or vals[-1] != total or any(x >= y for x, y in zip(vals, vals[1:])):
+            raise InterlaceValueError(
+                f"{name}: cu_seqlens must rise strictly from 0 to W * S_loc = {total}, got {vals}"
+            )
+        return len(vals) - 1
+
+    def _check_agree(self, shape: CallShape) -> None:
+        """Every rank calls with the same shape: a host all-reduce of (min, max) per field,
+        so every rank raises alike. Skipped inside a CUDA-graph capture and without
+        ``validate``."""
+        if self._capturing() or self.world_size == 1 or not self.validate:
+            return
+        vals = [shape.batch, shape.s_loc, int(shape.causal), shape.docs]
+        on_host = self.group.backend != "cuda" or self.group.shared_device
+        dev = "cpu" if on_host else self.group.device
+        t = torch.tensor(vals + [-x for x in vals], dtype=torch.int64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group.process_group)
+        hi, lo = t[: len(vals)].tolist(), [-x for x in t[len(vals) :].tolist()]
+        if hi != lo:
+            raise InterlaceValueError(
+                f"{self.op_name}: ranks called with different shapes (batch, S_loc, causal, "
+                f"documents) from {lo} to {hi}; this rank: {vals}"
+            )
+
+    def _fingerprint(self, shape: CallShape) -> None:
+        """``_begin_call`` of a forward or backward: the shape every rank shares (the same
+        fields for both, so that alternating steps rewrite only the fingerprint; a rank
+        that skipped a step differs in its call count)."""
+        self._begin_call(
+            batch=shape.batch, s_loc=shape.s_loc, causal=shape.causal, docs=shape.docs,
+            strategy=self.strategy,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ public call
+    def __call__(self, q, k, v, causal: bool = False, cu_seqlens=None, sm_scale=None):
+        """Attention of this rank's queries over the whole sequence; differentiable for
+        ``fused`` and ``none``."""
+        shape = self._check_inputs(q, k, v, causal, cu_seqlens)
+        self._fingerprint(shape)
+        scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        if self.strategy == "none":
+            from .ring import gather_attention
+
+            out = gather_attention(self.group, q, k, v, shape.causal, cu_seqlens, scale)
+        elif self.strategy == "ring":
+            from .ring import ring_attention
+
+            out = ring_attention(self.group, q, k, v, shape.causal, cu_seqlens, scale)
+        else:
+            out = _SPAttentionFn.apply(self, q, k, v, shape, cu_seqlens, scale)
+        self._end()
+        return out
+
+    # ------------------------------------------------------------------ fused
+    def _args(self, shape: CallShape, cu, scale: float) -> KernelArgs:
+        seg, cu_t = self._dummy, self._dummy
+        if cu is not None:
+            key = (cu.data_ptr(), tuple(cu.tolist()), shape.s_loc)
+            found = self._seg_cache.get(key)
+            if found is None:
+                cu_t = cu.to(device=self.group.device, dtype=torch.int32)
+                seg = segment_ids(cu_t, self.world_size * shape.s_loc)
+                found = self._seg_cache[key] = (seg, cu_t)
+                if len(self._seg_cache) > 16:
+                    self._seg_cache.pop(next(iter(self._seg_cache)))
+            seg, cu_t = found
+        return KernelArgs(
+            self.rank, self.world_size, self.heads, self.kv_heads, self.head_dim, shape.s_loc,
+            shape.causal, cu is not None, scale, seg, cu_t, self.pad.buffer.local,
+            self.error.address, self.max_spins, self.group.backend,
+        )  # fmt: skip
+
+    def _set_views(self, buf, s: int, numel: int):
+        """Set ``s`` of ``buf`` as its two halves ``[W * numel]`` (K, V or dK, dV)."""
+        w = self.world_size
+        flat = buf.local[s]
+        return flat[: w * numel], flat[w * numel : 2 * w * numel]
+
+    def _gather(self, s: int, k, v, arrival: int, consumer) -> None:
+        """Push this rank's K and V into slot ``rank`` of every peer's set ``s``, peer by
+        peer in rank-rotated order, each peer's flag raised from the comm stream after
+        both land, then enqueue ``consumer()`` (the kernels, which wait for the peers'
+        flags) on the current stream: the copies first (see the module docstring).
+
+        Set ``GRAPH_SET`` (a call being captured): a device barrier on the current stream
+        first, so that every peer is done with the previous replay's chunks (and partial
+        gradients) before this replay writes them again. It runs before the consumer, not
+        beside it on the comm stream: a barrier kernel there could find no SM free while
+        the consumer's programs fill the GPU waiting for flags behind it."""
+        w, r = self.world_size, self.rank
+        numel = k.numel()
+        if s == GRAPH_SET:
+            self._barrier()
+        stream = fork(self.group)
+        for i in range(1, w):
+            dst = (r + i) % w
+            flat = self.gathered.peers[dst][s]
+            signal = self.pad.buffer.peers[dst].view(torch.uint32)
+            copy_and_signal(flat[r * numel : (r + 1) * numel], k.view(-1), stream=stream)
+            lo = (w + r) * numel
+            copy_and_signal(flat[lo : lo + numel], v.view(-1), signal, arrival + r, stream=stream)
+        consumer()
+        join(self.group, stream)
+
+    def _arrival(self, s: int) -> int:
+        return self.pad.offset("arrival") + s * (self.world_size + 1)
+
+    def _kind(self, step: str, shape: CallShape, a: KernelArgs):
+        """What, besides the operands' shapes, a graph-replayed call must share with the
+        captured one (``OpContext._enqueue``): the kernels' specialisation and scalars."""
+        return (step, shape.causal, a.varlen, a.sm_scale)
+
+    @staticmethod
+    def _operands(a: KernelArgs, *tensors) -> list:
+        """The call's tensors for ``_enqueue`` (re-pointed at each replay): each distinct
+        one once (``v`` may be ``k``), then the document tables when ``varlen``."""
+        seen, out = set(), []
+        for t in tensors:
+            key = (t.data_ptr(), t.numel())
+            out.append(None if key in seen else t)
+            seen.add(key)
+        return out + ([a.seg, a.cu] if a.varlen else [None, None])
+
+    def _forward(self, q, k, v, shape: CallShape, cu, scale):
+        if self.group.backend == "cuda":
+            use_descriptor_scratch()
+        a = self._args(shape, cu, scale)
+        o = torch.empty_like(q)
+        lse = torch.empty(
+            q.shape[0] * q.shape[1], shape.s_loc, dtype=torch.float32, device=q.device
+        )
+
+        def run():
+            s = self._buffer_set()
+            arrival = self._arrival(s)
+            k_all, v_all = self._set_views(self.gathered, s, k.numel())
+
+            def consumer():
+                launch_fwd(a, q, k, v, k_all, v_all, o, lse, arrival, wait=True, clear=True)
+
+            self._gather(s, k, v, arrival, consumer)
+
+        self._enqueue(self._kind("fwd", shape, a), run, *self._operands(a, q, k, v, o, lse))
+        return o, lse
+
+    def _backward(self, q, k, v, o, lse, do, shape: CallShape, cu, scale):
+        if self.group.backend == "cuda":
+            use_descriptor_scratch()
+        a = self._args(shape, cu, scale)
+        do = do.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        delta = torch.empty_like(lse)
+        numel = k.numel()
+        rows = k.shape[0] * k.shape[1] * shape.s_loc
+
+        def run():
+            s = self._buffer_set()
+            arrival = self._arrival(s)
+            dkv_slot = self.pad.offset("dkv") + s * (self.world_size + 1)
+            k_all, v_all = self._set_views(self.gathered, s, numel)
+            recv = self.recv.local[s]
+
+            def consumer():
+                launch_delta(a, o, do, delta)
+                launch_dkdv(
+                    a, q, k, v, k_all, v_all, do, lse, delta, recv, self.recv.ptrs,
+                    self.pad.ptrs, arrival, dkv_slot, wait=True,
+                )  # fmt: skip
+                launch_dq(
+                    a, q, k, v, k_all, v_all, do, lse, delta, dq, arrival, wait=True, clear=True
+                )  # fmt: skip
+                launch_reduce(a, recv, dk, dv, dkv_slot, rows)
+
+            self._gather(s, k, v, arrival, consumer)
+
+        operands = self._operands(a, q, k, v, o, lse, do, dq, dk, dv, delta)
+        self._enqueue(self._kind("bwd", shape, a), run, *operands)
+        return dq, dk, dv
+
+
+class _SPAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, op: SPAttention, q, k, v, shape, cu, scale):
+        o, lse = op._forward(q, k, v, shape, cu, scale)
+        fctx.save_for_backward(q, k, v, o, lse)
+        fctx.op, fctx.shape, fctx.cu, fctx.scale = op, shape, cu, scale
+        return o
+
+    @staticmethod
+    def backward(fctx, do):
+        q, k, v, o, lse = fctx.saved_tensors
+        op = fctx.op
+        op._begin()
+        op._fingerprint(fctx.shape)
+        dq, dk, dv = op._backward(q, k, v, o, lse, do, fctx.shape, fctx.cu, fctx.scale)
+        op._end()
+        return None, dq, dk, dv, None, None, None
+
+
+__all__ = [
+    "AttnConfig",
+    "KernelArgs",
+    "SPAttention",
+    "launch_delta",
+    "launch_dkdv",
+    "launch_dq",
+    "launch_fwd",
+    "launch_reduce",
+    "positions",
+    "segment_ids",
+    "zigzag_shard",
+    "zigzag_unshard",
+]

@@ -1,0 +1,110 @@
+"""Sizes, launch configuration and the handle of expert-parallel dispatch / combine.
+
+The layout itself (per destination rank and per local expert counts, prefix sums, each
+pair's row in the expanded output) is computed on the GPU by
+``kernels.ep.ep_layout_kernel``; this module holds the host-side description of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import InterlaceValueError
+
+
+class EPCapacityError(InterlaceValueError):
+    """A dispatch would have sent a rank more (token, expert) rows than the receive
+    capacity the context was built with. Raised on every rank (every rank sees the whole
+    routing); nothing of that call was written to the expanded outputs."""
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class EPConfig:
+    """Block sizes and program counts of the dispatch / combine kernels. ``programs`` is
+    the same on every rank (it depends on the context's arguments only): receivers wait
+    for that many release-adds per source."""
+
+    block_tokens: int  # tokens per block of the data kernels
+    block_hidden: int  # hidden values per block (a multiple of 128 for FP8)
+    layout_tokens: int  # tokens per block of the layout kernel's prefix sums
+    programs: int  # programs of the data kernels
+    num_warps: int = 4
+
+
+def ep_config(backend: str, max_tokens: int, hidden: int, fp8: bool, sms: int = 132) -> EPConfig:
+    """The kernels' configuration: on a GPU, blocks of 4 tokens x up to 1024 values and at
+    most two programs per SM; in the interpreter, few small programs (it runs them one
+    after another)."""
+    cap_h = 1024 if backend == "cuda" else 64
+    bh = min(cap_h, next_pow2(hidden))
+    if fp8:
+        bh = max(bh, 128)
+    if backend == "cuda":
+        bt = 4
+        programs = max(1, min(-(-max_tokens // bt), 2 * sms))
+        return EPConfig(bt, bh, 128, programs)
+    return EPConfig(4, bh, 8, 2)
+
+
+@dataclass
+class EPHandle:
+    """What :meth:`EPAllToAll.dispatch` returns on each rank.
+
+    * ``recv_x [capacity, hidden]``: the rows this rank received, grouped by local expert
+      (expert ``e``'s rows are ``expert_offsets[e] - expert_counts[e] ..
+      expert_offsets[e]``), within an expert by source rank, then by the token's index at
+      its source. Rows past ``expert_offsets[-1]`` are unspecified. FP8 dispatch: e4m3
+      values, with ``recv_scale [capacity, hidden / 128]`` (fp32, one per 128 values).
+    * ``expert_counts`` / ``expert_offsets``: int32 ``[local experts]`` on the device
+      (counts and their inclusive prefix sums: ``offs`` of ``torch._grouped_mm``).
+
+    The views alias the context's buffers: valid until the next dispatch. ``combine``
+    takes this handle (the routing it needs stays on the device).
+    """
+
+    recv_x: torch.Tensor
+    recv_scale: torch.Tensor | None
+    expert_counts: torch.Tensor
+    expert_offsets: torch.Tensor
+    num_tokens: int
+    call: int
+
+
+def check_routing_args(op, x, topk_idx, topk_weights, ctx) -> None:
+    """Shapes, dtypes and devices of a dispatch's inputs; raises on bad ones (no launch)."""
+    from ...errors import InterlaceTypeError
+
+    ctx._check_placed("x", x)
+    if x.dim() != 2 or x.shape[1] != ctx.hidden or not x.is_contiguous():
+        raise InterlaceValueError(
+            f"{op}: x must be a contiguous [tokens, {ctx.hidden}] tensor, got "
+            f"{tuple(x.shape)}{'' if x.is_contiguous() else ' (not contiguous)'}"
+        )
+    t = x.shape[0]
+    if t > ctx.max_tokens:
+        raise InterlaceValueError(
+            f"{op}: {t} tokens, more than the context's max_tokens = {ctx.max_tokens}"
+        )
+    for name, tensor, dtypes in (
+        ("topk_idx", topk_idx, (torch.int64, torch.int32)),
+        ("topk_weights", topk_weights, (torch.float32, ctx.dtype)),
+    ):
+        if not isinstance(tensor, torch.Tensor):
+            raise InterlaceTypeError(f"{op}: {name} must be a torch.Tensor")
+        if tensor.dtype not in dtypes:
+            raise InterlaceTypeError(f"{op}: {name} has dtype {tensor.dtype}, expected {dtypes}")
+        if tensor.device != ctx.group.device:
+            raise InterlaceValueError(
+                f"{op}: {name} is on {tensor.device}, expected {ctx.group.device}"
+            )
+        if tuple(tensor.shape) != (t, ctx.topk) or not tensor.is_contiguous():
+            raise InterlaceValueError(
+                f"{op}: {name} must be a contiguous [{t}, {ctx.topk}] tensor, got "
+                f"{tuple(tensor.shape)}"
+            )

@@ -1,0 +1,438 @@
+"""The public dense ops as torch custom ops (``torch.ops.interlace.*``), so that
+``torch.compile(fullgraph=True)`` traces a model that calls them without graph breaks.
+
+Every op takes plain tensors, ints and strings: the process group is an integer handle from
+:func:`register_group`, and the op's context (its symmetric buffers, signals and plans) is
+looked up in a module-level cache keyed by (op, handle, dtype, strategy, n, k): built on
+the first call and rebuilt with twice the rows when a call needs more. Every call is
+collective, so every rank builds and rebuilds the same contexts in the same order::
+
+    h = interlace.ops.library.register_group(group)
+    c = torch.ops.interlace.ag_gemm(a_shard, b, None, h, "auto")   # all_gather(a) @ b
+    y = torch.ops.interlace.gemm_rs(a, b, None, h, "auto")         # reduce_scatter(a @ b)
+
+Ops (``b`` is ``[k, n]``; a transposed view of a contiguous ``[n, k]`` weight is accepted,
+its contiguous copy made once per weight version, see :func:`contiguous_b`):
+
+* ``ag_gemm(a, b, bias, group, strategy)``: ``all_gather(a) @ b + bias``.
+* ``gemm_rs(a, b, bias, group, strategy)``: ``reduce_scatter(a @ b) + bias`` (rows).
+* ``gemm_ar(a, b, bias, group, strategy)``: ``all_reduce(a @ b) + bias``.
+* ``all_gather(x, group, method)``, ``reduce_scatter(x, group, method)``,
+  ``all_reduce(x, group, method)``: along dim 0, as :class:`~interlace.AllGather` etc.
+  (``method`` ``"default"`` is the context's default method).
+* ``ag_gemm_backward`` / ``gemm_rs_backward``: the fused GEMMs' backward passes, each one
+  op so its communication overlaps its GEMMs inside (see :mod:`interlace.ops.autograd`,
+  which registers every op's autograd formula).
+
+A one-rank group runs the local math (``torch.matmul``, copies): there is nothing to
+communicate. Results are always new tensors (a context's own buffers are copied out).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from ..errors import InterlaceTypeError, InterlaceValueError
+from ..runtime import Group, fork, join, use_stream
+from .ag_gemm import AGGemm
+from .collectives import AllGather, AllReduce, ReduceScatter
+from .gemm_ar import GemmAR
+from .gemm_rs import GemmRS
+
+# ---------------------------------------------------------------------------- group handles
+_lock = threading.Lock()
+_groups: dict[int, Group] = {}  # handle -> group
+_handles: dict[str, int] = {}  # Group.uid -> handle
+
+
+def register_group(group: Group) -> int:
+    """The integer handle that names ``group`` in a custom op's arguments (the same handle
+    for the same group on every later call)."""
+    if not isinstance(group, Group):
+        raise InterlaceTypeError(f"register_group: expected an interlace Group, got {type(group)}")
+    with _lock:
+        handle = _handles.get(group.uid)
+        if handle is None:
+            handle = _handles[group.uid] = len(_groups) + 1
+            _groups[handle] = group
+        return handle
+
+
+def group_of(handle: int) -> Group:
+    """The group registered under ``handle``."""
+    group = _groups.get(int(handle))
+    if group is None:
+        raise InterlaceValueError(f"no interlace group is registered under handle {handle}")
+    return group
+
+
+# ---------------------------------------------------------------------------- context cache
+#: (op, handle, dtype, strategy, n, k) -> context; module-level cache, keyed explicitly
+_contexts: dict[tuple, object] = {}
+
+
+def _capacity(rows: int, multiple: int) -> int:
+    """Rows a new context is built for: the next power of two at or above ``rows``, rounded
+    up to ``multiple`` (so a few growing calls do not rebuild each time)."""
+    cap = 1 << max(0, int(rows) - 1).bit_length()
+    return -(-cap // multiple) * multiple
+
+
+def _gemm_context(cls, group: Group, handle: int, strategy: str, rows: int, n: int, k: int, dtype):
+    """The cached ``cls`` context (AGGemm: ``rows`` gathered rows; GemmRS / GemmAR: ``rows``
+    input rows) able to run a call of this size; rebuilt larger when it is not."""
+    key = (cls.op_name, handle, dtype, strategy, n, k)
+    ctx = _contexts.get(key)
+    if ctx is not None and ctx.max_m >= rows:
+        return ctx
+    w = group.world_size
+    cap = max(_capacity(rows, w), 2 * ctx.max_m if ctx is not None else 0)
+    if ctx is not None:
+        ctx.close()  # collective: every rank outgrows it on the same call
+    ctx = _contexts[key] = cls(group, max_m=cap, n=n, k=k, dtype=dtype, strategy=strategy)
+    return ctx
+
+
+def _collective_context(cls, group: Group, handle: int, method: str, numel: int, dtype):
+    """The cached collective context of capacity ``numel`` (per-rank input for all-gather
+    and all-reduce, per-rank output for reduce-scatter), rebuilt larger when needed."""
+    key = (cls.op_name, handle, dtype, method, 0, 0)
+    ctx = _contexts.get(key)
+    if ctx is not None and ctx.max_numel >= numel:
+        return ctx
+    cap = max(_capacity(numel, 1), 2 * ctx.max_numel if ctx is not None else 0)
+    if ctx is not None:
+        ctx.close()
+    kw = {} if method == "default" else {"method": method}
+    ctx = _contexts[key] = cls(group, max_numel=cap, dtype=dtype, **kw)
+    return ctx
+
+
+def contexts() -> dict[tuple, object]:
+    """The cached contexts (a copy of the cache), for inspection."""
+    return dict(_contexts)
+
+
+def clear_cache(group: Group | None = None) -> None:
+    """Close and forget the cached contexts (of ``group``, or all): collective, call on
+    every rank."""
+    handle = None if group is None else _handles.get(group.uid)
+    for key in [k for k in _contexts if handle is None or k[1] == handle]:
+        _contexts.pop(key).close()
+    _transposed.clear()
+
+
+# ---------------------------------------------------------------------------- operand layout
+#: id(base tensor) -> (weakref to it, version, view geometry, contiguous copy)
+_transposed: dict[int, tuple] = {}
+
+
+def contiguous_b(b: torch.Tensor) -> torch.Tensor:
+    """``b`` as the contiguous ``[k, n]`` tensor the fused GEMMs read. A transposed view of
+    a contiguous tensor (``linear.weight.t()``) is copied once per version of that tensor:
+    the copy is kept while the tensor lives and is made again after it changes in place
+    (an optimizer step), so inference and gradient-accumulation steps copy a weight once."""
+    if b.is_contiguous():
+        return b
+    base = b._base if b._base is not None else b
+    geometry = (tuple(b.shape), tuple(b.stride()), b.storage_offset(), b.dtype, b.device)
+    found = _transposed.get(id(base))
+    if found is not None:
+        ref, version, geo, copy = found
+        if ref() is base and version == b._version and geo == geometry:
+            return copy
+    copy = b.contiguous()
+    key = id(base)
+    try:
+        ref = weakref.ref(base, lambda _r, key=key: _transposed.pop(key, None))
+    except TypeError:  # not weak-referenceable: no caching
+        return copy
+    _transposed[key] = (ref, b._version, geometry, copy)
+    return copy
+
+
+def _check_2d(op: str, **tensors) -> None:
+    for name, t in tensors.items():
+        if t.dim() != 2:
+            raise InterlaceValueError(f"{op}: {name} must be 2-D, got shape {tuple(t.shape)}")
+
+
+def _local_linear(a, b, bias):
+    return torch.matmul(a, b) if bias is None else torch.addmm(bias, a, b)
+
+
+# ---------------------------------------------------------------------------- implementations
+def _ag_gemm(a, b, bias, group: int, strategy: str):
+    g = group_of(group)
+    _check_2d("ag_gemm", a=a, b=b)
+    if g.world_size == 1:
+        return _local_linear(a, b, bias)
+    a, b = a.contiguous(), contiguous_b(b)
+    ctx = _gemm_context(AGGemm, g, group, strategy, g.world_size * a.shape[0], b.shape[1],
+                        b.shape[0], a.dtype)  # fmt: skip
+    return ctx(a, b, bias=bias)
+
+
+def _gemm_rs(a, b, bias, group: int, strategy: str):
+    g = group_of(group)
+    _check_2d("gemm_rs", a=a, b=b)
+    if g.world_size == 1:
+        return _local_linear(a, b, bias)
+    a, b = a.contiguous(), contiguous_b(b)
+    ctx = _gemm_context(GemmRS, g, group, strategy, a.shape[0], b.shape[1], b.shape[0], a.dtype)
+    return ctx(a, b, bias=bias)
+
+
+def _gemm_ar(a, b, bias, group: int, strategy: str):
+    g = group_of(group)
+    _check_2d("gemm_ar", a=a, b=b)
+    if g.world_size == 1:
+        return _local_linear(a, b, bias)
+    a, b = a.contiguous(), contiguous_b(b)
+    m = a.shape[0]
+    pad = -m % g.world_size  # GemmAR splits the rows over the ranks: pad them to a multiple
+    if pad:
+        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+    ctx = _gemm_context(GemmAR, g, group, strategy, a.shape[0], b.shape[1], b.shape[0], a.dtype)
+    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    ctx(a, b, bias=bias, out=out)  # (without out=: a view of the context's buffer)
+    return out[:m] if pad else out
+
+
+def _all_gather(x, group: int, method: str):
+    g = group_of(group)
+    if g.world_size == 1:
+        return x.clone()
+    x = x.contiguous()
+    ctx = _collective_context(AllGather, g, group, method, x.numel(), x.dtype)
+    out = x.new_empty((g.world_size * x.shape[0], *x.shape[1:]))
+    return ctx(x, out=out)
+
+
+def _reduce_scatter(x, group: int, method: str):
+    g = group_of(group)
+    if g.world_size == 1:
+        return x.clone()
+    x = x.contiguous()
+    ctx = _collective_context(ReduceScatter, g, group, method, x.numel() // g.world_size, x.dtype)
+    return ctx(x)
+
+
+def _all_reduce(x, group: int, method: str):
+    g = group_of(group)
+    if g.world_size == 1:
+        return x.clone()
+    x = x.contiguous()
+    ctx = _collective_context(AllReduce, g, group, method, x.numel(), x.dtype)
+    return ctx(x)
+
+
+def _dual(cls, strategy: str) -> str:
+    """The strategy a backward pass runs ``cls`` with: the forward's when ``cls`` has it
+    (``none`` stays the baseline), else ``auto``."""
+    return strategy if strategy in cls.STRATEGIES else "auto"
+
+
+def _side_gather(g: Group, handle: int, x: torch.Tensor):
+    """``all_gather(x)`` on a side stream (forked from the current one), so the GEMM the
+    caller enqueues next overlaps it; returns ``(gathered, stream)`` for :func:`_join`."""
+    stream = fork(g, _BACKWARD_STREAM)
+    with use_stream(stream):
+        gathered = _all_gather(x, handle, "default")
+    if stream is not None:
+        x.record_stream(stream)
+    return gathered, stream
+
+
+def _join(g: Group, gathered: torch.Tensor, stream) -> None:
+    join(g, stream, _BACKWARD_STREAM)
+    if stream is not None:
+        gathered.record_stream(torch.cuda.current_stream(g.device))
+
+
+#: the comm-stream index of the backward passes' side gathers (``runtime.comm_stream``)
+_BACKWARD_STREAM = 2
+
+
+def _ag_gemm_backward(dc, a, b, group: int, strategy: str, need_a: bool, need_b: bool):
+    """Gradients of ``c = all_gather(a) @ b``: ``da = reduce_scatter(dc @ b.T)`` by the
+    fused GEMM+RS while ``a`` is gathered again on a side stream; then
+    ``db = all_gather(a).T @ dc``. Returns ``(da, db)``; an unneeded one is empty."""
+    g = group_of(group)
+    dc = dc.contiguous()
+    empty = dc.new_empty(0)
+    if g.world_size == 1:
+        da = torch.matmul(dc, b.t()) if need_a else empty
+        db = torch.matmul(a.t(), dc) if need_b else empty
+        return da, db
+    gathered = stream = None
+    if need_b:
+        gathered, stream = _side_gather(g, group, a)
+    da = _gemm_rs(dc, b.t(), None, group, _dual(GemmRS, strategy)) if need_a else empty
+    db = empty
+    if need_b:
+        _join(g, gathered, stream)
+        db = torch.matmul(gathered.t(), dc)
+    return da, db
+
+
+def _gemm_rs_backward(dy, a, b, group: int, strategy: str, need_a: bool, need_b: bool):
+    """Gradients of ``y = reduce_scatter(a @ b)``: ``da = all_gather(dy) @ b.T`` by the
+    fused AG+GEMM while ``dy`` is gathered on a side stream for ``db = a.T @
+    all_gather(dy)``. Returns ``(da, db)``; an unneeded one is empty."""
+    g = group_of(group)
+    dy = dy.contiguous()
+    empty = dy.new_empty(0)
+    if g.world_size == 1:
+        da = torch.matmul(dy, b.t()) if need_a else empty
+        db = torch.matmul(a.t(), dy) if need_b else empty
+        return da, db
+    gathered = stream = None
+    if need_b:
+        gathered, stream = _side_gather(g, group, dy)
+    da = _ag_gemm(dy, b.t(), None, group, _dual(AGGemm, strategy)) if need_a else empty
+    db = empty
+    if need_b:
+        _join(g, gathered, stream)
+        db = torch.matmul(a.t(), gathered)
+    return da, db
+
+
+# ---------------------------------------------------------------------------- registration
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("interlace::ag_gemm", mutates_args=())
+def ag_gemm(a: Tensor, b: Tensor, bias: Tensor | None, group: int, strategy: str) -> Tensor:
+    """``all_gather(a) @ b (+ bias)`` over the group ``group`` (a handle)."""
+    return _ag_gemm(a, b, bias, group, strategy)
+
+
+@torch.library.custom_op("interlace::gemm_rs", mutates_args=())
+def gemm_rs(a: Tensor, b: Tensor, bias: Tensor | None, group: int, strategy: str) -> Tensor:
+    """``reduce_scatter(a @ b) (+ bias)`` along rows."""
+    return _gemm_rs(a, b, bias, group, strategy)
+
+
+@torch.library.custom_op("interlace::gemm_ar", mutates_args=())
+def gemm_ar(a: Tensor, b: Tensor, bias: Tensor | None, group: int, strategy: str) -> Tensor:
+    """``all_reduce(a @ b) (+ bias)``."""
+    return _gemm_ar(a, b, bias, group, strategy)
+
+
+@torch.library.custom_op("interlace::all_gather", mutates_args=())
+def all_gather(x: Tensor, group: int, method: str) -> Tensor:
+    """All-gather along dim 0."""
+    return _all_gather(x, group, method)
+
+
+@torch.library.custom_op("interlace::reduce_scatter", mutates_args=())
+def reduce_scatter(x: Tensor, group: int, method: str) -> Tensor:
+    """Reduce-scatter (sum) along dim 0."""
+    return _reduce_scatter(x, group, method)
+
+
+@torch.library.custom_op("interlace::all_reduce", mutates_args=())
+def all_reduce(x: Tensor, group: int, method: str) -> Tensor:
+    """All-reduce (sum)."""
+    return _all_reduce(x, group, method)
+
+
+@torch.library.custom_op("interlace::ag_gemm_backward", mutates_args=())
+def ag_gemm_backward(
+    dc: Tensor, a: Tensor, b: Tensor, group: int, strategy: str, need_a: bool, need_b: bool
+) -> tuple[Tensor, Tensor]:
+    """``(da, db)`` of ``ag_gemm`` (overlapped; see :func:`_ag_gemm_backward`)."""
+    return _ag_gemm_backward(dc, a, b, group, strategy, need_a, need_b)
+
+
+@torch.library.custom_op("interlace::gemm_rs_backward", mutates_args=())
+def gemm_rs_backward(
+    dy: Tensor, a: Tensor, b: Tensor, group: int, strategy: str, need_a: bool, need_b: bool
+) -> tuple[Tensor, Tensor]:
+    """``(da, db)`` of ``gemm_rs`` (overlapped; see :func:`_gemm_rs_backward`)."""
+    return _gemm_rs_backward(dy, a, b, group, strategy, need_a, need_b)
+
+
+# ---------------------------------------------------------------------------- fake impls
+def _world(group: int) -> int:
+    return group_of(group).world_size
+
+
+def _fake_gemm_checks(op: str, a, b, bias) -> None:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise InterlaceValueError(
+            f"{op}: a {tuple(a.shape)} and b {tuple(b.shape)} do not multiply"
+        )
+    if bias is not None and tuple(bias.shape) != (b.shape[1],):
+        raise InterlaceValueError(f"{op}: bias must have shape ({b.shape[1]},)")
+
+
+@ag_gemm.register_fake
+def _(a, b, bias, group, strategy):
+    _fake_gemm_checks("ag_gemm", a, b, bias)
+    return a.new_empty(_world(group) * a.shape[0], b.shape[1])
+
+
+@gemm_rs.register_fake
+def _(a, b, bias, group, strategy):
+    _fake_gemm_checks("gemm_rs", a, b, bias)
+    return a.new_empty(a.shape[0] // _world(group), b.shape[1])
+
+
+@gemm_ar.register_fake
+def _(a, b, bias, group, strategy):
+    _fake_gemm_checks("gemm_ar", a, b, bias)
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+@all_gather.register_fake
+def _(x, group, method):
+    return x.new_empty((_world(group) * x.shape[0], *x.shape[1:]))
+
+
+@reduce_scatter.register_fake
+def _(x, group, method):
+    return x.new_empty((x.shape[0] // _world(group), *x.shape[1:]))
+
+
+@all_reduce.register_fake
+def _(x, group, method):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@ag_gemm_backward.register_fake
+def _(dc, a, b, group, strategy, need_a, need_b):
+    da = a.new_empty(a.shape) if need_a else dc.new_empty(0)
+    db = b.new_empty(b.shape) if need_b else dc.new_empty(0)
+    return da, db
+
+
+@gemm_rs_backward.register_fake
+def _(dy, a, b, group, strategy, need_a, need_b):
+    da = a.new_empty(a.shape) if need_a else dy.new_empty(0)
+    db = b.new_empty(b.shape) if need_b else dy.new_empty(0)
+    return da, db
+
+
+__all__ = [
+    "ag_gemm",
+    "ag_gemm_backward",
+    "all_gather",
+    "all_reduce",
+    "clear_cache",
+    "contexts",
+    "contiguous_b",
+    "gemm_ar",
+    "gemm_rs",
+    "gemm_rs_backward",
+    "group_of",
+    "reduce_scatter",
+    "register_group",
+]
+
+
+from . import autograd as _autograd  # noqa: E402,F401  (registers every op's autograd formula)

@@ -1,0 +1,94 @@
+"""Host side of the MoE grouped GEMM: tile configs and the launch of
+``kernels.grouped_gemm.moe_gemm_kernel`` in its two modes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels.grouped_gemm import moe_gemm_kernel
+from .._context import sm_count
+from .._launch import install_scratch_allocator
+from .routing import MoeRouting
+
+
+@dataclass(frozen=True)
+class MoeGemmConfig:
+    """Tile shape and launch parameters of the grouped GEMM. ``block_m`` is also the row
+    padding of each expert in the routing (the same on every rank)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+#: the interpreter: small tiles keep the CPU tests fast
+CPU_CONFIG = MoeGemmConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
+
+#: first-guess configs on an H100 / H200 (see ``bench.moe`` for the sweep that picks among
+#: ``CANDIDATES``): gate/up with SwiGLU holds two accumulators, so 128 x 128 per half
+GPU_CONFIGS = {
+    "gather": MoeGemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+    "reduce": MoeGemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
+}
+
+#: the configs ``bench.moe --sweep`` times (the row height is shared by both halves)
+CANDIDATES = {
+    "gather": [
+        MoeGemmConfig(128, 128, 64, 8, 3),
+        MoeGemmConfig(128, 64, 64, 4, 4),
+        MoeGemmConfig(128, 128, 64, 8, 4),
+    ],
+    "reduce": [
+        MoeGemmConfig(128, 128, 64, 8, 4),
+        MoeGemmConfig(128, 256, 64, 8, 3),
+        MoeGemmConfig(128, 64, 64, 4, 4),
+    ],
+}
+
+
+def config_for(mode: str, backend: str) -> MoeGemmConfig:
+    return CPU_CONFIG if backend != "cuda" else GPU_CONFIGS[mode]
+
+
+def tma_ok(w: torch.Tensor) -> bool:
+    """The weight's rows can be read through a TMA descriptor (16-byte aligned rows and
+    base) on a GPU."""
+    n_w = w.shape[-1]
+    return w.is_cuda and (n_w * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+
+
+def programs(routing: MoeRouting, n: int, cfg: MoeGemmConfig, device, backend: str) -> int:
+    """Persistent grid: one program per SM, never more than the worst-case tiles (all
+    programs must be resident: they wait on flags that other ranks raise)."""
+    tiles = routing.tiles.shape[0] * -(-n // cfg.block_n)
+    if backend != "cuda":
+        return max(1, min(tiles, 3))
+    return max(1, min(tiles, sm_count(device.index)))
+
+
+def launch_gemm(
+    *, a, x_own, w, out, routing: MoeRouting, n: int, up: int, cfg: MoeGemmConfig, grid: int,
+    gather: bool, swiglu: bool, reduce: bool, acc_table=None, sig=None, sig_table=None,
+    flag0=0, err=0, rank=0, max_spins=0, done_slot=0, clear=None, contrib_slot=0,
+    wait=False, world=1,
+):  # fmt: skip
+    """One launch of the grouped GEMM on the current stream (see the kernel)."""
+    use_tma = tma_ok(w)
+    if use_tma:
+        install_scratch_allocator()
+    stand_in = routing.token_ids
+    k = w.shape[1]
+    moe_gemm_kernel[(grid,)](
+        a, x_own if x_own is not None else a, w, out if out is not None else a, routing.tiles,
+        routing.tile_count, routing.token_ids, routing.weights, routing.m_loc, w.shape[0], k,
+        n, w.shape[2], up, acc_table if acc_table is not None else stand_in,
+        sig if sig is not None else stand_in, sig_table if sig_table is not None else stand_in,
+        flag0, err, rank, max_spins, done_slot, *(clear or (0, 0)), contrib_slot,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WORLD=world,
+        GATHER=gather, SWIGLU=swiglu, REDUCE=reduce, WAIT=wait, USE_TMA=use_tma,
+        EXIT_CLEAR=clear is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip

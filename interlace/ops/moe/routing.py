@@ -1,0 +1,186 @@
+"""The routing of one MoE call as the GEMMs read it (:class:`MoeRouting`), built on the
+device with no host synchronisation (``kernels.grouped_gemm``: a histogram per chunk of
+entries, one scan, a stable counting sort), and argument checks shared by both halves.
+
+Row layout (``layout="padded"``): rows are sorted by (expert, arrival position of the
+source rank, token, slot); each expert's rows are padded to ``block_m`` (token -1, weight
+0), so a row tile never mixes experts. ``offsets[e]`` is expert ``e``'s first row,
+``offsets[E]`` the rows in use; ``tiles`` lists the row tiles in the order the GEMMs run
+them (``kernels.grouped_gemm``), ``tile_count[0]`` how many there are. The ``none``
+strategy builds the same dataclass with torch ops (``layout="dense"``: no padding, no tile
+table); both halves take either where they can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels.grouped_gemm import (
+    TILE_COLS,
+    moe_count_kernel,
+    moe_scan_kernel,
+    moe_scatter_kernel,
+)
+from ...runtime.signals import ERROR_WORDS
+from .._context import cdiv
+
+
+@dataclass(frozen=True)
+class MoeRouting:
+    """What the second half needs of the first half's routing (device tensors, valid until
+    the caller drops them; each call makes new ones).
+
+    ``token_ids[row]``: the token of each expert-sorted row, as a global index ``src * m +
+    t`` into the gathered tokens (rank ``src``'s token ``t``), -1 for a padding row;
+    ``weights[row]``: its routing weight (float32, 0 for padding); ``offsets``: int32
+    ``[E + 1]``, each expert's first row and (last) the rows in use; ``tiles`` /
+    ``tile_count``: the tile table (``layout="padded"`` only)."""
+
+    token_ids: torch.Tensor
+    weights: torch.Tensor
+    offsets: torch.Tensor
+    tiles: torch.Tensor | None
+    tile_count: torch.Tensor | None
+    m_loc: int
+    topk: int
+    experts: int
+    world: int
+    block_m: int
+    layout: str  # "padded" (the fused kernels) or "dense" (torch ops)
+
+    @property
+    def rows(self) -> int:
+        """Rows of the expert-sorted buffers (a worst case for ``padded``; the rows in use
+        are ``offsets[E]``)."""
+        return self.token_ids.shape[0]
+
+
+def padded_rows(tokens: int, topk: int, experts: int, block_m: int) -> int:
+    """Worst-case rows of the padded layout: every entry, plus up to ``block_m - 1``
+    padding rows per expert, rounded to whole tiles."""
+    return (cdiv(tokens * topk, block_m) + experts) * block_m
+
+
+def chunk_size(mk: int) -> int:
+    """Entries per routing chunk (a power of two): 1024, or fewer for small shards."""
+    c = 16
+    while c < min(mk, 1024):
+        c *= 2
+    return c
+
+
+def e_pad(experts: int) -> int:
+    """Histogram bins: a power of two above ``experts`` (the last bin collects ids out of
+    range)."""
+    e = 2
+    while e < experts + 1:
+        e *= 2
+    return e
+
+
+@dataclass
+class RoutingWork:
+    """The device buffers of one routing build (one allocation; views into it)."""
+
+    routing: MoeRouting
+    counts: torch.Tensor
+    prefix: torch.Tensor
+    scratch: torch.Tensor
+    base_scratch: torch.Tensor
+
+
+def alloc_routing(m_loc, topk, experts, world, block_m, device) -> RoutingWork:
+    """New routing tensors for one call: a single allocation cut into views (the caching
+    allocator makes that one cheap call; inside a CUDA graph it comes from its pool)."""
+    mk = m_loc * topk
+    chunk = chunk_size(mk)
+    n_chunks = world * cdiv(mk, chunk)
+    ep = e_pad(experts)
+    rows = padded_rows(world * m_loc, topk, experts, block_m)
+    max_tiles = rows // block_m
+    sizes = [
+        rows, rows, experts + 1, max_tiles * TILE_COLS.value, 1, n_chunks * ep,
+        (n_chunks + 1) * ep, (2 * world + 1) * ep, n_chunks * ep,
+    ]  # fmt: skip
+    buf = torch.empty(sum(sizes), dtype=torch.int32, device=device)
+    views, at = [], 0
+    for s in sizes:
+        views.append(buf[at : at + s])
+        at += s
+    tok, wts, offsets, tiles, count, counts, prefix, scratch, base = views
+    routing = MoeRouting(
+        token_ids=tok, weights=wts.view(torch.float32), offsets=offsets,
+        tiles=tiles.view(max_tiles, TILE_COLS.value), tile_count=count, m_loc=m_loc,
+        topk=topk, experts=experts, world=world, block_m=block_m, layout="padded",
+    )  # fmt: skip
+    return RoutingWork(routing, counts, prefix, scratch, base)
+
+
+def launch_routing(
+    work: RoutingWork, meta: torch.Tensor, meta_stride: int, *, rank: int, sig=None,
+    flag0: int = 0, err: int = 0, max_spins: int = 0, wait: bool = False,
+) -> MoeRouting:  # fmt: skip
+    """Enqueue the three routing kernels on the current stream. ``meta``: the packed ids
+    and weights of every source rank (``meta_stride`` int32 per source: ``m * k`` ids,
+    then ``m * k`` weights); ``wait``: entries of other ranks wait for their meta flag
+    (``sig + flag0 + arrival position``)."""
+    rt = work.routing
+    w, e = rt.world, rt.experts
+    mk = rt.m_loc * rt.topk
+    chunk = chunk_size(mk)
+    cps = cdiv(mk, chunk)
+    n_chunks = w * cps
+    ep = e_pad(e)
+    sig_t = sig if sig is not None else work.counts
+    moe_count_kernel[(n_chunks,)](
+        meta, meta_stride, mk, cps, work.counts, e, sig_t, flag0, err or _no_err(meta),
+        rank, max_spins, CHUNK=chunk, E_PAD=ep, WORLD=w, WAIT=wait, num_warps=4,
+    )  # fmt: skip
+    moe_scan_kernel[(1,)](
+        work.counts, work.prefix, n_chunks, cps, e, rt.offsets, rt.tiles, rt.tile_count,
+        work.scratch, BLOCK_M=rt.block_m, E_PAD=ep, WORLD=w, CB=32, TB=64, num_warps=4,
+    )  # fmt: skip
+    moe_scatter_kernel[(n_chunks,)](
+        meta, meta_stride, mk, mk, cps, rt.m_loc, rt.topk, e, work.prefix, n_chunks,
+        rt.offsets, work.base_scratch, rt.token_ids, rt.weights, sig_t, flag0,
+        err or _no_err(meta), rank, max_spins, CHUNK=chunk, E_PAD=ep, WORLD=w,
+        BLOCK_M=rt.block_m, WAIT=wait, num_warps=4,
+    )  # fmt: skip
+    return rt
+
+
+_NO_ERR: dict = {}
+
+
+def _no_err(like: torch.Tensor) -> int:
+    """An error word for launches that run no wait (the kernels still take an address)."""
+    key = like.device
+    if key not in _NO_ERR:
+        _NO_ERR[key] = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=like.device)
+    return _NO_ERR[key].data_ptr()
+
+
+def pack_meta(dst: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    """Write ``ids`` (as int32) then ``weights`` (as float32 bits) into the int32 ``dst``."""
+    mk = ids.numel()
+    dst[:mk].copy_(ids.reshape(-1))
+    dst[mk : 2 * mk].view(torch.float32).copy_(weights.reshape(-1))
+
+
+def dense_routing(ids_all, w_all, m_loc, experts, world) -> MoeRouting:
+    """The ``none`` strategy's routing with torch ops (no host synchronisation): rows
+    sorted by (expert, token, slot) with no padding."""
+    topk = ids_all.shape[1]
+    flat = ids_all.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(experts, dtype=torch.int64, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    offsets = torch.zeros(experts + 1, dtype=torch.int32, device=flat.device)
+    offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    return MoeRouting(
+        token_ids=(order // topk).to(torch.int32), weights=w_all.reshape(-1)[order].float(),
+        offsets=offsets, tiles=None, tile_count=None, m_loc=m_loc, topk=topk,
+        experts=experts, world=world, block_m=1, layout="dense",
+    )  # fmt: skip

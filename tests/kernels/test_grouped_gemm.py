@@ -1,0 +1,75 @@
+"""The MoE kernels compile for Hopper (no GPU needed: ``triton.compile`` for cuda:90) in
+every mode the ops launch, and the gather GEMM's A loads stay after the tile's wait."""
+
+from __future__ import annotations
+
+import pytest
+
+from interlace.testing import codegen as inspect
+
+pytestmark = pytest.mark.skipif(
+    inspect.cuda_compile_unavailable() is not None,
+    reason=str(inspect.cuda_compile_unavailable()),
+)
+
+
+def _routing_kernels():
+    from interlace.kernels import grouped_gemm as g
+
+    i32, p32 = "i32", "*i32"
+    common = {"meta": p32, "meta_stride": i32, "mk": i32, "cps": i32, "E": i32, "sig": p32,
+              "flag0": i32, "err": "i64", "rank": i32, "max_spins": i32}  # fmt: skip
+    yield (
+        g.moe_count_kernel,
+        {**common, "counts": p32},
+        {"CHUNK": 1024, "E_PAD": 64, "WORLD": 4, "WAIT": True},
+    )
+    yield g.moe_scan_kernel, {
+        "counts": p32, "prefix": p32, "n_chunks": i32, "cps": i32, "E": i32, "offsets": p32,
+        "tiles": p32, "tile_count": p32, "scratch": p32,
+    }, {"BLOCK_M": 128, "E_PAD": 64, "WORLD": 8, "CB": 32, "TB": 64}  # fmt: skip
+    yield g.moe_scatter_kernel, {
+        **common, "w_off": i32, "m_loc": i32, "k": i32, "prefix": p32, "n_chunks": i32,
+        "offsets": p32, "base_scratch": p32, "sorted_tok": p32, "sorted_w": "*fp32",
+    }, {"CHUNK": 1024, "E_PAD": 64, "WORLD": 4, "BLOCK_M": 128, "WAIT": True}  # fmt: skip
+    yield g.moe_finish_kernel, {
+        "acc": "*fp32", "y": "*bf16", "numel": i32, "sig": p32, "contrib_slot": i32,
+        "done_slot": i32, "err": "i64", "rank": i32, "max_spins": i32,
+    }, {"WORLD": 4, "BLOCK": 1024}  # fmt: skip
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_routing_kernels_compile_for_hopper(i):
+    kernel, sig, const = list(_routing_kernels())[i]
+    inspect.compile_for_hopper(kernel, sig, const, num_stages=1)
+
+
+def _gemm_sig():
+    i32, p32 = "i32", "*i32"
+    return {
+        "a": "*bf16", "x_own": "*bf16", "w": "*bf16", "out": "*bf16", "tiles": p32,
+        "tile_count": p32, "sorted_tok": p32, "sorted_w": "*fp32", "m_loc": i32, "E": i32,
+        "K": i32, "N": i32, "N_W": i32, "UP": i32, "acc_table": "*i64", "sig": p32,
+        "sig_table": "*i64", "flag0": i32, "err": "i64", "rank": i32, "max_spins": i32,
+        "done_slot": i32, "clear_first": i32, "clear_count": i32, "contrib_slot": i32,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["gather_swiglu", "gather_plain", "reduce"])
+@pytest.mark.parametrize("tma", [True, False])
+def test_gemm_compiles_for_hopper(mode, tma):
+    from interlace.kernels.grouped_gemm import moe_gemm_kernel
+
+    const = dict(
+        BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORLD=4, GATHER=mode != "reduce",
+        SWIGLU=mode == "gather_swiglu", REDUCE=mode == "reduce", WAIT=mode != "reduce",
+        USE_TMA=tma, EXIT_CLEAR=mode != "reduce",
+    )  # fmt: skip
+    ir = inspect.compile_for_hopper(
+        moe_gemm_kernel, _gemm_sig(), const, aligned=("a", "x_own", "w", "out", "K", "N"),
+        num_warps=8, num_stages=3,
+    )  # fmt: skip
+    assert "wgmma" in ir["ptx"], "the grouped GEMM should use Hopper's wgmma"
+    if mode != "reduce":  # the gathered rows' loads take their mask from the wait
+        loads = inspect.data_loads(ir["ttgir"])
+        assert any(ld.guarded_by("mask") for ld in loads), "no A load depends on the wait"

@@ -1,0 +1,327 @@
+"""Tensor-parallel MoE (AGMoE + MoERS) against a float32 reference built from every rank's
+weights: balanced, random and skewed routing (an expert with no tokens, one expert with
+all of them), k from 1 to 8, E from 1 to 64, tokens per rank not a multiple of the tile,
+poisoned outputs, repeated calls on one context, the device-built tile table, bad inputs
+raising on every rank, and (on GPUs) CUDA-graph replay with new routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from interlace.errors import InterlaceTypeError, InterlaceValueError
+from interlace.ops.moe import AGMoE, MoERS
+from tests.ops._helpers import expect_error, rand, rel_err, sync
+
+TOL = 1e-2
+
+
+def make_routing(gen, m, k, experts, kind):
+    """``(ids [m, k] int64, weights [m, k] float32)``: distinct experts per token."""
+    if kind == "balanced":  # token t takes experts t, t+1, ... (mod E): equal loads
+        ids = (torch.arange(m)[:, None] + torch.arange(k)[None, :]) % experts
+    elif kind == "skewed":  # expert 0 in every token, the rest from the lower half only
+        span = max(k, experts // 2)
+        ids = torch.stack(
+            [
+                torch.cat(
+                    [
+                        torch.zeros(1, dtype=torch.long),
+                        1 + torch.randperm(span - 1, generator=gen)[: k - 1],
+                    ]
+                )
+                for _ in range(m)
+            ]
+        )
+    elif kind == "one":  # every token to expert E - 1 (k = 1)
+        ids = torch.full((m, k), experts - 1) - torch.arange(k)[None, :]
+    else:  # random
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(m)])
+    wts = torch.softmax(torch.randn(m, k, generator=gen), dim=-1)
+    return ids.long(), wts
+
+
+def reference(x_all, ids_all, w_all, w1_full, w2_full, inter_total, swiglu=True):
+    """y [M, H] float32 of the whole layer (every rank's intermediate shard)."""
+    y = torch.zeros(x_all.shape[0], w2_full.shape[2])
+    for t in range(x_all.shape[0]):
+        for j in range(ids_all.shape[1]):
+            e = int(ids_all[t, j])
+            a = x_all[t].float() @ w1_full[e].float()
+            if swiglu:
+                a = F.silu(a[:inter_total]) * a[inter_total:]
+            y[t] += w_all[t, j].float() * (a @ w2_full[e].float())
+    return y
+
+
+def _weights(world, hidden, inter, experts, dtype, device, rank, swiglu=True):
+    """Full weights from a seed every rank shares, and this rank's shards: gate/up
+    ``[E, H, 2 * inter]`` (gate then up of this rank's columns) and down
+    ``[E, inter, H]``."""
+    g = torch.Generator().manual_seed(1234)
+    it = inter * world
+    w1 = (torch.randn(experts, hidden, 2 * it if swiglu else it, generator=g) * 0.3).to(dtype)
+    w2 = (torch.randn(experts, it, hidden, generator=g) * 0.3).to(dtype)
+    cols = slice(rank * inter, (rank + 1) * inter)
+    if swiglu:
+        w1_loc = torch.cat([w1[:, :, :it][:, :, cols], w1[:, :, it:][:, :, cols]], dim=2)
+    else:
+        w1_loc = w1[:, :, cols]
+    w2_loc = w2[:, cols, :]
+    return w1, w2, w1_loc.contiguous().to(device), w2_loc.contiguous().to(device)
+
+
+def _gather_cpu(t, group):
+    parts = [torch.empty_like(t) for _ in range(group.world_size)]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
+
+
+def _case(group, ag, rs, m, hidden, inter, experts, k, kind, seed, swiglu=True, check_h=True):
+    w, r, dev, dtype = group.world_size, group.rank, group.device, torch.bfloat16
+    gen = torch.Generator().manual_seed(seed + 17 * r)
+    w1, w2, w1_loc, w2_loc = _weights(w, hidden, inter, experts, dtype, dev, r, swiglu)
+    x = rand(gen, m, hidden, dtype=dtype, device="cpu")
+    ids, wts = make_routing(gen, m, k, experts, kind)
+    h, routing = ag(x.to(dev), ids.to(dev).int() if seed % 2 else ids.to(dev), wts.to(dev), w1_loc)
+    y = rs(h, routing, w2_loc)
+    sync(group)
+    x_all, ids_all, w_all = (_gather_cpu(t, group) for t in (x, ids, wts))
+    if check_h:  # every row in use is act(x[token] @ w1_loc[expert]) of its token
+        tok = routing.token_ids.cpu().long()
+        used = int(routing.offsets[-1])
+        offs = routing.offsets.cpu().tolist()
+        live = tok[:used] >= 0
+        assert int(live.sum()) == w * m * k, "every (token, slot) has one row"
+        expert_of = torch.zeros(used, dtype=torch.long)
+        for e in range(experts):
+            expert_of[offs[e] : offs[e + 1] if e + 1 < experts else used] = e
+        rows = torch.nonzero(live).flatten()
+        a = torch.stack([x_all[tok[i]].float() @ w1_loc[expert_of[i]].float().cpu() for i in rows])
+        if swiglu:
+            a = F.silu(a[:, :inter]) * a[:, inter:]
+        err = rel_err(h[:used].cpu()[rows], a)
+        assert err < TOL, f"h rel err {err:.2e}"
+        # every (token, expert) pair appears once
+        pairs = sorted(zip(tok[rows].tolist(), expert_of[rows].tolist()))
+        want = sorted((t, int(e)) for t in range(w * m) for e in ids_all[t].tolist())
+        assert pairs == want
+    ref = reference(x_all, ids_all, w_all, w1, w2, inter * w, swiglu)[r * m : (r + 1) * m]
+    assert y.shape == (m, hidden)
+    err = rel_err(y.cpu(), ref)
+    assert err < TOL, f"y rel err {err:.2e} ({kind}, E={experts}, k={k}, m={m})"
+    return routing
+
+
+# ------------------------------------------------------------------------- CPU shapes
+def _moe_body(group, strategy, shape, calls):
+    """One pair of contexts, several calls on it (varying tokens per rank and routing)."""
+    hidden, inter, experts, topk, max_m = shape
+    w = group.world_size
+    kw = dict(max_tokens=w * max_m, hidden=hidden, inter=inter, experts=experts, topk=topk)
+    ag, rs = AGMoE(group, strategy=strategy, **kw), MoERS(group, strategy=strategy, **kw)
+    try:
+        for i, (kind, m) in enumerate(calls):
+            routing = _case(group, ag, rs, m, hidden, inter, experts, topk, kind, seed=i)
+            if strategy == "fused":
+                assert routing.layout == "padded"
+                _check_tiles(routing, w)
+        ag.check()
+        rs.check()
+    finally:
+        ag.close()
+        rs.close()
+    return True
+
+
+def _check_tiles(routing, world):
+    """The tile table: one entry per row tile, every row tile once, each tile's arrival
+    range covers its rows' source positions, and tiles come in order of the last position
+    they need."""
+    n = int(routing.tile_count[0])
+    bm = routing.block_m
+    assert n * bm == int(routing.offsets[-1])
+    tiles = routing.tiles[:n].cpu().tolist()
+    assert sorted(t[0] for t in tiles) == [i * bm for i in range(n)]
+    assert [t[3] for t in tiles] == sorted(t[3] for t in tiles)
+    tok = routing.token_ids.cpu().tolist()
+    rank = dist.get_rank()
+    for row0, _e, first, last in tiles:
+        srcs = [tok[row0 + i] // routing.m_loc for i in range(bm) if tok[row0 + i] >= 0]
+        pos = [(s - rank) % world for s in srcs]
+        assert pos and first == min(pos) and last == max(pos), (row0, first, last, pos)
+        assert pos == sorted(pos)
+
+
+@pytest.mark.parametrize("strategy", ["fused", pytest.param("none", marks=pytest.mark.own_gpu)])
+def test_moe_matches_reference(world, strategy):
+    # (hidden, inter, experts, topk, max tokens per rank); (routing, tokens per rank)
+    calls = [("random", 7), ("balanced", 9), ("skewed", 5)]
+    world.run(_moe_body, strategy, (32, 16, 6, 2, 9), calls)
+
+
+def _edge_body(group):
+    """E = 1, k = 1 (one expert takes every token); E = 64, k = 8; odd widths (the
+    pointer path: rows not 16-byte aligned); no activation."""
+    w = group.world_size
+    for hidden, inter, experts, k, m, kind, swiglu in (
+        (24, 8, 1, 1, 3, "one", True),
+        (16, 16, 64, 8, 4, "random", True),
+        (20, 12, 5, 3, 6, "skewed", False),
+    ):
+        kw = dict(max_tokens=w * 8, hidden=hidden, inter=inter, experts=experts, topk=k)
+        ag = AGMoE(group, activation="swiglu" if swiglu else None, **kw)
+        rs = MoERS(group, **kw)
+        try:
+            _case(group, ag, rs, m, hidden, inter, experts, k, kind, seed=5, swiglu=swiglu)
+        finally:
+            ag.close()
+            rs.close()
+    return True
+
+
+def test_moe_edge_shapes(world):
+    if world.world_size == 3:
+        pytest.skip("W = 2 and 4 cover the edge shapes")
+    world.run(_edge_body)
+
+
+# ------------------------------------------------------------------------- bad inputs
+def _bad_body(group):
+    w, r, dev = group.world_size, group.rank, group.device
+    kw = dict(max_tokens=w * 4, hidden=16, inter=8, experts=4, topk=2)
+    ag, rs = AGMoE(group, **kw), MoERS(group, **kw)
+    gen = torch.Generator().manual_seed(r)
+    x = rand(gen, 3, 16, dtype=torch.bfloat16, device=dev)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], device=dev)
+    wts = torch.full((3, 2), 0.5, device=dev)
+    w1 = rand(gen, 4, 16, 16, dtype=torch.bfloat16, device=dev)
+    try:
+        bad_ids = ids.clone()
+        if r == w - 1:
+            bad_ids[1, 0] = 4  # out of range on one rank only: every rank raises
+        expect_error(
+            InterlaceValueError, "rank" if r != w - 1 else "[0, 4)", ag, x, bad_ids, wts, w1
+        )
+        expect_error(
+            InterlaceValueError, "topk_ids has shape", ag, x, ids[:, :1].contiguous(), wts, w1
+        )
+        expect_error(InterlaceValueError, "topk_weights has shape", ag, x, ids, wts[:2], w1)
+        expect_error(InterlaceTypeError, "dtype", ag, x.float(), ids, wts, w1)
+        expect_error(InterlaceTypeError, "topk_ids has dtype", ag, x, ids.float(), wts, w1)
+        expect_error(InterlaceValueError, "w has shape", ag, x, ids, wts, w1[:3])
+        xm = x if r == 0 else x[:2]  # different shapes on different ranks
+        expect_error(
+            InterlaceValueError,
+            "",
+            ag,
+            xm.contiguous(),
+            ids[: xm.shape[0]].contiguous(),
+            wts[: xm.shape[0]].contiguous(),
+            w1,
+        )
+        expect_error(InterlaceValueError, "rows", ag, rand(gen, 5, 16, dtype=torch.bfloat16,
+                     device=dev), ids.repeat(2, 1)[:5], wts.repeat(2, 1)[:5], w1)  # fmt: skip
+        # the context still works after the refusals
+        h, routing = ag(x, ids, wts, w1)
+        w2 = rand(gen, 4, 8, 16, dtype=torch.bfloat16, device=dev)
+        expect_error(
+            InterlaceValueError, "w_down has shape", rs, h, routing, w2[:, :4].contiguous()
+        )
+        expect_error(InterlaceValueError, "routing must be", rs, h, "routing", w2)
+        expect_error(InterlaceValueError, "h has shape", rs, h[:-1].contiguous(), routing, w2)
+        y = rs(h, routing, w2)
+        assert torch.isfinite(y.float()).all()
+        expect_error(InterlaceValueError, "strategy", AGMoE, group, strategy="fast", **kw)
+        expect_error(InterlaceValueError, "topk", AGMoE, group, **{**kw, "topk": 5})
+    finally:
+        ag.close()
+        rs.close()
+    return True
+
+
+def test_moe_bad_inputs_raise_on_every_rank(world):
+    if world.world_size == 3:
+        pytest.skip("W = 2 and 4 cover the checks")
+    world.run(_bad_body)
+
+
+# ------------------------------------------------------------------------- GPU only
+def _graph_body(group, m, hidden, inter, experts, k):
+    """CUDA-graph capture of both halves, replayed with new tokens and new routing."""
+    w, r, dev = group.world_size, group.rank, group.device
+    kw = dict(max_tokens=w * m, hidden=hidden, inter=inter, experts=experts, topk=k)
+    ag, rs = AGMoE(group, **kw), MoERS(group, **kw)
+    gen = torch.Generator().manual_seed(40 + r)
+    w1, w2, w1_loc, w2_loc = _weights(w, hidden, inter, experts, torch.bfloat16, dev, r)
+    x = torch.empty(m, hidden, dtype=torch.bfloat16, device=dev)
+    ids = torch.empty(m, k, dtype=torch.int64, device=dev)
+    wts = torch.empty(m, k, dtype=torch.float32, device=dev)
+
+    def fill(kind):
+        xi = rand(gen, m, hidden, dtype=torch.bfloat16, device="cpu")
+        ii, wi = make_routing(gen, m, k, experts, kind)
+        x.copy_(xi.to(dev)), ids.copy_(ii.to(dev)), wts.copy_(wi.to(dev))
+        return xi, ii, wi
+
+    try:
+        fill("random")
+        h, routing = ag(x, ids, wts, w1_loc)
+        rs(h, routing, w2_loc)
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            h, routing = ag(x, ids, wts, w1_loc)
+            y = rs(h, routing, w2_loc)
+        for kind in ("random", "skewed", "balanced"):
+            xi, ii, wi = fill(kind)
+            y.fill_(float("nan"))
+            dist.barrier()
+            graph.replay()
+            torch.cuda.synchronize()
+            x_all, ids_all, w_all = (_gather_cpu(t, group) for t in (xi, ii, wi))
+            ref = reference(x_all, ids_all, w_all, w1, w2, inter * w)[r * m : (r + 1) * m]
+            err = rel_err(y.cpu(), ref)
+            assert err < TOL, f"graph replay ({kind}): rel err {err:.2e}"
+        ag.check()
+        rs.check()
+    finally:
+        ag.close()
+        rs.close()
+    return True
+
+
+@pytest.mark.gpu
+def test_moe_graph_replay_new_routing(world):
+    if world.backend != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    world.run(_graph_body, 77, 256, 96, 8, 2)
+
+
+def _gpu_body(group):
+    """GPU shapes: ragged tokens per rank, aligned and unaligned widths, E up to 64."""
+    w = group.world_size
+    for m, hidden, inter, experts, k, kind in (
+        (77, 256, 96, 8, 2, "random"),
+        (130, 512, 128, 32, 4, "skewed"),
+        (33, 264, 40, 64, 8, "random"),
+    ):
+        kw = dict(max_tokens=w * m, hidden=hidden, inter=inter, experts=experts, topk=k)
+        ag, rs = AGMoE(group, **kw), MoERS(group, **kw)
+        try:
+            for i in range(2):
+                _case(group, ag, rs, m, hidden, inter, experts, k, kind, seed=i, check_h=i == 0)
+        finally:
+            ag.close()
+            rs.close()
+    return True
+
+
+@pytest.mark.gpu
+def test_moe_gpu_shapes(world):
+    if world.backend != "cuda":
+        pytest.skip("GPU shapes")
+    world.run(_gpu_body)

@@ -1,0 +1,299 @@
+"""Sequence-parallel attention (``interlace.ops.attention.SPAttention``) against a float32
+torch reference of the whole sequence: forward and gradients of the ``fused`` strategy,
+the ``none`` and ``ring`` baselines, causal (zigzag layout) and not, GQA, packed
+documents (``cu_seqlens``), S_loc not a multiple of the kernels' blocks, repeated calls on
+one context, poisoned outputs, bad inputs raising on every rank, and (on GPUs) d 128,
+fp16, eager calls replayed from CUDA graphs and CUDA-graph capture of the forward.
+
+Every rank draws the same whole-sequence tensors from one seed and takes its own shard, so
+the reference needs no communication."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from interlace.errors import InterlaceTypeError, InterlaceValueError
+from interlace.ops.attention import SPAttention, zigzag_shard, zigzag_unshard
+from interlace.ops.attention.sp_attention import segment_ids
+from tests.ops._helpers import expect_error, rel_err, sync
+
+TOL_FWD = 1e-2
+TOL_GRAD = 2e-2  # dS and P are rounded to 16 bits before their products (as flash attention)
+
+W23 = [pytest.param(("cpu", 2), id="cpu2"), pytest.param(("cpu", 3), id="cpu3")]
+W34 = [W23[1], pytest.param(("cpu", 4), id="cpu4")]
+GPU2 = [pytest.param(("cuda", 2), id="cuda2", marks=pytest.mark.gpu)]
+
+
+def _shard(x, group, causal):
+    if causal:
+        return zigzag_shard(x, group.world_size, group.rank)
+    return x.chunk(group.world_size, dim=2)[group.rank].contiguous()
+
+
+def _reference(q, k, v, causal, cu, scale):
+    """float32 attention of the whole sequence (GQA by repeating K/V heads)."""
+    h, s = q.shape[1], q.shape[2]
+    k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
+    logits = (q @ k.transpose(-1, -2)) * scale
+    pos = torch.arange(s)
+    ok = torch.ones(s, s, dtype=torch.bool)
+    if causal:
+        ok &= pos[None, :] <= pos[:, None]
+    if cu is not None:
+        seg = segment_ids(cu, s)
+        ok &= seg[:, None] == seg[None, :]
+    return torch.softmax(logits.masked_fill(~ok, float("-inf")), -1) @ v
+
+
+def _case(group, seed, batch, heads, kv_heads, d, s_loc, causal, docs, dtype):
+    """Whole-sequence inputs (same on every rank), their float32 reference output and
+    gradients, and this rank's shards."""
+    gen = torch.Generator().manual_seed(seed)
+    s = group.world_size * s_loc
+    full = [
+        torch.randn(batch, n, s, d, generator=gen).to(dtype).float()
+        for n in (heads, kv_heads, kv_heads, heads)
+    ]
+    q, k, v, do = full
+    cu = None
+    if docs:
+        cuts = torch.randperm(s - 1, generator=gen)[: docs - 1].add(1).sort().values
+        cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([s])]).to(torch.int32)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = _reference(*leaves, causal, cu, 1.0 / math.sqrt(d))
+    (ref * do).sum().backward()
+    dev = group.device
+    mine = [_shard(x, group, causal).to(dtype).to(dev) for x in (q, k, v, do)]
+    refs = [_shard(x.detach(), group, causal) for x in (ref, *[t.grad for t in leaves])]
+    return mine, refs, cu
+
+
+def _fwd_bwd_body(group, causal, docs, heads, kv_heads, d, dtype_name, strategy, backward):
+    dtype = getattr(torch, dtype_name)
+    gpu = group.backend == "cuda"
+    sizes = [(1, 40), (2, 22)] if not gpu else [(1, 300), (2, 130)]  # ragged S_loc
+    ctx = SPAttention(
+        group, heads, kv_heads, d, max_tokens=max(b * s for b, s in sizes), dtype=dtype,
+        strategy=strategy,
+    )  # fmt: skip
+    try:
+        for i, (batch, s_loc) in enumerate(sizes):
+            (q, k, v, do), refs, cu = _case(
+                group, 100 + i, batch, heads, kv_heads, d, s_loc, causal, docs, dtype
+            )
+            if backward:
+                q, k, v = (x.requires_grad_() for x in (q, k, v))
+            o = ctx(q, k, v, causal=causal, cu_seqlens=cu)
+            sync(group)
+            err = rel_err(o.detach().cpu(), refs[0])
+            assert o.shape == q.shape and err < TOL_FWD, f"call {i}: forward rel err {err:.2e}"
+            if backward:
+                o.backward(do)
+                sync(group)
+                for name, t, ref in zip("qkv", (q, k, v), refs[1:]):
+                    assert torch.isfinite(t.grad).all(), f"call {i}: d{name} not finite"
+                    err = rel_err(t.grad.cpu(), ref)
+                    assert err < TOL_GRAD, f"call {i}: d{name} rel err {err:.2e}"
+        if strategy == "fused":
+            ctx.check()
+    finally:
+        ctx.close()
+    return True
+
+
+@pytest.mark.parametrize("world", W34 + GPU2, indirect=True)
+def test_causal_gqa_forward_backward(world):
+    """Zigzag causal, GQA (4 query heads on 2 K/V heads), two shapes on one context."""
+    world.run(_fwd_bwd_body, True, 0, 4, 2, 64, "bfloat16", "fused", True)
+
+
+@pytest.mark.parametrize("world", W23 + GPU2, indirect=True)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_forward_backward(world, causal):
+    """Packed documents (three, boundaries anywhere in the shards)."""
+    world.run(_fwd_bwd_body, causal, 3, 4, 2, 64, "bfloat16", "fused", True)
+
+
+@pytest.mark.parametrize("world", W23[:1] + GPU2, indirect=True)
+def test_full_attention_fp16(world):
+    world.run(_fwd_bwd_body, False, 0, 4, 2, 64, "float16", "fused", True)
+
+
+@pytest.mark.parametrize("world", GPU2, indirect=True)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dim_128_gpu(world, causal):
+    world.run(_fwd_bwd_body, causal, 0, 4, 2, 128, "bfloat16", "fused", True)
+
+
+@pytest.mark.parametrize("world", W23 + GPU2, indirect=True)
+@pytest.mark.parametrize("strategy", ["none", "ring"])
+def test_baselines(world, strategy):
+    """``none`` (forward and gradients) and ``ring`` (forward), causal with GQA and
+    packed documents."""
+    backward = strategy == "none"
+    world.run(_fwd_bwd_body, True, 0, 4, 2, 64, "bfloat16", strategy, backward)
+    world.run(_fwd_bwd_body, False, 2, 2, 1, 64, "bfloat16", strategy, backward)
+
+
+def _repeat_body(group):
+    """Several forward calls back to back (alternating buffer sets) before any backward,
+    then the backwards in reverse order, as a multi-layer model runs: each result stays
+    right (no flag or buffer leaks from one call into another). On a GPU the later calls
+    of each kind are replayed from CUDA graphs (eager graphs), which must have been taken."""
+    dtype, causal = torch.bfloat16, True
+    gpu = group.backend == "cuda"
+    ctx = SPAttention(group, 4, 2, 64, max_tokens=24, dtype=dtype)
+    try:
+        runs = []
+        for i in range(5 if gpu else 3):
+            (q, k, v, do), refs, cu = _case(group, 7 + i, 1, 4, 2, 64, 24, causal, 0, dtype)
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            runs.append((q, k, v, do, refs, ctx(q, k, v, causal=True)))
+        for q, k, v, do, refs, o in reversed(runs):
+            assert rel_err(o.detach().cpu(), refs[0]) < TOL_FWD
+            o.backward(do)
+            sync(group)
+            for t, ref in zip((q, k, v), refs[1:]):
+                assert rel_err(t.grad.cpu(), ref) < TOL_GRAD
+        ctx.check()
+        if gpu and ctx.eager_graphs:
+            replayed = [key[0][0] for key, g in ctx._graphs.items() if not isinstance(g, str)]
+            assert sorted(replayed) == ["bwd", "bwd", "fwd", "fwd"], ctx._graphs
+    finally:
+        ctx.close()
+    return True
+
+
+@pytest.mark.parametrize("world", W23[:1] + GPU2, indirect=True)
+def test_repeated_calls(world):
+    world.run(_repeat_body)
+
+
+def _zigzag_body(group):
+    x = torch.arange(2 * 3 * group.world_size * 4).reshape(2, 3, -1)
+    parts = [zigzag_shard(x, group.world_size, r, dim=2) for r in range(group.world_size)]
+    assert torch.equal(zigzag_unshard(parts, dim=2), x)
+    return True
+
+
+@pytest.mark.parametrize("world", W23[:1], indirect=True)
+def test_zigzag_layout_round_trip(world):
+    world.run(_zigzag_body)
+
+
+def _bad_inputs_body(group):
+    w, r, dev = group.world_size, group.rank, group.device
+    bf = torch.bfloat16
+    cls, bf16_only, vexc = SPAttention, torch.float32, InterlaceValueError
+    for bad, exc, text in (
+        (lambda: SPAttention(group, 6, 4, 64, 16), InterlaceValueError, "multiple of kv_heads"),
+        (lambda: SPAttention(group, 4, 2, 96, 16), InterlaceValueError, "head_dim"),
+        (lambda: cls(group, 4, 2, 64, 16, dtype=bf16_only), InterlaceTypeError, "dtype"),
+        (lambda: cls(group, 4, 2, 64, 16, strategy="fast"), vexc, "strategy"),
+    ):  # fmt: skip
+        expect_error(exc, text, bad)
+    ctx = SPAttention(group, 4, 2, 64, max_tokens=16)
+    try:
+        q = torch.randn(1, 4, 8, 64).to(bf).to(dev)
+        k = torch.randn(1, 2, 8, 64).to(bf).to(dev)
+        # dtype mismatch, wrong head count, K/V shape off, capacity, odd causal S_loc
+        expect_error(InterlaceTypeError, "dtype", ctx, q.half(), k, k)
+        expect_error(InterlaceValueError, "heads", ctx, q[:, :2].contiguous(), k, k)
+        expect_error(InterlaceValueError, "expected", ctx, q, k[:, :1].contiguous(), k)
+        big = torch.randn(1, 4, 18, 64).to(bf).to(dev)
+        kb = torch.randn(1, 2, 18, 64).to(bf).to(dev)
+        expect_error(InterlaceValueError, "takes 1 to", ctx, big, kb, kb)
+        q7, k7 = q[:, :, :7].contiguous(), k[:, :, :7].contiguous()
+        expect_error(InterlaceValueError, "even", ctx, q7, k7, k7, causal=True)
+        bad_cu = torch.tensor([0, 5, 5, 8 * w], dtype=torch.int32)
+        expect_error(InterlaceValueError, "cu_seqlens", ctx, q, k, k, cu_seqlens=bad_cu)
+        # a different S_loc on one rank: every rank raises
+        s = 6 if r == w - 1 else 8
+        qs, ks = q[:, :, :s].contiguous(), k[:, :, :s].contiguous()
+        expect_error(InterlaceValueError, "different shapes", ctx, qs, ks, ks)
+        # and the context still works afterwards
+        o = ctx(q, k, k)
+        sync(group)
+        assert torch.isfinite(o.float()).all()
+        ctx.check()
+    finally:
+        ctx.close()
+    return True
+
+
+@pytest.mark.parametrize("world", W23 + GPU2, indirect=True)
+def test_bad_inputs_raise_on_every_rank(world):
+    world.run(_bad_inputs_body)
+
+
+def _graph_body(group):
+    """The forward captured in a CUDA graph (after an eager call) and replayed on fresh
+    inputs with the output poisoned."""
+    dtype, causal = torch.bfloat16, True
+    ctx = SPAttention(group, 4, 2, 128, max_tokens=256, dtype=dtype)
+    try:
+        (q, k, v, _), refs, _ = _case(group, 3, 1, 4, 2, 128, 256, causal, 0, dtype)
+        ctx(q, k, v, causal=True)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o = ctx(q, k, v, causal=True)
+        for i in range(3):
+            (q2, k2, v2, _), refs, _ = _case(group, 50 + i, 1, 4, 2, 128, 256, causal, 0, dtype)
+            q.copy_(q2), k.copy_(k2), v.copy_(v2)
+            o.fill_(float("nan"))
+            group.host_barrier()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert rel_err(o.cpu(), refs[0]) < TOL_FWD, f"replay {i}"
+        ctx.check()
+    finally:
+        ctx.close()
+    return True
+
+
+@pytest.mark.parametrize("world", GPU2, indirect=True)
+def test_forward_graph_replay(world):
+    world.run(_graph_body)
+
+
+def test_copies_enqueued_before_waiting_kernels(monkeypatch):
+    """Host order of a call on a GPU: every copy to a peer (and its flag) is enqueued
+    before the kernels that wait for the peers' copies, since the first launch of a kernel
+    blocks the host while a kernel spins (a waiting kernel enqueued first deadlocked the
+    backward); a captured call's barrier comes before the fork, not beside the kernels.
+    Pure host logic: the stream calls are recorded, nothing runs."""
+    from types import SimpleNamespace
+
+    from interlace.ops.attention import sp_attention as sp
+
+    log = []
+    monkeypatch.setattr(sp, "fork", lambda group: log.append("fork") or "comm")
+    monkeypatch.setattr(sp, "join", lambda group, stream: log.append(("join", stream)))
+
+    def copy(dst, src, signal=None, index=0, stream=None):
+        log.append(("copy", src.data_ptr(), index if signal is not None else None, stream))
+
+    monkeypatch.setattr(sp, "copy_and_signal", copy)
+    w = 3
+    ctx = SPAttention.__new__(SPAttention)
+    ctx.world_size, ctx.rank = w, 1
+    ctx.group = SimpleNamespace(backend="cuda")
+    ctx.gathered = SimpleNamespace(peers=[torch.zeros(3, 2 * w * 8) for _ in range(w)])
+    ctx.pad = SimpleNamespace(buffer=SimpleNamespace(peers=[torch.zeros(4, dtype=torch.int32)] * w))
+    ctx._barrier = lambda: log.append("barrier")
+    k, v = torch.ones(8), torch.ones(8)
+    for s in (0, sp.GRAPH_SET):
+        log.clear()
+        ctx._gather(s, k, v, 5, lambda: log.append("consumer"))
+        copies = [(src, idx) for kind, src, idx, stream in log[:-2][-2 * (w - 1) :]]
+        barrier = ["barrier"] if s == sp.GRAPH_SET else []
+        assert log[: len(barrier) + 1] == [*barrier, "fork"]
+        assert log[-2:] == ["consumer", ("join", "comm")]
+        # peer by peer (rank + 1, rank + 2): K, then V with the flag ``arrival + rank``
+        assert copies == [(k.data_ptr(), None), (v.data_ptr(), 6)] * (w - 1)
+        assert all(e[3] == "comm" for e in log if e[0] == "copy")
