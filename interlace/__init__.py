@@ -1,23 +1,37 @@
 """interlace: overlap inter-GPU communication with computation at tile granularity,
 on stock PyTorch and stock Triton."""
 
-from . import tune
+from . import nn, tune
 from .errors import InterlaceError, InterlaceTypeError, InterlaceValueError, WaitTimeoutError
 from .ops import (
     AGGemm,
+    AGMoE,
     AllGather,
     AllReduce,
+    DecodeConfig,
+    EPAllToAll,
+    EPCapacityError,
+    EPHandle,
+    EPLowLatency,
+    EPLowLatencyHandle,
+    EPMoE,
+    FlashDecode,
     FuseAGLinear,
     FuseRSLinear,
     GemmAR,
     GemmRS,
+    MoeRouting,
+    MoERS,
     P2PRing,
     ReduceScatter,
     SignalReorderGemmA2A,
     SignalReorderGemmAR,
     SignalReorderGemmRS,
+    SPAttention,
     fuse_ag,
     fuse_rs,
+    zigzag_shard,
+    zigzag_unshard,
 )
 from .runtime import Group, SymmetricTensor, symm_empty, symm_zeros
 
@@ -25,8 +39,17 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AGGemm",
+    "AGMoE",
     "AllGather",
     "AllReduce",
+    "DecodeConfig",
+    "EPAllToAll",
+    "EPCapacityError",
+    "EPHandle",
+    "EPLowLatency",
+    "EPLowLatencyHandle",
+    "EPMoE",
+    "FlashDecode",
     "FuseAGLinear",
     "FuseRSLinear",
     "GemmAR",
@@ -35,8 +58,11 @@ __all__ = [
     "InterlaceError",
     "InterlaceTypeError",
     "InterlaceValueError",
+    "MoERS",
+    "MoeRouting",
     "P2PRing",
     "ReduceScatter",
+    "SPAttention",
     "SignalReorderGemmA2A",
     "SignalReorderGemmAR",
     "SignalReorderGemmRS",
@@ -45,7 +71,10 @@ __all__ = [
     "__version__",
     "fuse_ag",
     "fuse_rs",
+    "nn",
     "symm_empty",
     "symm_zeros",
     "tune",
+    "zigzag_shard",
+    "zigzag_unshard",
 ]

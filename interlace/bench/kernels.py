@@ -13,8 +13,11 @@ partition the op takes by default). Shapes: the public table (LLaMA-7B, LLaMA-3-
 LLaMA-3-70B; M 2048 and 8192), the GEMM of one rank at TP = W.
 
 Every kernel is first checked against a float32 reference (outputs poisoned), then it and
-cuBLAS are timed interleaved (``paired_median_ms``: CUDA events around one launch, device
-idle before each, median of ``--iters``). Records (docs/design.md, "Measuring"): ``op``,
+cuBLAS are each captured in a CUDA graph and the replays timed interleaved
+(``paired_median_ms``: CUDA events around one replay, device idle before each, median of
+``--iters``), so the figure is device time, without either side's host launch cost (that is
+``bench host``'s figure); ``timing`` in the record says ``graph``, or ``eager`` for a kernel
+that could not be captured. Records (docs/design.md, "Measuring"): ``op``,
 ``strategy``, ``model``, ``M``, ``N``, ``K``, ``as_world``, ``waits_met: true``, ``ref:
 "cublas"``, ``t_ms``, ``t_ref_ms``, ``rel_err``; written with ``world_size`` 1. Without a
 GPU it checks tiny shapes under Triton's interpreter (no timings).
@@ -106,13 +109,13 @@ def run_cases(group, todo, iters: int = 20, warmup: int = 5, timed: bool = True)
     """Rank body (a one-rank world): check, then time each case against cuBLAS."""
     from ..ops.segment_gemm import matmul
     from ..testing.emulated import Emulated, rel_err
-    from .timing import paired_median_ms
+    from .timing import graph_of, paired_median_ms
 
     dev = group.device
     records = []
     for op, strategy, mode, model, m, n, k, w in todo:
         kernel = err = t = t_ref = None
-        note = None
+        note, timing = None, None
         try:
             if mode is None:
                 kernel = _SignalGemm(group, m, n, k)
@@ -133,12 +136,19 @@ def run_cases(group, todo, iters: int = 20, warmup: int = 5, timed: bool = True)
             if timed and err <= MAX_REL_ERR:
                 ref_out = torch.empty(a.shape[0], b.shape[1], device=dev, dtype=a.dtype)
                 cublas = lambda a=a, b=b, o=ref_out: torch.matmul(a, b, out=o)  # noqa: E731
-                t_ref, t = paired_median_ms(None, [cublas, run], iters, warmup)
+                timing = "graph"
+                try:  # device time: each side replayed from a CUDA graph (no host launch cost)
+                    fns = [graph_of(None, cublas).replay, graph_of(None, run).replay]
+                except Exception:  # noqa: BLE001 - a kernel that cannot be captured
+                    fns, timing = [cublas, run], "eager"
+                t_ref, t = paired_median_ms(None, fns, iters, warmup)
                 if mode not in (None, "plain") and int(kernel.err[0]):
                     raise RuntimeError(f"a wait timed out: {kernel.err.tolist()}")
         except Exception as exc:  # noqa: BLE001 - reported in the record
             note = f"{type(exc).__name__}: {str(exc)[:200]}"
         rec = record(op, strategy, model, m, n, k, w, t, t_ref, err)
+        if t is not None:
+            rec["timing"] = timing
         if note:
             rec["note"], rec["ok"] = note, False
         records.append(rec)

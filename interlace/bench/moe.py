@@ -2,18 +2,25 @@
 
 For each of TileLink's MoE shapes (8192 tokens; (H, I, E, top-k) below) at TP 4 and 8,
 with balanced and Zipf-skewed routing, one process times the per-rank work of rank 0 with
-every wait already met (the arrival flags preset, the same kernels the ops launch):
+every wait already met (the arrival flags preset, the same kernels the ops launch). Every
+time is the GPU time of a replayed CUDA graph of the work (median of the runs), so the
+host's launch cost, which the ops hide in a graph and which differs between Triton's and
+torch's launchers, is in none of them.
 
 * ``ag_moe``: the three routing kernels + the grouped GEMM that gathers its rows and
-  applies SwiGLU (``t_ms``); the same GEMM on rows already permuted (``t_kernel_ms``: no
-  table building, no gather); against ``torch._grouped_mm`` on the already permuted rows
-  ``[M * k, H] x [E, H, 2 I / W]`` (``t_ref_ms``), and torch's whole path, index + grouped
-  GEMM + SwiGLU (``t_pipeline_ms``).
-* ``moe_rs``: the grouped GEMM whose epilogue adds each weighted row into its owner's
-  float32 accumulator (atomics; the owners' accumulators are local buffers here) + the
-  owner's finishing conversion (``t_ms``); against ``torch._grouped_mm`` on ``[M * k,
-  I / W] x [E, I / W, H]`` (``t_ref_ms``) and torch's grouped GEMM + weights + float32
-  ``index_add`` (``t_pipeline_ms``).
+  applies SwiGLU (``t_ms``); that GEMM alone (``t_gemm_only_ms``); the same GEMM on rows
+  already permuted (``t_kernel_ms``: no table, no gather). Reference (``t_ref_ms``, path
+  in ``ref_path``): what a user runs instead, ``index_select`` of the rows +
+  ``torch._grouped_mm`` ``[M * k, H] x [E, H, 2 I / W]`` + SwiGLU; and
+  ``torch._grouped_mm`` alone on already permuted rows (``t_grouped_mm_ms``).
+* ``moe_rs``: the grouped GEMM whose epilogue adds each weighted row into the local
+  float32 accumulator (atomics) + the owner's finish, which sums its token rows of the
+  ``W`` ranks' accumulators (here: this rank's and ``W - 1`` zero stand-ins, read the
+  same way) and converts them (``t_ms``); the GEMM alone (``t_kernel_ms``). Reference:
+  ``torch._grouped_mm`` ``[M * k, I / W] x [E, I / W, H]`` + the routing-weight multiply
+  + ``index_add_`` in float32 (``t_ref_ms``), and ``torch._grouped_mm`` alone
+  (``t_grouped_mm_ms``). ``rel_err``: against a float32 matmul per expert;
+  ``ref_rel_err``: torch's path against the same.
 
 With ``--sweep`` (the default) each shape is timed with every candidate tile config
 (``ops.moe._gemm.CANDIDATES``) and the fastest is recorded (``config``). Several-GPU
@@ -48,13 +55,21 @@ def _cfg_name(c):
     return f"{c.block_m}x{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}"
 
 
+def graph_ms(fn, iters):
+    """Median GPU time in ms of ``fn``'s work, captured once in a CUDA graph and replayed
+    (``timing.median_ms`` around each replay)."""
+    from .timing import graph_of, median_ms
+
+    graph = graph_of(None, fn)
+    return median_ms(None, graph.replay, iters)
+
+
 class _Problem:
-    """One per-rank problem (rank 0 of ``world``) and torch's results on it."""
+    """One per-rank problem (rank 0 of ``world``) and torch's results and times on it."""
 
     def __init__(self, hidden, inter, experts, k, world, kind, gen, dev, iters):
         from ..ops.moe.baseline import swiglu
         from ..ops.moe.routing import pack_meta
-        from .timing import median_ms
 
         bf = torch.bfloat16
         self.hidden, self.experts, self.k, self.world = hidden, experts, k, world
@@ -62,6 +77,7 @@ class _Problem:
         m, i_loc = self.m, self.i_loc
         ids = routing_ids(TOKENS, k, experts, kind, gen).to(dev)
         wts = torch.softmax(torch.randn(TOKENS, k, device=dev), -1)
+        self.ids, self.wts = ids, wts
         self.x = torch.randn(TOKENS, hidden, device=dev).to(bf)
         self.w1 = (torch.randn(experts, hidden, 2 * i_loc, device=dev) * 0.05).to(bf)
         self.w2 = (torch.randn(experts, i_loc, hidden, device=dev) * 0.05).to(bf)
@@ -75,25 +91,36 @@ class _Problem:
         flat = ids.reshape(-1)
         order = torch.sort(flat, stable=True).indices
         ends = torch.cumsum(torch.bincount(flat, minlength=experts), 0).to(torch.int32)
-        x_sorted = self.x[order // k]
+        tok_of = order // k
+        x_sorted = self.x[tok_of]
         w_sorted = wts.reshape(-1)[order]
         x, w1, w2 = self.x, self.w1, self.w2
 
-        def pipe1():  # index + grouped GEMM + SwiGLU
-            return swiglu(torch._grouped_mm(x.index_select(0, order // k), w1, offs=ends), i_loc)
+        def ref1():  # index + grouped GEMM + SwiGLU
+            return swiglu(torch._grouped_mm(x.index_select(0, tok_of), w1, offs=ends), i_loc)
 
-        h_ref = pipe1()
+        h_ref = ref1()
 
-        def pipe2():  # grouped GEMM + weights + float32 top-k sum (index_add)
+        def ref2():  # grouped GEMM + weights + float32 top-k sum (index_add)
             rows = torch._grouped_mm(h_ref, w2, offs=ends).float() * w_sorted[:, None]
             y = torch.zeros(TOKENS, hidden, dtype=torch.float32, device=dev)
-            return y.index_add_(0, order // k, rows)
+            return y.index_add_(0, tok_of, rows)
 
-        self.t_ref1 = median_ms(None, lambda: torch._grouped_mm(x_sorted, w1, offs=ends), iters)
-        self.t_pipe1 = median_ms(None, pipe1, iters)
-        self.t_ref2 = median_ms(None, lambda: torch._grouped_mm(h_ref, w2, offs=ends), iters)
-        self.t_pipe2 = median_ms(None, pipe2, iters)
-        self.h_ref, self.y_ref = h_ref, pipe2()[:m]
+        self.t_gmm1 = graph_ms(lambda: torch._grouped_mm(x_sorted, w1, offs=ends), iters)
+        self.t_ref1 = graph_ms(ref1, iters)
+        self.t_gmm2 = graph_ms(lambda: torch._grouped_mm(h_ref, w2, offs=ends), iters)
+        self.t_ref2 = graph_ms(ref2, iters)
+        self.h_ref = h_ref
+        # float32 reference of rank 0's rows: one matmul per expert on h_ref's rows
+        y32 = torch.zeros(m, hidden, dtype=torch.float32, device=dev)
+        lo = 0
+        for e, hi in enumerate(ends.tolist()):
+            sel = tok_of[lo:hi] < m
+            rows = h_ref[lo:hi][sel].float() @ w2[e].float()
+            y32.index_add_(0, tok_of[lo:hi][sel], rows * w_sorted[lo:hi][sel][:, None])
+            lo = hi
+        self.y_ref = y32
+        self.torch_err = float((ref2()[:m] - y32).norm() / y32.norm())
 
     def routing(self, cfg):
         """A built routing for ``cfg``'s row height, and the closure that rebuilds it."""
@@ -111,6 +138,19 @@ class _Problem:
         torch.cuda.synchronize()
         return work.routing, route
 
+    def weights_err(self, rt):
+        """Largest difference between the routing's row weights and torch's."""
+        used = int(rt.offsets[-1])
+        tok = rt.token_ids[:used].long()
+        live = tok >= 0
+        offs = rt.offsets.tolist()
+        expert = torch.zeros(used, dtype=torch.long, device=self.dev)
+        for e in range(self.experts):
+            expert[offs[e] : offs[e + 1] if e + 1 < self.experts else used] = e
+        slot = (self.ids[tok[live]] == expert[live][:, None]).int().argmax(1)
+        want = self.wts[tok[live], slot]
+        return float((rt.weights[:used][live] - want).abs().max())
+
     def permuted(self, rt, src):
         """``src`` rows in the routing's padded row order (padding rows zero)."""
         tok = rt.token_ids[: int(rt.offsets[-1])]
@@ -123,7 +163,6 @@ class _Problem:
         """(t_ms: routing + gather GEMM, t_gemm: the GEMM alone, t_kernel: on permuted
         rows, rel err of h)."""
         from ..ops.moe import _gemm
-        from .timing import median_ms
 
         rt, route = self.routing(cfg)
         i_loc = self.i_loc
@@ -144,6 +183,7 @@ class _Problem:
             route()
             gemm()
 
+        h.fill_(float("nan"))
         both()
         torch.cuda.synchronize()
         tok = rt.token_ids[: int(rt.offsets[-1])]
@@ -155,44 +195,49 @@ class _Problem:
         def plain():
             _gemm.launch_gemm(a=xp, x_own=None, gather=False, **run)
 
-        times = [median_ms(None, f, iters) for f in (both, gemm, plain)]
+        times = [graph_ms(f, iters) for f in (both, gemm, plain)]
         return (*times, err)
 
     def reduce(self, cfg, iters):
-        """(t_ms: the reduce GEMM + the owner's finish, rel err of rank 0's rows)."""
-        from ..kernels.grouped_gemm import moe_finish_kernel
+        """(t_ms: the reduce GEMM + the owner's finish, t_kernel: the GEMM alone, rel err
+        of rank 0's rows, weights err)."""
         from ..ops.moe import _gemm
-        from .timing import median_ms
 
         rt, _ = self.routing(cfg)
         m, hidden, dev, world = self.m, self.hidden, self.dev, self.world
         hp, _, _ = self.permuted(rt, self.h_ref)
-        accs = torch.zeros(world, m, hidden, dtype=torch.float32, device=dev)
-        table = torch.tensor([accs[i].data_ptr() for i in range(world)], device=dev)
+        acc = torch.zeros(TOKENS, hidden, dtype=torch.float32, device=dev)
+        peers = torch.zeros(TOKENS, hidden, dtype=torch.float32, device=dev)  # stand-ins
+        table = torch.tensor([acc.data_ptr()] + [peers.data_ptr()] * (world - 1), device=dev)
         sig = torch.zeros(8, dtype=torch.int32, device=dev)
         sig_table = torch.tensor([sig.data_ptr()] * world, device=dev)
         y = torch.empty(m, hidden, dtype=torch.bfloat16, device=dev)
         grid = _gemm.programs(rt, hidden, cfg, dev, "cuda")
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        fin = max(1, min(-(-m * hidden // 1024), 2 * sms))
         err_ptr = self.err.data_ptr()
 
-        def rs():
+        def gemm():
             _gemm.launch_gemm(
                 a=hp, x_own=None, w=self.w2, out=None, routing=rt, n=hidden, up=0, cfg=cfg,
-                grid=grid, gather=False, swiglu=False, reduce=True, acc_table=table, sig=sig,
+                grid=grid, gather=False, swiglu=False, reduce=True, acc_out=acc, sig=sig,
                 sig_table=sig_table, err=err_ptr, rank=0, max_spins=1 << 20, done_slot=0,
                 contrib_slot=1, world=world,
             )  # fmt: skip
-            moe_finish_kernel[(fin,)](
-                accs[0], y, m * hidden, sig, 1, 2, err_ptr, 0, 1 << 20, WORLD=world,
-                BLOCK=1024, num_warps=4,
+
+        def rs():
+            gemm()
+            _gemm.launch_finish(
+                table, 0, y, m, sig, 1, 2, err_ptr, 0, 1 << 20, world, dev, "cuda"
             )  # fmt: skip
 
+        y.fill_(float("nan"))
         rs()
         torch.cuda.synchronize()
         err = float((y.float() - self.y_ref).norm() / self.y_ref.norm())
-        return median_ms(None, rs, iters), err
+        t = graph_ms(rs, iters)
+        # the GEMM alone: its atomics pile up in acc (never read), its flags are cleared
+        t_kernel = graph_ms(gemm, iters)
+        sig.zero_()
+        return t, t_kernel, err, self.weights_err(rt)
 
 
 def one_gpu(shapes, worlds, routings, sweep, iters, save=None):
@@ -215,26 +260,30 @@ def one_gpu(shapes, worlds, routings, sweep, iters, save=None):
             raise RuntimeError(f"a wait timed out in the bench: {pb.err.tolist()}")
         common = dict(
             S=TOKENS, H=hidden, I=inter, E=experts, topk=k, routing=kind, as_world=world,
-            dtype="bfloat16", waits_met=True, ref="grouped_mm",
+            dtype="bfloat16", waits_met=True, ref="grouped_mm", timing="cuda_graph",
         )  # fmt: skip
         t_all, t_gemm, t_plain, err1, cfg1 = g
         flops = 2 * TOKENS * k * hidden * 2 * pb.i_loc
         records.append(dict(
             op="ag_moe", strategy="fused", **common, t_ms=round(t_all, 5),
             t_gemm_only_ms=round(t_gemm, 5), t_kernel_ms=round(t_plain, 5),
-            t_ref_ms=round(pb.t_ref1, 5), t_pipeline_ms=round(pb.t_pipe1, 5),
-            tflops=round(flops / t_all / 1e9, 1), config=_cfg_name(cfg1), rel_err=round(err1, 5),
+            t_ref_ms=round(pb.t_ref1, 5), ref_path="index_select+grouped_mm+swiglu",
+            t_grouped_mm_ms=round(pb.t_gmm1, 5), tflops=round(flops / t_all / 1e9, 1),
+            config=_cfg_name(cfg1), rel_err=round(err1, 5),
         ))  # fmt: skip
-        t2, err2, cfg2 = r
+        t2, t2_kernel, err2, werr, cfg2 = r
         records.append(dict(
             op="moe_rs", strategy="fused", **common, t_ms=round(t2, 5),
-            t_ref_ms=round(pb.t_ref2, 5), t_pipeline_ms=round(pb.t_pipe2, 5),
+            t_kernel_ms=round(t2_kernel, 5), t_ref_ms=round(pb.t_ref2, 5),
+            ref_path="grouped_mm+weights+index_add_fp32", t_grouped_mm_ms=round(pb.t_gmm2, 5),
             tflops=round(flops / 2 / t2 / 1e9, 1), config=_cfg_name(cfg2), rel_err=round(err2, 5),
+            ref_rel_err=round(pb.torch_err, 5),
         ))  # fmt: skip
         print(f"H{hidden} I{inter} E{experts} k{k} W{world} {kind}: ag {t_all:.3f} "
               f"(gemm {t_gemm:.3f}, plain {t_plain:.3f}) ref {pb.t_ref1:.3f} "
-              f"pipe {pb.t_pipe1:.3f} err {err1:.1e} {_cfg_name(cfg1)} | rs {t2:.3f} "
-              f"ref {pb.t_ref2:.3f} pipe {pb.t_pipe2:.3f} err {err2:.1e} {_cfg_name(cfg2)}",
+              f"gmm {pb.t_gmm1:.3f} err {err1:.1e} {_cfg_name(cfg1)} | rs {t2:.3f} "
+              f"(gemm {t2_kernel:.3f}) ref {pb.t_ref2:.3f} gmm {pb.t_gmm2:.3f} err {err2:.1e} "
+              f"w_err {werr:.1e} torch_err {pb.torch_err:.1e} {_cfg_name(cfg2)}",
               flush=True)  # fmt: skip
         if save is not None:  # what is measured so far survives a run cut short
             save(records[-2:])
@@ -243,18 +292,20 @@ def one_gpu(shapes, worlds, routings, sweep, iters, save=None):
 
 def table(records):
     lines = [f"{'op':7} {'H':>5} {'I':>5} {'E':>3} {'k':>2} {'W':>2} {'routing':9} "
-             f"{'t_ms':>7} {'ref':>7} {'x ref':>6} {'x pipe':>6}"]  # fmt: skip
+             f"{'t_ms':>7} {'ref':>7} {'x ref':>6} {'x gmm':>6} {'err':>7}"]  # fmt: skip
     for r in records:
         lines.append(
             f"{r['op']:7} {r['H']:5} {r['I']:5} {r['E']:3} {r['topk']:2} {r['as_world']:2} "
             f"{r['routing']:9} {r['t_ms']:7.3f} {r['t_ref_ms']:7.3f} "
-            f"{r['t_ref_ms'] / r['t_ms']:6.2f} {r['t_pipeline_ms'] / r['t_ms']:6.2f}"
+            f"{r['t_ref_ms'] / r['t_ms']:6.2f} {r['t_grouped_mm_ms'] / r['t_ms']:6.2f} "
+            f"{r['rel_err']:7.1e}"
         )
     for op in ("ag_moe", "moe_rs"):
-        sp = [r["t_ref_ms"] / r["t_ms"] for r in records if r["op"] == op]
-        if sp:
-            g = math.exp(sum(math.log(v) for v in sp) / len(sp))
-            lines.append(f"{op}: vs grouped_mm geomean {g:.3f}, worst {min(sp):.3f} ({len(sp)})")
+        for key, name in (("t_ref_ms", "user's torch path"), ("t_grouped_mm_ms", "grouped_mm")):
+            sp = [r[key] / r["t_ms"] for r in records if r["op"] == op]
+            if sp:
+                g = math.exp(sum(math.log(v) for v in sp) / len(sp))
+                lines.append(f"{op}: vs {name} geomean {g:.3f}, worst {min(sp):.3f} ({len(sp)})")
     return "\n".join(lines)
 
 

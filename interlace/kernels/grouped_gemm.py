@@ -32,11 +32,13 @@ so the grid and the tables have a worst-case size known on the host. Two modes:
   gate columns ``[0, I)`` and the up columns ``[I, 2 I)`` side by side, and the tile's
   output is ``silu(x @ gate) * (x @ up)``.
 * reduce (the second half): A is the expert-sorted ``h``; the epilogue multiplies each
-  row by its routing weight and adds it (float32 atomics) into row ``t`` of the owner's
-  accumulator (``acc_table[src]``): the top-k sum and the reduce-scatter in one store.
-  When every program of the launch is done, the last one raises each owner's
-  contribution counter; ``moe_finish_kernel`` on the owner waits for all ``WORLD``
-  contributions, converts the accumulator to the output type and zeroes it.
+  row by its routing weight and adds it (GPU-scope float32 atomics, four columns per
+  instruction) into row ``token`` of this rank's *local* accumulator ``acc_out [WORLD *
+  m_loc, N]``, which thus holds this rank's top-k sums of every token. When every
+  program of the launch is done, the last one raises each owner's contribution counter;
+  ``moe_finish_kernel`` on the owner waits for all ``WORLD`` contributions, then sums its
+  token rows of every rank's accumulator (peer reads: the reduce-scatter), writes them in
+  the output type and zeroes what it read for the next call.
 """
 
 from __future__ import annotations
@@ -241,7 +243,7 @@ def _load_b(w, b_desc, row, col, k_left, N_W, USE_TMA: tl.constexpr,
 )  # fmt: skip
 def moe_gemm_kernel(
     a, x_own, w, out, tiles, tile_count, sorted_tok, sorted_w, m_loc, E, K, N, N_W, UP,
-    acc_table, sig, sig_table, flag0, err, rank, max_spins, done_slot, clear_first,
+    acc_out, sig, sig_table, flag0, err, rank, max_spins, done_slot, clear_first,
     clear_count, contrib_slot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WORLD: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, REDUCE: tl.constexpr,
@@ -249,7 +251,8 @@ def moe_gemm_kernel(
 ):  # fmt: skip
     """See the module docstring. ``a``: gathered tokens ``[WORLD * m_loc, K]`` (``GATHER``)
     or ``h [rows, K]``; ``w``: ``[E, K, N_W]``; ``out``: ``[rows, N]`` (gather mode);
-    ``UP``: first up column of ``w`` (``SWIGLU``). ``WAIT``: tiles wait for the arrival
+    ``UP``: first up column of ``w`` (``SWIGLU``); ``acc_out``: the float32 accumulator
+    ``[WORLD * m_loc, N]`` (``REDUCE``). ``WAIT``: tiles wait for the arrival
     flags ``flag0 + p`` of the positions they read; ``EXIT_CLEAR``: the last program waits
     for every position's flag (none may land after the clear) and zeroes ``clear_count``
     slots from ``clear_first``, ``done_slot`` among them. ``REDUCE``: the last program
@@ -308,13 +311,14 @@ def moe_gemm_kernel(
                 acc_up = _dot(a_t, u_t, acc_up)
         cols = col + tl.arange(0, BLOCK_N)
         if REDUCE:
+            # weighted rows into this rank's accumulator, row = global token: the
+            # accumulator's base is 16-byte aligned, so where N is a multiple of 16 (Triton
+            # specialises on that) each thread adds 4 columns per atomic
             wgt = tl.load(sorted_w + rows, mask=live, other=0.0)
-            owner = tok // m_loc
-            base = tl.load(acc_table + owner, mask=live, other=0).to(tl.pointer_type(tl.float32))
-            dst = base + (tok - owner * m_loc).to(tl.int64) * N
+            dst = acc_out + tok.to(tl.int64) * N
             tl.atomic_add(
                 dst[:, None] + cols[None, :], acc * wgt[:, None],
-                mask=live[:, None] & (cols < N)[None, :], sem="relaxed", scope="sys",
+                mask=live[:, None] & (cols < N)[None, :], sem="relaxed", scope="gpu",
             )  # fmt: skip
         else:
             if SWIGLU:
@@ -337,19 +341,37 @@ def moe_gemm_kernel(
         last_program_clears(sig, done_slot, clear_first, clear_count)
 
 
-@triton.jit(do_not_specialize=["rank", "max_spins", "contrib_slot", "done_slot", "numel"])
+@triton.jit(
+    do_not_specialize=["rank", "max_spins", "contrib_slot", "done_slot", "m_loc", "set_off"]
+)
 def moe_finish_kernel(
-    acc, y, numel, sig, contrib_slot, done_slot, err, rank, max_spins,
-    WORLD: tl.constexpr, BLOCK: tl.constexpr,
+    acc_table, set_off, y, m_loc, N, sig, contrib_slot, done_slot, err, rank, max_spins,
+    WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """The owner's end of the reduce-scatter: once every rank has contributed (counter
-    ``contrib_slot`` reaches ``WORLD``), ``y = acc`` in ``y``'s type and ``acc = 0`` for
-    the next call; the last program zeroes the counter and ``done_slot`` (the next slot)."""
+    """The owner's end of the reduce-scatter. Once every rank has contributed (counter
+    ``contrib_slot`` reaches ``WORLD``): ``y[t] = sum over ranks r of acc_r[rank * m_loc +
+    t]`` in float32, stored in ``y``'s type, where ``acc_r`` is rank ``r``'s accumulator
+    (``acc_table[r]`` + ``set_off`` float32 elements, ``[WORLD * m_loc, N]``); each block
+    read is zeroed on its rank for the next call (only this owner reads those rows). Ranks
+    are read in rotated order, this rank first, so that owners spread over the links. The
+    last program zeroes the counter and ``done_slot`` (the next slot)."""
     token = wait(sig + contrib_slot, WORLD, err, rank, contrib_slot, max_spins)
-    for start in range(tl.program_id(0) * BLOCK, numel, tl.num_programs(0) * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ok = guard(offs < numel, token, WORLD)
-        v = tl.load(acc + offs, mask=ok, other=0.0)
-        tl.store(y + offs, v.to(y.dtype.element_ty), mask=offs < numel)
-        tl.store(acc + offs, tl.zeros((BLOCK,), tl.float32), mask=ok)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    n_tiles = tl.cdiv(m_loc, BLOCK_M) * tiles_n
+    r = tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_N)
+    for g in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        rows = (g // tiles_n) * BLOCK_M + r
+        cols = (g % tiles_n) * BLOCK_N + c
+        inside = (rows < m_loc)[:, None] & (cols < N)[None, :]
+        ok = guard(inside, token, WORLD)
+        at = (rank * m_loc + rows).to(tl.int64)[:, None] * N + cols[None, :]
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in tl.static_range(WORLD):
+            peer = (rank + i) % WORLD
+            src = tl.load(acc_table + peer).to(tl.pointer_type(tl.float32)) + set_off + at
+            total += tl.load(src, mask=ok, other=0.0)
+            tl.store(src, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), mask=ok)
+        out = y + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(out, total.to(y.dtype.element_ty), mask=inside)
     last_program_clears(sig, done_slot, contrib_slot, 2)

@@ -12,7 +12,9 @@ once on the ``cpu`` backend; on ``cuda`` at the next call or ``check()``, which 
 the device). After a fault the context refuses every call (``ContextFailedError``):
 close it and build a new one on every rank. An exception other than these escaping a
 call on one rank after ``_begin_call`` is reported to the group as an abort, so its peers
-stop at once.
+stop at once. A check of the call's arguments that the kernels make alike on every rank
+(``primitives.record_check``, e.g. an expert-parallel capacity overflow) raises the op's
+own error (``_check_error``) instead, and leaves the context usable.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from ..kernels.gemm import (
     SEG_COLS,
     gemm_segments_kernel,
 )
+from ..runtime.signals import ERROR_WORDS
 from ..tune.configs import gemm_configs
 from ._context import cdiv, sm_count
 from ._launch import PreparedLaunch, install_scratch_allocator
@@ -348,7 +349,9 @@ def plan_tiles(
 
 @functools.cache
 def _unused_error_word(device) -> torch.Tensor:
-    return torch.zeros(4, dtype=torch.int32, device=device)
+    """A whole error word (zeros: no group fault word, no call slot) for launches that run
+    no wait."""
+    return torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
 
 
 SUPPORTED = (torch.bfloat16, torch.float16)

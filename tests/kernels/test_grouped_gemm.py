@@ -3,6 +3,8 @@ every mode the ops launch, and the gather GEMM's A loads stay after the tile's w
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from interlace.testing import codegen as inspect
@@ -33,9 +35,9 @@ def _routing_kernels():
         "offsets": p32, "base_scratch": p32, "sorted_tok": p32, "sorted_w": "*fp32",
     }, {"CHUNK": 1024, "E_PAD": 64, "WORLD": 4, "BLOCK_M": 128, "WAIT": True}  # fmt: skip
     yield g.moe_finish_kernel, {
-        "acc": "*fp32", "y": "*bf16", "numel": i32, "sig": p32, "contrib_slot": i32,
-        "done_slot": i32, "err": "i64", "rank": i32, "max_spins": i32,
-    }, {"WORLD": 4, "BLOCK": 1024}  # fmt: skip
+        "acc_table": "*i64", "set_off": i32, "y": "*bf16", "m_loc": i32, "N": i32, "sig": p32,
+        "contrib_slot": i32, "done_slot": i32, "err": "i64", "rank": i32, "max_spins": i32,
+    }, {"WORLD": 4, "BLOCK_M": 32, "BLOCK_N": 128}  # fmt: skip
 
 
 @pytest.mark.parametrize("i", range(4))
@@ -49,7 +51,7 @@ def _gemm_sig():
     return {
         "a": "*bf16", "x_own": "*bf16", "w": "*bf16", "out": "*bf16", "tiles": p32,
         "tile_count": p32, "sorted_tok": p32, "sorted_w": "*fp32", "m_loc": i32, "E": i32,
-        "K": i32, "N": i32, "N_W": i32, "UP": i32, "acc_table": "*i64", "sig": p32,
+        "K": i32, "N": i32, "N_W": i32, "UP": i32, "acc_out": "*fp32", "sig": p32,
         "sig_table": "*i64", "flag0": i32, "err": "i64", "rank": i32, "max_spins": i32,
         "done_slot": i32, "clear_first": i32, "clear_count": i32, "contrib_slot": i32,
     }  # fmt: skip
@@ -66,10 +68,15 @@ def test_gemm_compiles_for_hopper(mode, tma):
         USE_TMA=tma, EXIT_CLEAR=mode != "reduce",
     )  # fmt: skip
     ir = inspect.compile_for_hopper(
-        moe_gemm_kernel, _gemm_sig(), const, aligned=("a", "x_own", "w", "out", "K", "N"),
-        num_warps=8, num_stages=3,
+        moe_gemm_kernel, _gemm_sig(), const,
+        aligned=("a", "x_own", "w", "out", "acc_out", "K", "N"), num_warps=8, num_stages=3,
     )  # fmt: skip
     assert "wgmma" in ir["ptx"], "the grouped GEMM should use Hopper's wgmma"
+    assert "local" not in re.findall(r"\bst\.(\w+)", ir["ptx"]), "registers spill"
+    if mode == "reduce":  # the top-k sum: GPU-scope float32 atomics, 4 columns per op
+        atomics = set(re.findall(r"\b(?:atom|red)\.global\.[\w.]+", ir["ptx"]))
+        assert "atom.global.gpu.relaxed.add.v4.f32" in atomics, atomics
+        assert not any("sys" in a and "f32" in a for a in atomics), atomics
     if mode != "reduce":  # the gathered rows' loads take their mask from the wait
         loads = inspect.data_loads(ir["ttgir"])
         assert any(ld.guarded_by("mask") for ld in loads), "no A load depends on the wait"

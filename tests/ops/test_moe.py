@@ -18,6 +18,40 @@ from tests.ops._helpers import expect_error, rand, rel_err, sync
 TOL = 1e-2
 
 
+def _allow_fused_rs(group):
+    """GPU bodies test MoERS's fused kernel, which the op refuses on GPUs by default."""
+    if group.backend == "cuda":
+        import os
+
+        from interlace.ops.moe.moe_rs import EXPERIMENTAL
+
+        os.environ[EXPERIMENTAL] = "1"
+
+
+def _refusal_body(group):
+    import os
+
+    from interlace.ops.moe.moe_rs import EXPERIMENTAL
+
+    os.environ.pop(EXPERIMENTAL, None)
+    kw = dict(max_tokens=8 * group.world_size, hidden=32, inter=16, experts=2, topk=1)
+    expect_error(
+        InterlaceValueError,
+        "known defect",
+        MoERS(group, strategy="fused", **kw),
+        torch.empty(0),
+        None,
+        None,
+    )
+
+
+@pytest.mark.gpu
+def test_fused_moe_rs_is_refused_on_gpus(world):
+    if world.backend != "cuda":
+        pytest.skip("GPU only")
+    world.run(_refusal_body)
+
+
 def make_routing(gen, m, k, experts, kind):
     """``(ids [m, k] int64, weights [m, k] float32)``: distinct experts per token."""
     if kind == "balanced":  # token t takes experts t, t+1, ... (mod E): equal loads
@@ -117,6 +151,7 @@ def _case(group, ag, rs, m, hidden, inter, experts, k, kind, seed, swiglu=True, 
 
 # ------------------------------------------------------------------------- CPU shapes
 def _moe_body(group, strategy, shape, calls):
+    _allow_fused_rs(group)
     """One pair of contexts, several calls on it (varying tokens per rank and routing)."""
     hidden, inter, experts, topk, max_m = shape
     w = group.world_size
@@ -163,6 +198,7 @@ def test_moe_matches_reference(world, strategy):
 
 
 def _edge_body(group):
+    _allow_fused_rs(group)
     """E = 1, k = 1 (one expert takes every token); E = 64, k = 8; odd widths (the
     pointer path: rows not 16-byte aligned); no activation."""
     w = group.world_size
@@ -250,6 +286,7 @@ def test_moe_bad_inputs_raise_on_every_rank(world):
 
 # ------------------------------------------------------------------------- GPU only
 def _graph_body(group, m, hidden, inter, experts, k):
+    _allow_fused_rs(group)
     """CUDA-graph capture of both halves, replayed with new tokens and new routing."""
     w, r, dev = group.world_size, group.rank, group.device
     kw = dict(max_tokens=w * m, hidden=hidden, inter=inter, experts=experts, topk=k)
@@ -302,6 +339,7 @@ def test_moe_graph_replay_new_routing(world):
 
 
 def _gpu_body(group):
+    _allow_fused_rs(group)
     """GPU shapes: ragged tokens per rank, aligned and unaligned widths, E up to 64."""
     w = group.world_size
     for m, hidden, inter, experts, k, kind in (
@@ -325,3 +363,82 @@ def test_moe_gpu_shapes(world):
     if world.backend != "cuda":
         pytest.skip("GPU shapes")
     world.run(_gpu_body)
+
+
+# ------------------------------------------------------------------------- per-rank path
+def _per_rank_body(group):
+    _allow_fused_rs(group)
+    """The per-rank path ``bench.moe`` times, on rank 0 alone: the routing kernels for all
+    ``W`` source ranks (flags preset), the reduce GEMM with few programs running many tiles
+    each (several K steps, ragged N), then the owner's finish over ``W`` accumulators,
+    twice on the same buffers: the second call must not see the first's sums (the finish
+    zeroes what it read) and a poisoned output is fully overwritten."""
+    from interlace.ops.moe import _gemm
+    from interlace.ops.moe.routing import alloc_routing, launch_routing, pack_meta
+
+    if group.rank != 0:
+        return True
+    dev, backend = group.device, group.backend
+    cfg = _gemm.config_for("reduce", backend)
+    if backend == "cuda":
+        world, m, k, experts, hidden, inter, grid = 3, 700, 2, 5, 520, 200, 4
+    else:
+        world, m, k, experts, hidden, inter, grid = 3, 20, 2, 5, 24, 16, 2
+    gen = torch.Generator().manual_seed(3)
+    tokens = world * m
+    i32 = dict(dtype=torch.int32, device=dev)
+    sig_in, err = torch.ones(16, **i32), torch.zeros(4, **i32)
+    w2 = rand(gen, experts, inter, hidden, dtype=torch.bfloat16, device="cpu")
+    # every owner's accumulator of every token (only the rank computing writes to its own)
+    accs = torch.zeros(world, tokens, hidden, device=dev)
+    table = torch.tensor([accs[r].data_ptr() for r in range(world)], device=dev)
+    sig = torch.zeros(8, **i32)
+    sig_table = torch.tensor([sig.data_ptr()] * world, device=dev)
+    for call, rank in enumerate((0, 1)):
+        ids, wts = make_routing(gen, tokens, k, experts, "random" if call else "skewed")
+        meta = torch.empty(world, 2 * m * k, **i32)
+        for s in range(world):
+            pack_meta(meta[s], ids[s * m : (s + 1) * m].to(dev), wts[s * m : (s + 1) * m].to(dev))
+        work = alloc_routing(m, k, experts, world, cfg.block_m, dev)
+        launch_routing(
+            work, meta, 2 * m * k, rank=rank, sig=sig_in, flag0=0, err=err.data_ptr(),
+            max_spins=1 << 20, wait=True,
+        )  # fmt: skip
+        rt = work.routing
+        h = rand(gen, rt.rows, inter, dtype=torch.bfloat16, device="cpu")
+        y = torch.full((m, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
+        assert int(rt.tile_count[0]) * -(-hidden // cfg.block_n) > 3 * grid  # many per program
+        _gemm.launch_gemm(
+            a=h.to(dev), x_own=None, w=w2.to(dev), out=None, routing=rt, n=hidden, up=0,
+            cfg=cfg, grid=grid, gather=False, swiglu=False, reduce=True, acc_out=accs[rank],
+            sig=sig, sig_table=sig_table, err=err.data_ptr(), rank=rank, max_spins=1 << 20,
+            done_slot=0, contrib_slot=1, world=world,
+        )  # fmt: skip
+        _gemm.launch_finish(
+            table, 0, y, m, sig, 1, 2, err.data_ptr(), rank, 1 << 20, world, dev, backend
+        )  # fmt: skip
+        sync(group)
+        assert int(err[0]) == 0 and sig.tolist() == [0] * 8
+        # float32 reference: every row in use times its weight, summed into its token
+        used = int(rt.offsets[-1])
+        tok = rt.token_ids[:used].long().cpu()
+        wrow = rt.weights[:used].cpu()
+        offs = rt.offsets.cpu().tolist()
+        ref = torch.zeros(tokens, hidden)
+        for e in range(experts):
+            lo, hi = offs[e], offs[e + 1] if e + 1 < experts else used
+            live = tok[lo:hi] >= 0
+            rows = (h[lo:hi][live].float() @ w2[e].float()) * wrow[lo:hi][live][:, None]
+            ref.index_add_(0, tok[lo:hi][live], rows)
+        mine = slice(rank * m, (rank + 1) * m)
+        err_y = rel_err(y.cpu(), ref[mine])
+        assert err_y < TOL, f"call {call}: y rel err {err_y:.2e}"
+        assert not accs[rank, mine].any(), "the finish zeroes the rows it read"
+        accs.zero_()
+    return True
+
+
+def test_reduce_kernels_per_rank_repeated(world):
+    if world.world_size != 2:
+        pytest.skip("one rank runs it; W = 2 is enough")
+    world.run(_per_rank_body)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels.grouped_gemm import moe_gemm_kernel
+from ...kernels.grouped_gemm import moe_finish_kernel, moe_gemm_kernel
 from .._context import sm_count
 from .._launch import install_scratch_allocator
 from .routing import MoeRouting
@@ -28,24 +28,28 @@ class MoeGemmConfig:
 #: the interpreter: small tiles keep the CPU tests fast
 CPU_CONFIG = MoeGemmConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
 
-#: first-guess configs on an H100 / H200 (see ``bench.moe`` for the sweep that picks among
-#: ``CANDIDATES``): gate/up with SwiGLU holds two accumulators, so 128 x 128 per half
+#: configs on an H100 / H200. gather: 128 x 128 per SwiGLU half, 8 warps, 4 stages won 7 of
+#: the 12 TP-4 shapes of the sweep (3 stages the rest, within 5 %); reduce: 128 x 128 (the
+#: sweep's faster 128 x 256 failed the CUDA-graph test at rel err 1.08e-2, see
+#: benchmarks/results/history/2026-11-25-h100-moe2-bench.log)
 GPU_CONFIGS = {
-    "gather": MoeGemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+    "gather": MoeGemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
     "reduce": MoeGemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
 }
 
 #: the configs ``bench.moe --sweep`` times (the row height is shared by both halves)
 CANDIDATES = {
     "gather": [
+        MoeGemmConfig(128, 128, 64, 8, 4),
         MoeGemmConfig(128, 128, 64, 8, 3),
         MoeGemmConfig(128, 64, 64, 4, 4),
-        MoeGemmConfig(128, 128, 64, 8, 4),
+        MoeGemmConfig(128, 64, 64, 8, 5),
     ],
     "reduce": [
         MoeGemmConfig(128, 128, 64, 8, 4),
-        MoeGemmConfig(128, 256, 64, 8, 3),
         MoeGemmConfig(128, 64, 64, 4, 4),
+        MoeGemmConfig(128, 256, 64, 8, 3),
+        MoeGemmConfig(128, 128, 64, 4, 4),
     ],
 }
 
@@ -72,7 +76,7 @@ def programs(routing: MoeRouting, n: int, cfg: MoeGemmConfig, device, backend: s
 
 def launch_gemm(
     *, a, x_own, w, out, routing: MoeRouting, n: int, up: int, cfg: MoeGemmConfig, grid: int,
-    gather: bool, swiglu: bool, reduce: bool, acc_table=None, sig=None, sig_table=None,
+    gather: bool, swiglu: bool, reduce: bool, acc_out=None, sig=None, sig_table=None,
     flag0=0, err=0, rank=0, max_spins=0, done_slot=0, clear=None, contrib_slot=0,
     wait=False, world=1,
 ):  # fmt: skip
@@ -85,10 +89,30 @@ def launch_gemm(
     moe_gemm_kernel[(grid,)](
         a, x_own if x_own is not None else a, w, out if out is not None else a, routing.tiles,
         routing.tile_count, routing.token_ids, routing.weights, routing.m_loc, w.shape[0], k,
-        n, w.shape[2], up, acc_table if acc_table is not None else stand_in,
+        n, w.shape[2], up, acc_out if acc_out is not None else routing.weights,
         sig if sig is not None else stand_in, sig_table if sig_table is not None else stand_in,
         flag0, err, rank, max_spins, done_slot, *(clear or (0, 0)), contrib_slot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WORLD=world,
         GATHER=gather, SWIGLU=swiglu, REDUCE=reduce, WAIT=wait, USE_TMA=use_tma,
         EXIT_CLEAR=clear is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+#: the finish kernel's tile: 32 token rows x 128 float32 columns (16-byte accesses)
+FINISH_BLOCK = (32, 128)
+
+
+def launch_finish(
+    acc_table, set_off, y, m, sig, contrib_slot, done_slot, err, rank, max_spins, world,
+    device, backend,
+):  # fmt: skip
+    """The owner's reduce-scatter of ``MoERS`` (``moe_finish_kernel``) into ``y [m, N]``
+    on the current stream: every rank's accumulator rows of this rank's tokens, summed."""
+    bm, bn = (16, 16) if backend != "cuda" else FINISH_BLOCK
+    n = y.shape[1]
+    tiles = -(-m // bm) * -(-n // bn)
+    cap = 2 * sm_count(device.index) if backend == "cuda" else 2
+    moe_finish_kernel[(max(1, min(tiles, cap)),)](
+        acc_table, set_off, y, m, n, sig, contrib_slot, done_slot, err, rank, max_spins,
+        WORLD=world, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
     )  # fmt: skip
