@@ -1,7 +1,7 @@
 """interlace: overlap inter-GPU communication with computation at tile granularity,
 on stock PyTorch and stock Triton."""
 
-from . import nn, tune
+from . import nn, trace, tune
 from .errors import InterlaceError, InterlaceTypeError, InterlaceValueError, WaitTimeoutError
 from .ops import (
     AGGemm,
@@ -74,6 +74,7 @@ __all__ = [
     "nn",
     "symm_empty",
     "symm_zeros",
+    "trace",
     "tune",
     "zigzag_shard",
     "zigzag_unshard",

@@ -2,12 +2,14 @@
 
     python -m interlace bench [SUITE] [ARGS ...]
     python -m interlace plot FILE.json [FILE.json ...]
+    python -m interlace trace OP [ARGS ...]
 
 ``bench SUITE`` runs ``interlace.bench.<SUITE>.main(ARGS)``. Without a suite it runs what
 the machine can show: with two or more GPUs the collectives and the dense ops against
 their baselines; with one GPU the shared-GPU correctness checks, each fused kernel with
 its waits met against cuBLAS, and the host cost of an eager call; without a GPU the CPU
-emulation's correctness runs. Results go to ``benchmarks/results/`` (``--out``) through
+emulation's correctness runs. ``trace OP`` is ``bench trace OP``: a timeline trace of one
+op (``interlace.bench.trace``). Results go to ``benchmarks/results/`` (``--out``) through
 ``interlace.bench.records.write_records``, with PNG figures beside them.
 """
 
@@ -124,9 +126,12 @@ def plot(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"bench": bench, "plot": plot}
+    commands = {"bench": bench, "plot": plot, "trace": lambda rest: run_suite("trace", rest)}
     if not argv or argv[0] not in commands:
-        print("usage: python -m interlace {bench [SUITE] [ARGS ...] | plot FILE.json ...}")
+        print(
+            "usage: python -m interlace {bench [SUITE] [ARGS ...] | plot FILE.json ... | "
+            "trace OP [ARGS ...]}"
+        )
         print("suites: " + ", ".join(SUITES))
         return 2
     return commands[argv[0]](argv[1:])

@@ -2,9 +2,11 @@
 weights), prefill forward and a training step (forward + backward), interlace's
 tensor-parallel layers (``interlace.nn.parallelize``) against the plain model.
 
-* One GPU: the stack made "parallel" over a one-rank group (every interlace layer and
-  custom op in the path, no communication) against the same stack unchanged: records op
-  ``model`` with ``t_ms`` (interlace) and ``t_ref_ms`` (plain), ``as_world`` 1.
+* One GPU: the stack made "parallel" over a one-rank group against the same stack
+  unchanged: records op ``model`` with ``t_ms`` (interlace) and ``t_ref_ms`` (plain),
+  ``as_world`` 1. Over one rank each interlace linear is ``nn.Linear`` (``F.linear``, the
+  same aten ops); what differs is the fused QKV and gate/up projections (one GEMM each)
+  and the interlace modules' own Python.
 * Two or more GPUs (one process per GPU, NCCL): interlace at TP = W (sequence parallel,
   overlapped fused GEMMs) against torch tensor parallelism (DTensor ``parallelize_module``,
   the torchtitan plan with sequence parallelism) and torch's async TP (the same model under

@@ -45,6 +45,19 @@ from ..language.primitives import (
     wait_inline,
 )
 from ..language.tile import consumer_tile_wait
+from ..language.trace import (
+    EV_BARRIER_BEGIN,
+    EV_BARRIER_END,
+    EV_END,
+    EV_FINAL_BEGIN,
+    EV_FINAL_END,
+    EV_NOTIFY,
+    EV_START,
+    EV_TILE_END,
+    EV_WAIT_BEGIN,
+    EV_WAIT_END,
+    trace_event,
+)  # fmt: skip
 
 KIND_STORE = tl.constexpr(0)
 KIND_PUSH = tl.constexpr(1)
@@ -172,7 +185,7 @@ def gemm_segments_kernel(
     SUBTILE: tl.constexpr = False, ENTRY_BARRIER: tl.constexpr = False,
     EXIT_CLEAR: tl.constexpr = False, NOTIFY_STORES: tl.constexpr = False,
     STAGE_PUSHES: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
-    COUNT_UNIT: tl.constexpr = 1,
+    COUNT_UNIT: tl.constexpr = 1, TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """See the module docstring. ``a_own`` ([own_rows, K]) is read by ``KIND_STORE_OWN``;
     ``recv`` ([WORLD, recv_rows, N], symmetric, table ``recv_table``) receives partials;
@@ -209,12 +222,15 @@ def gemm_segments_kernel(
     instantiation of the pipelined loop, e.g. one per A source, cost 35 % on an H200.)"""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
+    trace_event(TRACE, tbuf, EV_START, 0, 0, 0)
     if ENTRY_BARRIER:
         if pid == 0:
+            trace_event(TRACE, tbuf, EV_BARRIER_BEGIN, 0, 0, rank)
             # no "go" when a peer is in another call (the fault is recorded): the
             # segments that write into peers then stop at their wait instead
             if barrier_all(sig_table, bar_slot, rank, WORLD, err, max_spins) != 0:
                 notify(sig + go_slot, 1)
+            trace_event(TRACE, tbuf, EV_BARRIER_END, 0, 0, rank)
     tiles_n = tl.cdiv(N, BLOCK_N)
     out_ty = c.dtype.element_ty
     b_desc = None
@@ -236,12 +252,13 @@ def gemm_segments_kernel(
                 a, b, c, bias, M, N, K, seg, n_seg, mt_seg, lead_tiles, recv, recv_rows,
                 out_table, stage, sig, sig_table, err, rank, max_spins, b_desc, BLOCK_M,
                 BLOCK_N, BLOCK_K, GROUP_M, WORLD, HAS_BIAS, BROADCAST, SUBTILE, COUNT_UNIT,
+                TRACE, tbuf,
             )  # fmt: skip
         else:
             _one_loop(
                 a, b, c, bias, M, N, K, a_own, own_rows, seg, n_seg, mt_seg, lead_tiles, sig,
                 err, rank, max_spins, b_desc, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_BIAS,
-                HAS_OWN_A, SUBTILE,
+                HAS_OWN_A, SUBTILE, TRACE, tbuf,
             )  # fmt: skip
     else:
         for s in range(seg_first, n_seg):
@@ -260,10 +277,12 @@ def gemm_segments_kernel(
                 expected = tl.load(row_of + SEG_WAIT_EXPECTED)
                 token = expected
                 if wait_count > 0:
+                    trace_event(TRACE, tbuf, EV_WAIT_BEGIN, first, s, 0)
                     token = consumer_tile_wait(
                         sig, tl.load(row_of + SEG_WAIT_FIRST), wait_count, expected,
                         err, rank, max_spins,
                     )  # fmt: skip
+                    trace_event(TRACE, tbuf, EV_WAIT_END, first, s, token)
                 notify_slot = tl.load(row_of + SEG_NOTIFY)
                 # A's rows: this rank's shard read in place, or ``a``.
                 a_src = a
@@ -316,6 +335,7 @@ def gemm_segments_kernel(
                         a_src, b, a_desc, b_desc, a_row0 + pid_m * BLOCK_M, col, token, expected,
                         a_rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA,
                     )  # fmt: skip
+                    trace_event(TRACE, tbuf, EV_TILE_END, g, s, 0)
                     lrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
                     # The epilogue does not branch on the kind (Triton 3.6 cannot flatten the
                     # tile loop around such branches): each store is masked by it and a TMA
@@ -352,35 +372,42 @@ def gemm_segments_kernel(
                         if USE_TMA:
                             bulk_stores_done()
                         notify(owner_sig, mine, ADD=True, LOCAL=STAGE_PUSHES)
+                        trace_event(TRACE, tbuf, EV_NOTIFY, first, s, owner)
                     if BROADCAST:
                         if kind == KIND_REDUCE:
                             for i in tl.static_range(1, WORLD):
                                 q = (rank + i) % WORLD
                                 notify(signal_base(sig_table, q) + notify_slot, mine, ADD=True)
+                            trace_event(TRACE, tbuf, EV_NOTIFY, first, s, -1)
                     if STAGE_PUSHES and not BROADCAST:  # all-reduce: for the gather copies
                         if kind == KIND_REDUCE:
                             if notify_slot > 0:
                                 if USE_TMA:
                                     bulk_stores_done()
                                 notify(sig + notify_slot, mine, ADD=True, LOCAL=True)
+                                trace_event(TRACE, tbuf, EV_NOTIFY, first, s, rank)
                 if NOTIFY_STORES:
                     if notify_slot > 0:
                         if USE_TMA:
                             bulk_stores_done()
                         mine = (end - first + n_prog - 1) // n_prog
                         notify(sig + notify_slot, mine, ADD=True, LOCAL=True)
+                        trace_event(TRACE, tbuf, EV_NOTIFY, first, s, rank)
     if BROADCAST:
         # The last program also waits for every peer's broadcast of the rows it owns, so
         # the kernel ends only when the whole all-reduced output is in place on this rank.
         # (Last: the interpreter runs programs in order, and this must not block the
         # others of this rank.)
         if pid == n_prog - 1:
+            trace_event(TRACE, tbuf, EV_FINAL_BEGIN, 0, 0, 0)
             for s in range(n_seg):
                 row_of = seg + s * SEG_COLS
                 fin = tl.load(row_of + SEG_FINAL_EXPECTED)
                 if fin > 0:
                     slot = tl.load(row_of + SEG_FINAL_SLOT)
                     consumer_tile_wait(sig, slot, 1, fin, err, rank, max_spins)
+            trace_event(TRACE, tbuf, EV_FINAL_END, 0, 0, 0)
+    trace_event(TRACE, tbuf, EV_END, 0, 0, 0)
     if EXIT_CLEAR:
         last_program_clears(sig, go_slot + 1, clear_first, clear_count)
 
@@ -391,7 +418,7 @@ def _one_loop(
     max_spins, b_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_OWN_A: tl.constexpr,
-    SUBTILE: tl.constexpr,
+    SUBTILE: tl.constexpr, TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """The store segments (``KIND_STORE``, leading ``KIND_STORE_OWN``) of a launch with a
     program's tiles of all segments in one pipelined loop: the loop does not restart at
@@ -423,6 +450,7 @@ def _one_loop(
                 a_own, b, own_desc, b_desc, tl.load(row_of + SEG_OUT_ROW0) + tile_row,
                 pid_n * BLOCK_N, 0, 0, own_rows, N, K, BLOCK_M, BLOCK_N, BLOCK_K, True,
             )  # fmt: skip
+            trace_event(TRACE, tbuf, EV_TILE_END, g, tl.load(mt_seg + g // tiles_n), 0)
             _store_flat(
                 acc, bias, c_desc, tl.load(row_of + SEG_ROW0) + tile_row, pid_n * BLOCK_N, N,
                 out_ty, BLOCK_M, BLOCK_N, HAS_BIAS, SUBTILE,
@@ -433,14 +461,17 @@ def _one_loop(
     )
     waited = -1  # the last segment this program waited for
     for g in tl.range(start, total, n_prog, flatten=True):
+        trace_event(TRACE, tbuf, EV_WAIT_BEGIN, g, waited, 0)
         waited, row_of, pid_m, pid_n, token, expected = _flat_tile(
             g, seg, mt_seg, tiles_n, waited, sig, err, rank, max_spins, BLOCK_M, GROUP_M
         )
+        trace_event(TRACE, tbuf, EV_WAIT_END, g, waited, token)
         tile_row = tl.load(row_of + SEG_ROW0) + pid_m * BLOCK_M
         acc = _mma(
             a, b, a_desc, b_desc, tile_row, pid_n * BLOCK_N, token, expected, M, N, K,
             BLOCK_M, BLOCK_N, BLOCK_K, True,
         )  # fmt: skip
+        trace_event(TRACE, tbuf, EV_TILE_END, g, waited, 0)
         _store_flat(
             acc, bias, c_desc, tile_row, pid_n * BLOCK_N, N, out_ty, BLOCK_M, BLOCK_N, HAS_BIAS,
             SUBTILE,
@@ -500,6 +531,7 @@ def _one_loop_scatter(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, WORLD: tl.constexpr, HAS_BIAS: tl.constexpr,
     BROADCAST: tl.constexpr, SUBTILE: tl.constexpr, COUNT_UNIT: tl.constexpr,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """GEMM+RS / GEMM+AR ``ce_fused`` (``STAGE_PUSHES``) in one-loop mode (see
     ``_one_loop``): the ``lead_tiles`` tiles of the leading push segments in a first
@@ -534,6 +566,7 @@ def _one_loop_scatter(
         acc = _mma(
             a, b, a_desc, b_desc, row, col, 0, 0, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, True
         )  # fmt: skip
+        trace_event(TRACE, tbuf, EV_TILE_END, g, tl.load(mt_seg + g // tiles_n), 0)
         _count_previous(sig, sig_table, pend, 0, rank, WORLD, False, COUNT_UNIT)
         _store_flat(
             acc, bias, stage_desc, row, col, N, out_ty, BLOCK_M, BLOCK_N, False, SUBTILE
@@ -543,9 +576,11 @@ def _one_loop_scatter(
     pend_peers = 0  # broadcast: the peers' counter slot of the previous tile (0: none)
     start = _first_tile(lead_tiles, pid, n_prog)
     for g in tl.range(start, total, n_prog, flatten=True):
+        trace_event(TRACE, tbuf, EV_WAIT_BEGIN, g, waited, 0)
         waited, row_of, pid_m, pid_n, token, expected = _flat_tile(
             g, seg, mt_seg, tiles_n, waited, sig, err, rank, max_spins, BLOCK_M, GROUP_M
         )
+        trace_event(TRACE, tbuf, EV_WAIT_END, g, waited, token)
         row0 = tl.load(row_of + SEG_ROW0)
         out_row0 = tl.load(row_of + SEG_OUT_ROW0)
         rows = tl.load(row_of + SEG_ROWS)
@@ -555,6 +590,7 @@ def _one_loop_scatter(
             a, b, a_desc, b_desc, row0 + tile_row, col, token, expected, M, N, K, BLOCK_M,
             BLOCK_N, BLOCK_K, True,
         )  # fmt: skip
+        trace_event(TRACE, tbuf, EV_TILE_END, g, waited, 0)
         _count_previous(sig, sig_table, pend, pend_peers, rank, WORLD, BROADCAST, COUNT_UNIT)
         left, right = _halves(acc, BLOCK_M, BLOCK_N)
         for h in tl.static_range(2):

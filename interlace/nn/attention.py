@@ -120,10 +120,10 @@ class ParallelAttention(nn.Module):
                 "ParallelAttention runs prefill and training only: no KV cache (pass "
                 "use_cache=False)"
             )
-        if not self.sequence_parallel:
+        w = self.group.world_size
+        if not self.sequence_parallel or w == 1:  # (one rank: the plain block's ops)
             out = self._attend(self.qkv(hidden_states), position_embeddings, attention_mask)
             return self.o(out), None
-        w = self.group.world_size
         b, s, h = hidden_states.shape
         qkv = self.qkv(hidden_states.reshape(b * s, h))  # [W * b * s, n], rank-major
         n = qkv.shape[-1]

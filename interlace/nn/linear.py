@@ -10,9 +10,21 @@ helpers between them.
   whole output).
 
 Both are built from a plain ``nn.Linear`` with :meth:`from_linear` (the full weights,
-sharded on construction: each rank keeps its slice) or with random weights. Weights keep
-``nn.Linear``'s ``[out, in]`` layout; the fused GEMMs read ``weight.T`` through
-:func:`interlace.ops.library.contiguous_b` (one copy per weight version).
+sharded on construction: each rank keeps its slice) or with random weights.
+
+Weight layout. Over several ranks each layer stores its shard as the ``[k, n]`` (``[in,
+out]``) operand the fused GEMMs read, the transpose of ``nn.Linear``'s ``[out, in]``:
+``from_linear`` / ``from_weights`` / :meth:`shard` transpose once, at construction, so a
+forward pass copies no weight and the weight gradient is made in the parameter's layout.
+(The backward GEMM that reads ``weight.T`` makes that operand per call, not kept.) Over
+one rank the layer is ``nn.Linear``: ``[out, in]``, ``F.linear``, the same aten ops. So
+``state_dict()`` holds each rank's shard in its layer's layout: it loads into the same
+layers at the same world size; to load ``nn.Linear``-layout weights (a full checkpoint)
+use ``from_linear`` / ``from_weights``, or copy :meth:`shard` of the full tensor into
+``weight``. :attr:`linear_weight` is the shard in ``[out, in]`` layout (a view).
+
+Eager calls go straight to the implementations (``interlace.ops.autograd``); only a graph
+being traced by ``torch.compile`` goes through the ``torch.ops.interlace`` custom ops.
 """
 
 from __future__ import annotations
@@ -25,10 +37,9 @@ from torch import nn
 
 from ..errors import InterlaceTypeError, InterlaceValueError
 from ..ops import AGGemm, GemmAR, GemmRS
+from ..ops import autograd as _ops
 from ..ops import library as _library
 from ..runtime import Group
-
-ops = torch.ops.interlace
 
 
 # ---------------------------------------------------------------------------- sharding
@@ -76,7 +87,7 @@ class _CopyToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return ops.all_reduce(dy.contiguous(), ctx.handle, "default"), None
+        return _ops.all_reduce(dy.contiguous(), ctx.handle), None
 
 
 class _ScatterToSequence(torch.autograd.Function):
@@ -110,7 +121,7 @@ class _GatherFromSequence(torch.autograd.Function):
 
 
 def _gather_along(x: torch.Tensor, handle: int, world: int, dim: int) -> torch.Tensor:
-    out = ops.all_gather(x.contiguous(), handle, "default")  # rank-major along dim 0
+    out = _ops.all_gather(x.contiguous(), handle)  # rank-major along dim 0
     if dim == 0:
         return out
     out = out.view(world, *x.shape).movedim(0, dim)
@@ -165,7 +176,7 @@ def sync_sequence_parallel_grads(params, group: Group) -> int:
             continue
 
         def hook(grad, handle=handle):
-            return ops.all_reduce(grad.contiguous(), handle, "default")
+            return _ops.all_reduce(grad.contiguous(), handle)
 
         p.register_hook(hook)
         p._interlace_grad_sync = handle
@@ -175,6 +186,9 @@ def sync_sequence_parallel_grads(params, group: Group) -> int:
 
 # ---------------------------------------------------------------------------- layers
 class _ParallelLinear(nn.Module):
+    """The shared parts: ``weight`` holds this rank's ``[out_local, in_local]`` shard,
+    stored transposed (``[in_local, out_local]``, ``kn``) over several ranks."""
+
     def __init__(self, in_features, out_features, group, bias, strategy, sequence_parallel,
                  dtype, device, local_shape, bias_features):  # fmt: skip
         super().__init__()
@@ -182,31 +196,47 @@ class _ParallelLinear(nn.Module):
         self.handle = _library.register_group(group)
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.strategy, self.sequence_parallel = strategy, bool(sequence_parallel)
+        #: the weight is stored [in_local, out_local] (the fused GEMMs' b); False over one
+        #: rank, where the layer is nn.Linear ([out, in], F.linear)
+        self.kn = group.world_size > 1
         kw = dict(dtype=dtype, device=group.device if device is None else device)
-        self.weight = nn.Parameter(torch.empty(local_shape, **kw))
+        shape = tuple(reversed(local_shape)) if self.kn else tuple(local_shape)
+        self.weight = nn.Parameter(torch.empty(shape, **kw))
         self.bias = nn.Parameter(torch.empty(bias_features, **kw)) if bias else None
-        # as torch.nn.Linear (fan-in of the whole layer)
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        # as torch.nn.Linear: uniform in +-1/sqrt(fan-in), the whole layer's fan-in
+        bound = 1 / math.sqrt(self.in_features)
+        nn.init.uniform_(self.weight, -bound, bound)
         if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features)
             nn.init.uniform_(self.bias, -bound, bound)
         # every rank's gradient of these is already whole (a shard's, or the row-parallel
         # bias's, summed over ranks by its backward): no sequence-parallel gradient sync
         for p in self.parameters():
             p._interlace_tp = True
 
+    @property
+    def linear_weight(self) -> torch.Tensor:
+        """This rank's weight shard in ``nn.Linear``'s ``[out, in]`` layout (a view)."""
+        return self.weight.t() if self.kn else self.weight
+
+    def _layout(self, piece: torch.Tensor) -> torch.Tensor:
+        """A ``[out, in]`` weight shard (or a 1-D one) in the parameter's layout."""
+        return piece.t().contiguous() if self.kn and piece.dim() == 2 else piece
+
     def extra_repr(self) -> str:
+        stored = "[in, out]" if self.kn else "[out, in]"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"local={tuple(self.weight.shape)}, bias={self.bias is not None}, "
-            f"strategy={self.strategy!r}, sequence_parallel={self.sequence_parallel}"
+            f"local={tuple(self.linear_weight.shape)}, stored={stored}, "
+            f"bias={self.bias is not None}, strategy={self.strategy!r}, "
+            f"sequence_parallel={self.sequence_parallel}"
         )
 
 
 class ColumnParallelLinear(_ParallelLinear):
-    """``y = x @ weight.T + bias`` with the output features split over ranks: each rank
-    holds rows ``[r * out / W, (r + 1) * out / W)`` of the weight (and bias) and returns
-    those output features.
+    """``y = x @ W.T + bias`` with the output features split over ranks: each rank holds
+    rows ``[r * out / W, (r + 1) * out / W)`` of ``W`` (and of the bias) and returns those
+    output features. Over several ranks ``weight`` is that shard transposed, ``[in, out /
+    W]`` (see the module docstring); over one, ``[out, in]`` as ``nn.Linear``'s.
 
     ``sequence_parallel=True``: ``x`` is this rank's share of the rows (dim 0); the result
     has every rank's rows, in rank order (AG+GEMM, ``strategy`` as :class:`~interlace.AGGemm`).
@@ -229,8 +259,9 @@ class ColumnParallelLinear(_ParallelLinear):
                          dtype, device, (local, int(in_features)), local)  # fmt: skip
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full ``[out, ...]`` weight, bias or gradient."""
-        return shard(full, self.group.rank, self.group.world_size, 0, self.parts)
+        """This rank's slice of a full ``nn.Linear``-layout tensor: an ``[out, in]`` weight
+        or its gradient (returned in ``weight``'s layout), or an ``[out]`` bias."""
+        return self._layout(shard(full, self.group.rank, self.group.world_size, 0, self.parts))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Group, **kw):
@@ -250,18 +281,22 @@ class ColumnParallelLinear(_ParallelLinear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.kn:  # one rank: nn.Linear
+            return F.linear(x, self.weight, self.bias)
         if not self.sequence_parallel:
-            return F.linear(copy_to_parallel(x, self.group), self.weight, self.bias)
+            return F.linear(copy_to_parallel(x, self.group), self.weight.t(), self.bias)
         lead = x.shape[:-1]
-        y = ops.ag_gemm(x.reshape(-1, x.shape[-1]), self.weight.t(), self.bias, self.handle,
-                        self.strategy)  # fmt: skip
+        y = _ops.ag_gemm(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.handle,
+                         self.strategy)  # fmt: skip
         return y.view(self.group.world_size * lead[0], *lead[1:], y.shape[-1])
 
 
 class RowParallelLinear(_ParallelLinear):
-    """``y = x @ weight.T + bias`` with the input features split over ranks: each rank
-    holds columns ``[r * in / W, (r + 1) * in / W)`` of the weight and gets ``x``'s matching
-    features; the bias is whole, added once after the reduction.
+    """``y = x @ W.T + bias`` with the input features split over ranks: each rank holds
+    columns ``[r * in / W, (r + 1) * in / W)`` of ``W`` and gets ``x``'s matching
+    features; the bias is whole, added once after the reduction. Over several ranks
+    ``weight`` is that shard transposed, ``[in / W, out]`` (see the module docstring);
+    over one, ``[out, in]`` as ``nn.Linear``'s.
 
     ``sequence_parallel=True``: GEMM+RS, each rank returns its share of the rows (dim 0,
     which must split evenly); ``False``: GEMM+AR, every rank the whole result. ``strategy``
@@ -282,8 +317,9 @@ class RowParallelLinear(_ParallelLinear):
                          dtype, device, local, int(out_features))  # fmt: skip
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full ``[out, in]`` weight or gradient (the bias is whole)."""
-        return shard(full, self.group.rank, self.group.world_size, 1)
+        """This rank's slice of a full ``[out, in]`` weight or its gradient, in ``weight``'s
+        layout (the bias is whole)."""
+        return self._layout(shard(full, self.group.rank, self.group.world_size, 1))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Group, **kw):
@@ -292,6 +328,7 @@ class RowParallelLinear(_ParallelLinear):
 
     @classmethod
     def from_weights(cls, weight, bias, group: Group, **kw):
+        """From a full ``[out, in]`` weight (and ``[out]`` bias or None)."""
         kw.setdefault("dtype", weight.dtype)
         layer = cls(weight.shape[1], weight.shape[0], group, bias is not None, **kw)
         with torch.no_grad():
@@ -301,17 +338,19 @@ class RowParallelLinear(_ParallelLinear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.kn:  # one rank: nn.Linear
+            return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if not self.sequence_parallel:
-            y = ops.gemm_ar(x2, self.weight.t(), self.bias, self.handle, self.strategy)
+            y = _ops.gemm_ar(x2, self.weight, self.bias, self.handle, self.strategy)
             return y.view(*lead, y.shape[-1])
         w = self.group.world_size
         if lead[0] % w:
             raise InterlaceValueError(
                 f"{type(self).__name__}: {lead[0]} rows do not split over {w} ranks"
             )
-        y = ops.gemm_rs(x2, self.weight.t(), self.bias, self.handle, self.strategy)
+        y = _ops.gemm_rs(x2, self.weight, self.bias, self.handle, self.strategy)
         return y.view(lead[0] // w, *lead[1:], y.shape[-1])
 
 

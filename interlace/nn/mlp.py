@@ -1,5 +1,10 @@
 """Tensor-parallel gated MLP: ``down(act(gate(x)) * up(x))`` with the gate and up
-projections fused into one column-parallel GEMM and the down projection row-parallel."""
+projections fused into one column-parallel GEMM and the down projection row-parallel.
+
+With SiLU (Llama, Qwen2, Mixtral) the gated product's backward writes the gate and up
+halves of its gradient into one tensor: autograd's chunk backward would otherwise
+concatenate them, a copy of ``[tokens, 2 * I / W]`` per layer and step that the plain
+model (two separate projections) does not make."""
 
 from __future__ import annotations
 
@@ -9,6 +14,41 @@ from torch import nn
 
 from ..runtime import Group
 from .linear import ColumnParallelLinear, RowParallelLinear
+
+
+def _is_silu(act) -> bool:
+    return act is F.silu or isinstance(act, nn.SiLU)
+
+
+class _SiluGate(torch.autograd.Function):
+    """``silu(gate) * up`` of ``h = [gate | up]`` (halves of the last dim): the ops of the
+    unfused expression, its gradient made as one tensor shaped like ``h``."""
+
+    @staticmethod
+    def forward(ctx, h):
+        gate, up = h.chunk(2, dim=-1)
+        s = F.silu(gate)
+        ctx.save_for_backward(h, s)
+        return s * up
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, s = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        dh = torch.empty_like(h)
+        dgate, dup = dh.chunk(2, dim=-1)
+        torch.mul(dy, s, out=dup)
+        torch.ops.aten.silu_backward.grad_input(dy * up, gate, grad_input=dgate)
+        return dh
+
+
+def gated(h: torch.Tensor, act) -> torch.Tensor:
+    """``act(gate) * up`` of ``h = [gate | up]`` (halves of the last dim)."""
+    if _is_silu(act) and h.requires_grad and torch.is_grad_enabled():
+        if not torch.compiler.is_compiling():  # (a compiled graph fuses it anyway)
+            return _SiluGate.apply(h)
+    gate, up = h.chunk(2, dim=-1)
+    return act(gate) * up
 
 
 class ParallelMLP(nn.Module):
@@ -59,10 +99,11 @@ class ParallelMLP(nn.Module):
                                 act=getattr(mlp, "act_fn", F.silu), **kw)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group.world_size == 1:  # the plain MLP's ops (gate and up in one GEMM)
+            return self.down(gated(self.gate_up(x), self.act))
         shape = x.shape
         h = self.gate_up(x.reshape(-1, shape[-1]))
-        gate, up = h.chunk(2, dim=-1)
-        return self.down(self.act(gate) * up).view(shape)
+        return self.down(gated(h, self.act)).view(shape)
 
 
-__all__ = ["ParallelMLP"]
+__all__ = ["ParallelMLP", "gated"]

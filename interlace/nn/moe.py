@@ -18,11 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InterlaceValueError
+from ..ops import autograd as _ops
 from ..ops import library as _library
 from ..runtime import Group
 from .linear import copy_to_parallel, shard, sync_sequence_parallel_grads
-
-ops = torch.ops.interlace
 
 
 def _moe_ops_available() -> bool:
@@ -139,15 +138,15 @@ class MoEBlock(nn.Module):
             weights, index = self._route(x2)
             weights = copy_to_parallel(weights, self.group)
             partial = self._experts(copy_to_parallel(x2, self.group), weights, index)
-            return ops.all_reduce(partial, h, "default").view(shape)
+            return _ops.all_reduce(partial, h).view(shape)
         weights, index = self._route(x2)
-        xs = ops.all_gather(x2, h, "default")
-        ws = ops.all_gather(weights, h, "default")
+        xs = _ops.all_gather(x2, h)
+        ws = _ops.all_gather(weights, h)
         # the indices travel bit for bit as float32 words
-        index = ops.all_gather(index.to(torch.int32).view(torch.float32), h, "default")
+        index = _ops.all_gather(index.to(torch.int32).view(torch.float32), h)
         index = index.view(torch.int32).long()
         partial = self._experts(xs, ws, index)
-        return ops.reduce_scatter(partial, h, "default").view(shape)
+        return _ops.reduce_scatter(partial, h).view(shape)
 
 
 __all__ = ["MoEBlock"]

@@ -38,6 +38,7 @@ from ..language.primitives import barrier_kernel
 from ..runtime import ErrorWord, Group, SignalPad, default_max_spins, graphs
 from ..runtime.signals import CALL_WORDS, CAUSE_CHECK, MAX_CALL_FIELDS, field_value, hash_text
 from ..runtime.symmetric import check_group
+from . import _trace
 from ._launch import PreparedLaunch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -358,7 +359,7 @@ class OpContext:
         and every call of that kind then replays the graph with its own ``operands``: one
         launch from the host instead of every kernel, copy and signal write. The device
         work is the same, so ranks need not agree on it."""
-        if not self.eager_graphs or self._capturing():
+        if not self.eager_graphs or self._capturing() or _trace.ACTIVE:  # (traced: eager)
             run()
             return
         s = getattr(self, "_next_set", None)  # the buffer set this call will use

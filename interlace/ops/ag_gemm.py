@@ -24,7 +24,6 @@ from .. import schedule
 from ..errors import InterlaceValueError
 from ..kernels.collective import pull_chunks_kernel
 from ..runtime import (
-    copy_and_signal,
     fork,
     fork_from_mark,
     fork_mark,
@@ -32,7 +31,7 @@ from ..runtime import (
     symm_empty,
     use_stream,
 )
-from . import segment_gemm
+from . import _trace, segment_gemm
 from ._context import BUFFER_SETS, AlternatingSets
 from .overlapped import OverlappedGemm
 from .segment_gemm import MAX_SPLIT, Segment
@@ -270,7 +269,7 @@ class AGGemm(AlternatingSets, OverlappedGemm):
         stream = fork_from_mark(self.group)
         for c in plan.copies:
             src = a_shard if c.hi - c.lo == whole else a_shard[c.lo : c.hi]
-            copy_and_signal(c.dst, src, c.signal, c.slot, stream=stream)
+            _trace.copy_and_signal(c.dst, src, c.signal, c.slot, stream=stream)
         if not consumer_first:
             self._gemm(plan, a_shard, b, bias, out, m_loc)
         join(self.group, stream)

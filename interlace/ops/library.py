@@ -11,8 +11,14 @@ collective, so every rank builds and rebuilds the same contexts in the same orde
     c = torch.ops.interlace.ag_gemm(a_shard, b, None, h, "auto")   # all_gather(a) @ b
     y = torch.ops.interlace.gemm_rs(a, b, None, h, "auto")         # reduce_scatter(a @ b)
 
-Ops (``b`` is ``[k, n]``; a transposed view of a contiguous ``[n, k]`` weight is accepted,
-its contiguous copy made once per weight version, see :func:`contiguous_b`):
+A custom op pays the dispatcher on every call; :mod:`interlace.ops.autograd` has the same
+ops as plain functions (``interlace.ops.autograd.ag_gemm(...)``, same arguments) that go
+straight to the implementations below in eager mode and through these custom ops only
+while ``torch.compile`` traces: what :mod:`interlace.nn` calls.
+
+Ops (``b`` is ``[k, n]``, read contiguous by the fused GEMMs: store a weight that way; a
+transposed view of a contiguous ``[n, k]`` weight is accepted, its contiguous copy made
+once per weight version and kept while the weight lives, see :func:`contiguous_b`):
 
 * ``ag_gemm(a, b, bias, group, strategy)``: ``all_gather(a) @ b + bias``.
 * ``gemm_rs(a, b, bias, group, strategy)``: ``reduce_scatter(a @ b) + bias`` (rows).
@@ -21,8 +27,10 @@ its contiguous copy made once per weight version, see :func:`contiguous_b`):
   ``all_reduce(x, group, method)``: along dim 0, as :class:`~interlace.AllGather` etc.
   (``method`` ``"default"`` is the context's default method).
 * ``ag_gemm_backward`` / ``gemm_rs_backward``: the fused GEMMs' backward passes, each one
-  op so its communication overlaps its GEMMs inside (see :mod:`interlace.ops.autograd`,
-  which registers every op's autograd formula).
+  op so its communication overlaps its GEMMs inside. ``db`` comes out laid out as ``b``.
+
+Every op's autograd formula is registered at the end of this module
+(``torch.library.register_autograd``); :mod:`interlace.ops.autograd` describes them.
 
 A one-rank group runs the local math (``torch.matmul``, copies): there is nothing to
 communicate. Results are always new tensors (a context's own buffers are copied out).
@@ -53,6 +61,9 @@ def register_group(group: Group) -> int:
     for the same group on every later call)."""
     if not isinstance(group, Group):
         raise InterlaceTypeError(f"register_group: expected an interlace Group, got {type(group)}")
+    handle = _handles.get(group.uid)  # registered already: no lock (per-call path, traceable)
+    if handle is not None:
+        return handle
     with _lock:
         handle = _handles.get(group.uid)
         if handle is None:
@@ -257,47 +268,71 @@ def _join(g: Group, gathered: torch.Tensor, stream) -> None:
 _BACKWARD_STREAM = 2
 
 
+def _column_major(b: torch.Tensor) -> bool:
+    """True when ``b`` ``[k, n]`` is stored column-major (a transposed view of a contiguous
+    ``[n, k]`` tensor, ``linear.weight.t()``): its gradient is then made in that layout,
+    so autograd accumulates it into the ``[n, k]`` parameter without a transposing copy."""
+    return not b.is_contiguous() and b.t().is_contiguous()
+
+
+def _weight_grad(x: torch.Tensor, dy: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``x.T @ dy`` (the gradient of ``b`` in ``x @ b``), laid out as ``b`` is."""
+    return torch.matmul(dy.t(), x).t() if _column_major(b) else torch.matmul(x.t(), dy)
+
+
+def _b_transposed(b: torch.Tensor) -> torch.Tensor:
+    """``b.T`` as the contiguous ``[n, k]`` operand a backward GEMM reads: a view when
+    ``b`` is column-major, else a copy used for this call only (not cached: a cached copy
+    would hold a second copy of every weight for the whole of training)."""
+    return b.t().contiguous()
+
+
 def _ag_gemm_backward(dc, a, b, group: int, strategy: str, need_a: bool, need_b: bool):
     """Gradients of ``c = all_gather(a) @ b``: ``da = reduce_scatter(dc @ b.T)`` by the
     fused GEMM+RS while ``a`` is gathered again on a side stream; then
-    ``db = all_gather(a).T @ dc``. Returns ``(da, db)``; an unneeded one is empty."""
+    ``db = all_gather(a).T @ dc`` (laid out as ``b``). Returns ``(da, db)``; an unneeded
+    one is empty."""
     g = group_of(group)
     dc = dc.contiguous()
     empty = dc.new_empty(0)
     if g.world_size == 1:
         da = torch.matmul(dc, b.t()) if need_a else empty
-        db = torch.matmul(a.t(), dc) if need_b else empty
+        db = _weight_grad(a, dc, b) if need_b else empty
         return da, db
     gathered = stream = None
     if need_b:
         gathered, stream = _side_gather(g, group, a)
-    da = _gemm_rs(dc, b.t(), None, group, _dual(GemmRS, strategy)) if need_a else empty
+    da = empty
+    if need_a:
+        da = _gemm_rs(dc, _b_transposed(b), None, group, _dual(GemmRS, strategy))
     db = empty
     if need_b:
         _join(g, gathered, stream)
-        db = torch.matmul(gathered.t(), dc)
+        db = _weight_grad(gathered, dc, b)
     return da, db
 
 
 def _gemm_rs_backward(dy, a, b, group: int, strategy: str, need_a: bool, need_b: bool):
     """Gradients of ``y = reduce_scatter(a @ b)``: ``da = all_gather(dy) @ b.T`` by the
     fused AG+GEMM while ``dy`` is gathered on a side stream for ``db = a.T @
-    all_gather(dy)``. Returns ``(da, db)``; an unneeded one is empty."""
+    all_gather(dy)`` (laid out as ``b``). Returns ``(da, db)``; an unneeded one is empty."""
     g = group_of(group)
     dy = dy.contiguous()
     empty = dy.new_empty(0)
     if g.world_size == 1:
         da = torch.matmul(dy, b.t()) if need_a else empty
-        db = torch.matmul(a.t(), dy) if need_b else empty
+        db = _weight_grad(a, dy, b) if need_b else empty
         return da, db
     gathered = stream = None
     if need_b:
         gathered, stream = _side_gather(g, group, dy)
-    da = _ag_gemm(dy, b.t(), None, group, _dual(AGGemm, strategy)) if need_a else empty
+    da = empty
+    if need_a:
+        da = _ag_gemm(dy, _b_transposed(b), None, group, _dual(AGGemm, strategy))
     db = empty
     if need_b:
         _join(g, gathered, stream)
-        db = torch.matmul(a.t(), gathered)
+        db = _weight_grad(a, gathered, b)
     return da, db
 
 
@@ -404,18 +439,104 @@ def _(x, group, method):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _fake_grad_like(b):
+    """An empty gradient of ``b`` in the layout :func:`_weight_grad` gives it."""
+    return b.new_empty(b.shape[::-1]).t() if _column_major(b) else b.new_empty(b.shape)
+
+
 @ag_gemm_backward.register_fake
 def _(dc, a, b, group, strategy, need_a, need_b):
     da = a.new_empty(a.shape) if need_a else dc.new_empty(0)
-    db = b.new_empty(b.shape) if need_b else dc.new_empty(0)
+    db = _fake_grad_like(b) if need_b else dc.new_empty(0)
     return da, db
 
 
 @gemm_rs_backward.register_fake
 def _(dy, a, b, group, strategy, need_a, need_b):
     da = a.new_empty(a.shape) if need_a else dy.new_empty(0)
-    db = b.new_empty(b.shape) if need_b else dy.new_empty(0)
+    db = _fake_grad_like(b) if need_b else dy.new_empty(0)
     return da, db
+
+
+# ---------------------------------------------------------------------------- autograd
+# The backward formulas (see interlace.ops.autograd's docstring), written once for both
+# routes: ``via`` holds the callees, the custom ops here (a traced graph) or the
+# implementations (interlace.ops.autograd's eager Functions).
+def _none_if_empty(t, needed: bool):
+    return t if needed else None
+
+
+def _ag_gemm_grads(ctx, dc, via):
+    a, b = ctx.saved_tensors
+    need_a, need_b, need_bias = ctx.needs_input_grad[:3]
+    da = db = None
+    if need_a or need_b:
+        da, db = via.ag_gemm_backward(dc, a, b, ctx.group, ctx.strategy, need_a, need_b)
+    dbias = dc.sum(0) if ctx.has_bias and need_bias else None
+    return _none_if_empty(da, need_a), _none_if_empty(db, need_b), dbias, None, None
+
+
+def _gemm_rs_grads(ctx, dy, via):
+    a, b = ctx.saved_tensors
+    need_a, need_b, need_bias = ctx.needs_input_grad[:3]
+    da = db = None
+    if need_a or need_b:
+        da, db = via.gemm_rs_backward(dy, a, b, ctx.group, ctx.strategy, need_a, need_b)
+    dbias = None
+    if ctx.has_bias and need_bias:  # every rank's rows got the bias: sum over all of them
+        dbias = dy.sum(0)
+        if group_of(ctx.group).world_size > 1:
+            dbias = via.all_reduce(dbias, ctx.group, "default")
+    return _none_if_empty(da, need_a), _none_if_empty(db, need_b), dbias, None, None
+
+
+def _gemm_ar_grads(ctx, dy, via=None):
+    a, b = ctx.saved_tensors
+    need_a, need_b, need_bias = ctx.needs_input_grad[:3]
+    da = torch.matmul(dy, b.t()) if need_a else None
+    db = _weight_grad(a, dy, b) if need_b else None
+    dbias = dy.sum(0) if ctx.has_bias and need_bias else None
+    return da, db, dbias, None, None
+
+
+def _all_gather_grads(ctx, dy, via):
+    return via.reduce_scatter(dy.contiguous(), ctx.group, "default"), None, None
+
+
+def _reduce_scatter_grads(ctx, dy, via):
+    return via.all_gather(dy.contiguous(), ctx.group, "default"), None, None
+
+
+def _all_reduce_grads(ctx, dy, via=None):
+    return dy, None, None
+
+
+def _setup_gemm(ctx, inputs, output):
+    a, b, bias, group, strategy = inputs
+    ctx.save_for_backward(a, b)
+    ctx.group, ctx.strategy, ctx.has_bias = group, strategy, bias is not None
+
+
+def _setup_collective(ctx, inputs, output):
+    ctx.group = inputs[1]
+
+
+def _custom(formula):
+    def backward(ctx, grad):
+        return formula(ctx, grad, torch.ops.interlace)
+
+    return backward
+
+
+for _name, _formula, _setup in (
+    ("ag_gemm", _ag_gemm_grads, _setup_gemm),
+    ("gemm_rs", _gemm_rs_grads, _setup_gemm),
+    ("gemm_ar", _gemm_ar_grads, _setup_gemm),
+    ("all_gather", _all_gather_grads, _setup_collective),
+    ("reduce_scatter", _reduce_scatter_grads, _setup_collective),
+    ("all_reduce", _all_reduce_grads, _setup_collective),
+):
+    torch.library.register_autograd(f"interlace::{_name}", _custom(_formula), setup_context=_setup)
 
 
 __all__ = [
@@ -433,6 +554,3 @@ __all__ = [
     "reduce_scatter",
     "register_group",
 ]
-
-
-from . import autograd as _autograd  # noqa: E402,F401  (registers every op's autograd formula)

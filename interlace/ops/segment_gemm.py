@@ -24,6 +24,7 @@ from ..kernels.gemm import (
 )
 from ..runtime.signals import ERROR_WORDS
 from ..tune.configs import gemm_configs
+from . import _trace
 from ._context import cdiv, sm_count
 from ._launch import PreparedLaunch, install_scratch_allocator
 
@@ -328,7 +329,10 @@ class GemmLaunch:
         return a, b, c, c if bias is None else bias, a if a_own is None else a_own
 
     def __call__(self, a, b, c, bias=None, a_own=None) -> None:
-        self.prepared(*self._operands(a, b, c, bias, a_own))
+        operands = self._operands(a, b, c, bias, a_own)
+        if _trace.ACTIVE and _trace.launch_gemm(self.prepared, operands):
+            return  # traced (``interlace.trace.record``)
+        self.prepared(*operands)
 
     def compile(self, a, b, c, bias=None, a_own=None) -> None:
         """Compile now, without launching: for a GEMM enqueued behind kernels that already

@@ -26,6 +26,7 @@ BASE = dict(
     BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, WORLD=2, USE_TMA=True, HAS_BIAS=False,
     HAS_PUSH=False, BROADCAST=False, HAS_OWN_A=False, SUBTILE=False, ENTRY_BARRIER=False,
     EXIT_CLEAR=False, NOTIFY_STORES=False, STAGE_PUSHES=False, ONE_LOOP=False, COUNT_UNIT=1,
+    TRACE=False, tbuf=None,
 )  # fmt: skip
 VARIANTS = {
     "plain": {},

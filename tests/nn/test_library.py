@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from interlace.errors import InterlaceTypeError, InterlaceValueError
+from interlace.ops import autograd as eager_ops
 from interlace.ops import library
 from tests.nn._models import TOL, leaf, rel, seeded, worlds
 from tests.ops._helpers import expect_error
@@ -18,8 +19,10 @@ from tests.ops._helpers import expect_error
 ops = torch.ops.interlace
 
 
-def _dense_body(group, strategy):
-    """ag_gemm / gemm_rs / gemm_ar forward and gradients, two calls of growing size."""
+def _dense_body(group, strategy, route="custom"):
+    """ag_gemm / gemm_rs / gemm_ar forward and gradients, two calls of growing size, through
+    the custom ops or (``route="eager"``) the eager entry points the layers call."""
+    ops = torch.ops.interlace if route == "custom" else eager_ops
     w, r, dev = group.world_size, group.rank, group.device
     h = library.register_group(group)
     assert library.register_group(group) == h
@@ -40,6 +43,7 @@ def _dense_body(group, strategy):
         da_full = sum(dc[q].float() @ wt[q].float() for q in range(w))
         assert rel(x.grad, da_full[r * m : (r + 1) * m]) < TOL
         assert rel(weight.grad, dc[r].float().t() @ a_full) < TOL
+        assert weight.grad.stride() == weight.stride()  # made in the weight's layout
         assert rel(b.grad, dc[r].float().sum(0)) < TOL
         # --- GEMM+RS / GEMM+AR: rank-specific a and weight columns, one bias
         a = [seeded(s + 40 + q, w * m, k, device=dev) for q in range(w)]
@@ -73,6 +77,11 @@ def _dense_body(group, strategy):
 @pytest.mark.parametrize("strategy", ["none", "fused"])
 def test_dense_ops_and_gradients(world, strategy):
     world.run(_dense_body, strategy)
+
+
+@pytest.mark.parametrize("world", worlds(cpu=(2,)), indirect=True)
+def test_dense_eager_entry_points_and_gradients(world):
+    world.run(_dense_body, "fused", "eager")
 
 
 def _collectives_body(group):
@@ -111,6 +120,7 @@ def _opcheck_body(group):
     a = leaf(seeded(r, 4, 24, device=dev))
     b = leaf(seeded(9, 24, 40, scale=0.2, device=dev))
     bias = leaf(seeded(8, 40, device=dev))
+    bt = seeded(7, 40, 24, scale=0.2, device=dev)
     a_rs = leaf(seeded(r, w * 4, 24, device=dev))
     x = leaf(seeded(r, 6, 5, dtype=torch.float32, device=dev))
     x_rs = leaf(seeded(r, w * 6, 5, dtype=torch.float32, device=dev))
@@ -125,6 +135,9 @@ def _opcheck_body(group):
         (ops.all_reduce.default, (x, h, "default")),
         (ops.ag_gemm_backward.default, (dc, a.detach(), b.detach(), h, "none", True, True)),
         (ops.gemm_rs_backward.default, (dy, a_rs.detach(), b.detach(), h, "none", True, False)),
+        # a transposed weight view: db comes out in its layout, as the fake one does
+        (ops.ag_gemm_backward.default, (dc, a.detach(), bt.t(), h, "fused", True, True)),
+        (ops.gemm_rs_backward.default, (dy, a_rs.detach(), bt.t(), h, "none", False, True)),
     ]  # fmt: skip
     for op, args in cases:
         torch.library.opcheck(op, args)

@@ -11,8 +11,7 @@ from typing import NamedTuple
 import torch
 
 from ...language.primitives import wait_kernel
-from ...runtime import copy_and_signal
-from .. import segment_gemm
+from .. import _trace, segment_gemm
 from .._launch import PreparedLaunch
 
 
@@ -101,5 +100,7 @@ class ChunkShipping:
         and raise the owner's flag."""
         for c in copies:
             if c.wait is not None:
+                span = _trace.begin()
                 c.wait()
-            copy_and_signal(c.dst, c.src, c.signal, c.slot, c.value)
+                _trace.end(span, "chunk_wait", counter_slot=c.done)
+            _trace.copy_and_signal(c.dst, c.src, c.signal, c.slot, c.value)

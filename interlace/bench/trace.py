@@ -1,0 +1,308 @@
+"""Timeline traces of the overlapped ops, and what tracing costs.
+
+``python -m interlace trace OP --shape M,N,K [--world-size W]`` (OP: ag_gemm, gemm_rs,
+gemm_ar; ``M, N, K`` the GEMM each rank runs, as in the results files) runs W ranks (on
+their own GPUs, sharing one GPU where there are fewer, or in the CPU emulation with
+``--cpu`` or without GPUs), warms the op up, records ``--calls`` calls and writes
+``<out>/<name>.json`` (Chrome / Perfetto), ``<name>.png`` and ``<name>-summary.json``,
+then prints the summary.
+
+``python -m interlace bench trace [--quick]``: on a GPU, the overhead of tracing: the
+per-rank kernel of AG+GEMM ``fused`` and GEMM+RS ``ce_fused`` as rank 0 of 4 with its
+waits met, ``TRACE`` on against off, on the dense benchmark shapes (CUDA graphs of
+launches, interleaved medians; records ``op: trace_overhead``); then the example trace of
+AG+GEMM with 4 ranks sharing the GPU. Without a GPU: the example trace in the CPU
+emulation (2 ranks, tiny), no timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import re
+import sys
+
+DEFAULT_OUT = "benchmarks/results"
+OPS = {"ag_gemm": "AGGemm", "gemm_rs": "GemmRS", "gemm_ar": "GemmAR"}
+
+
+# ---------------------------------------------------------------------- one traced call
+def trace_body(group, op, strategy, m, n, k, calls, warmup, prefix, label, meta):
+    """On every rank: build ``op``'s context for the per-rank GEMM ``(m, n, k)``, make
+    ``warmup`` untraced calls, record ``calls`` calls; rank 0 writes the trace files at
+    ``prefix``. Returns (rank 0) the summary and what was written."""
+    import torch
+
+    import interlace
+
+    from ..trace import summarize
+
+    w, dev, dtype = group.world_size, group.device, torch.bfloat16
+    torch.manual_seed(100 + group.rank)
+    if op == "ag_gemm":
+        ctx = interlace.AGGemm(group, max_m=m, n=n, k=k, strategy=strategy)
+        a = torch.randn(m // w, k, device=dev).to(dtype)
+    else:
+        cls = getattr(interlace, OPS[op])
+        ctx = cls(group, max_m=m, n=n, k=k, strategy=strategy)
+        a = torch.randn(m, k, device=dev).to(dtype)
+    b = (torch.randn(k, n, device=dev) / math.sqrt(k)).to(dtype)
+    try:
+        for _ in range(warmup):
+            ctx(a, b)
+        if group.backend == "cuda":
+            torch.cuda.synchronize()
+        group.host_barrier()
+        with interlace.trace.record(group, label=label, meta=meta) as rec:
+            for _ in range(calls):
+                ctx(a, b)
+        if group.backend == "cuda":
+            torch.cuda.synchronize()
+        ctx.check()
+        trace = rec.trace()
+        ran = ctx.last_strategy
+    finally:
+        ctx.close()
+    if group.rank != 0:
+        return None
+    paths = trace.save(prefix, quiet=True)
+    summary = summarize(trace)
+    summary["meta"]["strategy_ran"] = ran
+    return dict(paths=paths, summary=summary)
+
+
+def run_trace(op, strategy, shape, world, calls=1, warmup=2, out=DEFAULT_OUT, cpu=False,
+              name=None, timeout=600):  # fmt: skip
+    """Trace ``op`` on ``world`` ranks (see the module docstring); returns rank 0's
+    ``{"paths", "summary"}``."""
+    import torch
+
+    from ..testing import World
+    from ..trace import format_summary
+
+    gpus = 0 if cpu else torch.cuda.device_count()
+    backend = "cuda" if gpus else "cpu"
+    share = backend == "cuda" and gpus < world
+    m, n, k = shape
+    if m % world:
+        raise SystemExit(f"trace: M = {m} must be a multiple of the world size {world}")
+    device = torch.cuda.get_device_name(0) if gpus else "cpu"
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower().replace("nvidia", "")).strip("-")
+    where = "shared" if share else backend
+    name = name or (
+        f"{datetime.date.today().isoformat()}-{slug}-w{world}-{where}-trace-{op}-{strategy}-"
+        f"{m}x{n}x{k}"
+    )
+    meta = dict(op=op, strategy=strategy, M=m, N=n, K=k, device=device, world=world,
+                shared_gpu=share, backend=backend, calls=calls)  # fmt: skip
+    with World(world, backend, timeout=timeout, share_device=share) as ranks:
+        res = ranks.run(
+            trace_body, op, strategy, m, n, k, calls, warmup, os.path.join(out, name),
+            f"{op} {strategy} {m}x{n}x{k} W={world}" + (" (one GPU shared)" if share else ""),
+            meta,
+        )[0]  # fmt: skip
+    print(format_summary(res["summary"]))
+    for what, path in res["paths"].items():
+        print(f"{what}: {path}")
+    return res
+
+
+# ---------------------------------------------------------------------- overhead
+def traced_launch(prepared, grid_tiles: int, device):
+    """``prepared`` (a segment-GEMM ``PreparedLaunch``) with ``TRACE`` on, writing into a
+    buffer of its own on ``device``: ``(launch, buffer)``; the same launch path as
+    ``prepared``."""
+    import torch
+
+    from ..language.trace import buffer_stride
+    from ..ops._launch import PreparedLaunch
+
+    grid = prepared.grid
+    per = -(-grid_tiles // grid)
+    stride = buffer_stride(per)
+    buf = torch.zeros(1 + grid * stride, 4, dtype=torch.int64, device=device)
+    buf[0, :3] = torch.tensor([stride, grid, per])
+    names = prepared.kernel.arg_names
+    operands = tuple(names[i] for i in prepared._where)
+    kwargs = dict(prepared.kwargs, TRACE=True, tbuf=buf)
+    return PreparedLaunch(prepared.kernel, grid, prepared.args, kwargs, operands), buf
+
+
+def _graph(fn, reps):
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _events_written(buf) -> dict:
+    from ..language.trace import EV_TILE_END, EV_WAIT_END
+
+    kinds = buf[:, 1]
+    return dict(
+        tiles=int((kinds == EV_TILE_END.value).sum()), waits=int((kinds == EV_WAIT_END.value).sum())
+    )
+
+
+#: overhead cases: op -> (``testing.emulated`` mode, the op's strategy it stands for)
+OVERHEAD_CASES = {"ag_gemm": ("ag", "fused"), "gemm_rs": ("rs", "ce_fused")}
+
+
+class OverheadCase:
+    """One rank's kernel of ``op`` (``OVERHEAD_CASES``) with its waits met
+    (``testing.emulated.Emulated``, rank 0 of ``world``), untraced (``plain``) and traced
+    (``traced``, events into ``buf``), each checked once against float32 by
+    :meth:`check`."""
+
+    def __init__(self, op, world, m, n, k, device, one_loop=None):
+        from ..ops import segment_gemm
+        from ..testing.emulated import Emulated
+
+        mode, self.strategy = OVERHEAD_CASES[op]
+        # ``one_loop=None``: the one-loop mode where the op takes it on a GPU
+        self.kern = Emulated(world, 0, m, n, k, mode, device=device, one_loop=one_loop)
+        kern = self.kern
+        self.plain = kern.run.prepared
+        self.operands = kern.run._operands(kern.a, kern.b, kern.out, None, kern.a_own)
+        self.tiles = segment_gemm.total_tiles(kern.segments, n, kern.cfg)
+        self.one_loop = bool(self.plain.kwargs.get("ONE_LOOP"))
+        self.traced, self.buf = traced_launch(self.plain, self.tiles, device)
+
+    def check(self) -> tuple[float, dict]:
+        """Each launch once (outputs poisoned, chunk counters zeroed by ``Emulated.check``):
+        the larger relative error and the events the traced launch wrote."""
+        kern, errs = self.kern, []
+        for launch in (self.plain, self.traced):
+            kern.run.prepared = launch
+            try:
+                errs.append(kern.check())
+            finally:
+                kern.run.prepared = self.plain
+        return max(errs), _events_written(self.buf.cpu())
+
+
+def overhead(quick: bool, iters: int, reps: int = 10, as_world: int = 4, save=None) -> list[dict]:
+    """TRACE on vs off for the per-rank kernels with waits met (see the module docstring);
+    ``save(records)`` after each shape."""
+    import torch
+
+    from .dense import MODELS, model_shape
+    from .timing import paired_median_ms
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    models = ["llama3-8b"] if quick else list(MODELS)
+    ms = [8192] if quick else [2048, 8192]
+    records = []
+    for model in models:
+        for m in ms:
+            for op in OVERHEAD_CASES:
+                shape = model_shape(op, model, m, as_world)
+                case = OverheadCase(op, as_world, shape.M, shape.N, shape.K, dev)
+                err, written = case.check()
+                tiles, launches = case.tiles, (case.plain, case.traced)
+                graphs = [_graph(lambda p=p, o=case.operands: p(*o), reps) for p in launches]
+                t_off, t_on = (
+                    t / reps for t in paired_median_ms(None, [g.replay for g in graphs], iters)
+                )  # fmt: skip
+                rec = dict(
+                    op="trace_overhead", strategy=case.strategy, model=model, dtype="bfloat16",
+                    M=shape.M, N=shape.N, K=shape.K, as_world=as_world, waits_met=True,
+                    one_loop=case.one_loop, ref="untraced", t_ms=round(t_on, 5),
+                    t_ref_ms=round(t_off, 5), overhead_pct=round((t_on / t_off - 1) * 100, 2),
+                    rel_err=err, tiles=tiles, tiles_traced=written["tiles"],
+                )  # fmt: skip
+                print(f"{op:8s} {model:11s} M={m:5d}: off {t_off:.4f} ms, on {t_on:.4f} ms "
+                      f"({rec['overhead_pct']:+.2f} %), err {err:.1e}, tiles "
+                      f"{written['tiles']}/{tiles}", flush=True)  # fmt: skip
+                records.append(rec)
+                if save is not None:  # after every shape: a time-out keeps what was measured
+                    save([rec])
+                del graphs
+    return records
+
+
+def bench(args) -> int:
+    import torch
+
+    out = args.out
+    if not torch.cuda.is_available():
+        print("bench trace: no GPU: the example trace in the CPU emulation (no timings)")
+        run_trace("ag_gemm", "fused", (2 * 37, 40, 32), 2, out=out, cpu=True, warmup=1)
+        return 0
+    from .records import device_name, write_records
+
+    device = device_name()
+    world = 4
+    res = run_trace("ag_gemm", "fused", tuple(args.example_shape), world, out=out,
+                    calls=1, warmup=3)  # fmt: skip
+    records = overhead(
+        args.quick, args.iters, save=lambda r: write_records(out, device, 1, r, False)
+    )
+    path = write_records(out, device, 1, records)
+    print(f"wrote {path}")
+    if torch.cuda.device_count() < 2:
+        print("several-GPU overlap (each rank on its own GPU) needs 2+ GPUs; the example "
+              "trace above ran its ranks on one shared GPU")  # fmt: skip
+    print(f"{'op':9s} {'model':11s} {'M':>5s} {'off ms':>8s} {'on ms':>8s} {'overhead':>9s} tiles")
+    for r in records:
+        print(f"{r['strategy']:9s} {r['model']:11s} {r['M']:5d} "
+              f"{r['t_ref_ms']:8.4f} {r['t_ms']:8.4f} {r['overhead_pct']:+8.2f}% "
+              f"{r['tiles_traced']}/{r['tiles']}")  # fmt: skip
+    op = res["summary"]["op"]
+    print(f"example trace: T {op['t_ms']:.3f} ms, overlap ratio {op['overlap_ratio']}, "
+          f"longest wait chain {op['longest_wait_chain_us']} us")  # fmt: skip
+    return 0
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        m, n, k = (int(x) for x in text.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not M,N,K: {text!r}") from e
+    return m, n, k
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m interlace bench trace`` (no OP) or ``python -m interlace trace OP ...``."""
+    p = argparse.ArgumentParser(prog="python -m interlace trace", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("op", nargs="?", choices=list(OPS), help="trace this op (else: the benchmark)")
+    p.add_argument("--shape", type=_shape, default=None, help="M,N,K of each rank's GEMM")
+    p.add_argument("--strategy", default="fused")
+    p.add_argument("--world-size", type=int, default=None, help="ranks (default: GPUs, >= 2)")
+    p.add_argument("--calls", type=int, default=1, help="traced calls")
+    p.add_argument("--warmup", type=int, default=2, help="untraced calls first")
+    p.add_argument("--cpu", action="store_true", help="the CPU emulation")
+    p.add_argument("--name", default=None, help="file name (without extension)")
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--quick", action="store_true", help="benchmark: one shape")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--example-shape", type=_shape, default=(4096, 3584, 4096),
+                   help="benchmark: M,N,K of the example AG+GEMM trace (W = 4)")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.op is None:
+        return bench(args)
+    import torch
+
+    world = args.world_size or max(2, 0 if args.cpu else torch.cuda.device_count())
+    shape = args.shape or ((world * 37, 40, 32) if args.cpu or not torch.cuda.is_available()
+                           else (4096, 3584, 4096))  # fmt: skip
+    run_trace(args.op, args.strategy, shape, world, calls=args.calls, warmup=args.warmup,
+              out=args.out, cpu=args.cpu, name=args.name)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

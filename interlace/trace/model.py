@@ -1,0 +1,268 @@
+"""A recorded trace as spans and instants on tracks, every rank on rank 0's clock; decoding
+of the kernels' event buffers; Chrome / Perfetto export.
+
+Tracks per rank (Chrome ``tid``): one per program of the traced kernels (``program p``:
+its launches' programs ``p`` in time order), one per stream that ran traced transfers,
+and ``exposed communication`` (computed, see ``summary``). Span categories: ``program``
+(a program's whole run), ``compute`` (a tile: from the program's previous event to the
+tile's main-loop end), ``wait`` (a wait on a chunk, the entry barrier, the final waits),
+``copy`` and ``chunk_wait`` (stream work), ``exposed``; instants: ``notify`` (a program
+released a counter), ``signal`` (a stream wrote a peer's flag, at its copy's end).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from ..kernels.gemm import (
+    KIND_PUSH,
+    KIND_REDUCE,
+    KIND_STORE,
+    KIND_STORE_OWN,
+    SEG_KIND,
+    SEG_OWNER,
+    SEG_ROW0,
+    SEG_ROWS,
+    SEG_WAIT_COUNT,
+)
+from ..language.trace import HEADER, PER_TILE
+
+#: Chrome thread ids of the tracks that are not programs
+TID_STREAM = 100_000
+TID_EXPOSED = 200_000
+
+
+@dataclass
+class Span:
+    rank: int
+    tid: int
+    name: str
+    cat: str
+    t0: int  # ns, rank 0's clock
+    t1: int
+    args: dict = field(default_factory=dict)
+
+    @property
+    def dur(self) -> int:
+        return self.t1 - self.t0
+
+
+@dataclass
+class Instant:
+    rank: int
+    tid: int
+    name: str
+    cat: str
+    t: int
+    args: dict = field(default_factory=dict)
+
+
+@dataclass
+class Trace:
+    """The world's trace: spans and instants, track names, the clock alignment and what
+    was traced (``meta``)."""
+
+    world: int
+    spans: list[Span]
+    instants: list[Instant]
+    tracks: dict[tuple[int, int], str]
+    clock: dict
+    label: str = ""
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def t_origin(self) -> int:
+        times = [s.t0 for s in self.spans] + [i.t for i in self.instants]
+        return min(times) if times else 0
+
+    def of(self, rank: int, cat: str | None = None) -> list[Span]:
+        return [s for s in self.spans if s.rank == rank and (cat is None or s.cat == cat)]
+
+    # ------------------------------------------------------------------ export
+    def to_chrome(self) -> dict:
+        """Chrome trace-event JSON (``chrome://tracing``, https://ui.perfetto.dev): one
+        process per rank, one thread per track; times in µs from the first event."""
+        t0 = self.t_origin
+        events = []
+        for rank in range(self.world):
+            events.append(dict(ph="M", name="process_name", pid=rank, tid=0,
+                               args=dict(name=f"rank {rank}")))  # fmt: skip
+            events.append(dict(ph="M", name="process_sort_index", pid=rank, tid=0,
+                               args=dict(sort_index=rank)))  # fmt: skip
+        for (rank, tid), name in sorted(self.tracks.items()):
+            events.append(dict(ph="M", name="thread_name", pid=rank, tid=tid, args=dict(name=name)))
+            events.append(dict(ph="M", name="thread_sort_index", pid=rank, tid=tid,
+                               args=dict(sort_index=tid)))  # fmt: skip
+        for s in sorted(self.spans, key=lambda s: (s.rank, s.tid, s.t0, -s.t1)):
+            events.append(dict(
+                ph="X", name=s.name, cat=s.cat, pid=s.rank, tid=s.tid,
+                ts=round((s.t0 - t0) / 1e3, 3), dur=round(max(0, s.dur) / 1e3, 3), args=s.args,
+            ))  # fmt: skip
+        for i in self.instants:  # zero-length slices: shown on their track like the spans
+            events.append(dict(
+                ph="X", name=i.name, cat=i.cat, pid=i.rank, tid=i.tid,
+                ts=round((i.t - t0) / 1e3, 3), dur=0.0, args=i.args,
+            ))  # fmt: skip
+        other = dict(self.meta, label=self.label, world=self.world, clock=self.clock)
+        return dict(traceEvents=events, displayTimeUnit="ns", otherData=other)
+
+    def save(self, prefix: str, png: bool = True, quiet: bool = False) -> dict[str, str]:
+        """Write ``<prefix>.json`` (Chrome / Perfetto), ``<prefix>-summary.json`` and, with
+        ``png`` and matplotlib installed, ``<prefix>.png``. Returns what was written (and
+        ``png_skipped``: why no PNG)."""
+        from .summary import summarize
+
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        out = {}
+        with open(f"{prefix}.json", "w") as f:
+            json.dump(self.to_chrome(), f, separators=(",", ":"))
+        out["json"] = f"{prefix}.json"
+        with open(f"{prefix}-summary.json", "w") as f:
+            json.dump(summarize(self), f, indent=1)
+            f.write("\n")
+        out["summary"] = f"{prefix}-summary.json"
+        if png:
+            from .plot import plot
+
+            try:
+                plot(self, f"{prefix}.png")
+                out["png"] = f"{prefix}.png"
+            except ImportError as e:
+                out["png_skipped"] = str(e)
+                if not quiet:
+                    print(f"trace: no PNG ({e})")
+        return out
+
+    def to_dict(self) -> dict:
+        return dict(
+            world=self.world, label=self.label, meta=self.meta, clock=self.clock,
+            spans=[asdict(s) for s in self.spans], instants=[asdict(i) for i in self.instants],
+            tracks=[[r, t, n] for (r, t), n in self.tracks.items()],
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- decoding
+def _who(kind: int, owner: int, rank: int) -> str:
+    """What a segment's wait waits for."""
+    if kind == KIND_STORE.value:
+        return f"rank {owner}'s chunk"
+    if kind == KIND_REDUCE.value:
+        return "peers' partials"
+    if kind == KIND_PUSH.value:
+        return "entry barrier (go)"
+    return "own rows" if kind == KIND_STORE_OWN.value else "?"
+
+
+def decode_launch(info: dict, rows: list, rank: int, shift: int, index: int):
+    """Spans and instants of one traced launch (``rows``: its event buffer; ``shift``: ns
+    to subtract to reach rank 0's clock)."""
+    stride, grid, cap = rows[0][0], rows[0][1], rows[0][2]
+    table = info["seg"]
+    spans, instants = [], []
+    name = info["kernel"]
+
+    def t(ev):
+        return ev[0] - shift
+
+    for p in range(grid):
+        ev = rows[1 + p * stride : 1 + (p + 1) * stride]
+        start, end = ev[0], ev[1]
+        if not start[1]:
+            continue
+        args = dict(launch=index, kernel=name, program=p)
+        if end[1]:
+            spans.append(Span(rank, p, f"{name} program {p}", "program", t(start), t(end), args))
+        cursor = t(start)
+        if ev[2][1] and ev[3][1]:
+            spans.append(Span(rank, p, "entry barrier", "wait", t(ev[2]), t(ev[3]),
+                              dict(args, what="entry barrier")))  # fmt: skip
+            cursor = t(ev[3])
+        for j in range(cap):
+            wb, we, te, nt = ev[HEADER.value + PER_TILE.value * j :][:4]
+            g = j * grid + p
+            if we[1]:
+                s = we[2]
+                waited = not info["one_loop"] or wb[2] != s
+                row = table[s] if 0 <= s < len(table) else None
+                if waited and row is not None and row[SEG_WAIT_COUNT.value] > 0:
+                    kind, owner = row[SEG_KIND.value], row[SEG_OWNER.value]
+                    spans.append(Span(
+                        rank, p, f"wait chunk {s}", "wait", t(wb), t(we),
+                        dict(args, segment=s, tile=g, what=_who(kind, owner, rank),
+                             peer=owner if kind == KIND_STORE.value else -1,
+                             kind=int(kind), rows=[row[SEG_ROW0.value],
+                             row[SEG_ROW0.value] + row[SEG_ROWS.value]], token=we[3]),
+                    ))  # fmt: skip
+                cursor = max(cursor, t(we))
+            if te[1]:
+                s = te[2]
+                spans.append(Span(rank, p, f"tile {g}", "compute", cursor, t(te),
+                                  dict(args, tile=g, segment=s)))  # fmt: skip
+                cursor = t(te)
+            if nt[1]:
+                dest = nt[3]
+                label = "every peer" if dest == -1 else f"rank {dest}"
+                instants.append(Instant(rank, p, f"notify {label}", "notify", t(nt),
+                                        dict(args, segment=nt[2], dest=dest)))  # fmt: skip
+        if ev[4][1] and ev[5][1]:
+            spans.append(Span(rank, p, "final waits", "wait", t(ev[4]), t(ev[5]),
+                              dict(args, what="peers' broadcasts")))  # fmt: skip
+    return spans, instants
+
+
+def _tiles_of(info: dict) -> int:
+    """Tiles of a launch's segments from ``seg_first`` on (every tile a trace must hold)."""
+    tiles_n = -(-info["N"] // info["block_n"])
+    return sum(
+        -(-row[SEG_ROWS.value] // info["block_m"]) * tiles_n
+        for row in info["seg"][info["seg_first"] : info["n_seg"]]
+    )
+
+
+def build_trace(everyone: list[dict], label: str = "", meta=None, shared: str | None = None):
+    """The world's :class:`Trace` from every rank's ``Recorder.rank_data()`` (with its
+    ``clock`` measurement), aligned to rank 0's clock."""
+    world = len(everyone)
+    deltas = [d["clock"]["delta_ns"] for d in everyone]
+    windows = [d["clock"]["window_ns"] for d in everyone]
+    measured = [x - deltas[0] for x in deltas]
+    offsets = [0] * world if shared else measured
+    clock = dict(
+        method=f"same clock: {shared}" if shared else "host-bracketed timer reads",
+        offsets_ns=offsets, measured_offsets_ns=measured,
+        uncertainty_ns=[0 if shared else w + windows[0] for w in windows],
+        stream_uncertainty_ns=[d.get("anchor_window_ns", 0) for d in everyone],
+    )  # fmt: skip
+    spans, instants, tracks = [], [], {}
+    for d in everyone:
+        r, shift = d["rank"], offsets[d["rank"]]
+        for index, (info, rows) in enumerate(d["launches"]):
+            s, i = decode_launch(info, rows, r, shift, index)
+            spans += s
+            instants += i
+            for p in range(info["grid"]):
+                tracks[(r, p)] = f"program {p}"
+        names = sorted({track for _, track, *_ in d["spans"]})
+        for kind, track, t0, t1, m in d["spans"]:
+            tid = TID_STREAM + names.index(track)
+            tracks[(r, tid)] = track
+            peer = m.get("peer")
+            name = f"copy to rank {peer}" if kind == "copy" else kind.replace("_", " ")
+            spans.append(Span(r, tid, name, kind, t0 - shift, t1 - shift, dict(m)))
+            if kind == "copy" and m.get("signal_slot") is not None:
+                instants.append(Instant(r, tid, f"signal rank {peer}", "signal", t1 - shift,
+                                        dict(dest=peer, slot=m["signal_slot"])))  # fmt: skip
+    launches = [[dict(kernel=info["kernel"], grid=info["grid"], tiles=_tiles_of(info),
+                      one_loop=info["one_loop"], M=info["M"], N=info["N"], K=info["K"])
+                 for info, _ in d["launches"]] for d in everyone]  # fmt: skip
+    meta = dict(meta or {}, launches=launches)
+    trace = Trace(world, spans, instants, tracks, clock, label, meta)
+    from .summary import exposed_spans
+
+    for r in range(world):
+        for s in exposed_spans(trace, r):
+            trace.spans.append(s)
+            trace.tracks[(r, TID_EXPOSED)] = "exposed communication"
+    return trace
