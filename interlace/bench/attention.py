@@ -37,13 +37,13 @@ import argparse
 import functools
 import math
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 from ..runtime.signals import ERROR_WORDS
+from .timing import host_us, median_ms
 
 AS_WORLD = 4
 SEQS = (16384, 32768, 65536)
@@ -55,23 +55,9 @@ def _flops(batch, heads, sq, sk, d, causal, bwd=False) -> float:
     return f * (2.5 if bwd else 1.0)
 
 
-def _time_ms(fn, setup=None, iters=20, warmup=3) -> float:
-    """Median of ``iters`` CUDA-event timings of ``fn()``, ``setup()`` (untimed) before each."""
-    for _ in range(warmup):
-        if setup:
-            setup()
-        fn()
-    times = []
-    for _ in range(iters):
-        if setup:
-            setup()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+#: ``timing.median_ms`` on this process alone, 3 warm-up calls: ``_time_ms(fn, iters=...,
+#: setup=...)``
+_time_ms = functools.partial(median_ms, None, warmup=3)
 
 
 class _PerRank:
@@ -385,17 +371,11 @@ def _host_body(group, eager_graphs: bool, n: int = 200):
     try:
         for _ in range(5):
             ctx(q, k, v, causal=True)
-        times = []
-        for _ in range(n):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            ctx(q, k, v, causal=True)
-            times.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
+        t = host_us(None, lambda: ctx(q, k, v, causal=True), n)
         ctx.check()
     finally:
         ctx.close()
-    return statistics.median(times)
+    return t
 
 
 def host_records() -> list[dict]:
@@ -417,7 +397,7 @@ def host_records() -> list[dict]:
 def _multi_body(group, seqs, iters):
     """Several GPUs: ``fused`` vs ``none`` vs ``ring`` forward on each rank's shard."""
     from ..ops.attention import SPAttention
-    from .timing import max_over_ranks, median_ms
+    from .timing import max_over_ranks
 
     w, dev = group.world_size, group.device
     out = []

@@ -14,12 +14,14 @@ bandwidth. Records: op ``ep_dispatch`` / ``ep_combine`` / ``ep_moe``."""
 from __future__ import annotations
 
 import argparse
-import statistics
+import dataclasses
+import functools
 import sys
-import time
 
 import torch
 import torch.distributed as dist
+
+from .timing import host_us, median_ms
 
 MODE = "normal"
 
@@ -30,32 +32,57 @@ def _barrier(group):
     torch.cuda.synchronize()
 
 
-def _time_ms(group, fn, iters=20, warmup=3):
-    """Median over ``iters`` runs of ``fn`` (CUDA events), ranks aligned before each run."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        _barrier(group)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b))
-    return statistics.median(samples)
+#: ``timing.median_ms`` with 3 warm-up calls: ``_time_ms(group, fn, iters)``
+_time_ms = functools.partial(median_ms, warmup=3)
 
 
-def _host_us(group, fn, iters=20):
-    """Median host time of one call, every rank starting together on an idle device."""
-    samples = []
-    for _ in range(iters):
-        _barrier(group)
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
+@dataclasses.dataclass
+class _Times:
+    """One context's dispatch and combine: GPU times (ms) and, when measured, host times
+    of one eager call (us) and of one replay of a user-captured graph of both."""
+
+    dispatch_ms: float
+    combine_ms: float
+    dispatch_us: float | None = None
+    combine_us: float | None = None
+    graph_ms: float | None = None
+    graph_us: float | None = None
+
+
+def _times(group, ctx, x, idx, wts, eo, iters, host=True) -> _Times:
+    """GPU times (ms) of ``ctx``'s dispatch of ``x`` and combine of ``eo``; with ``host`` also
+    their host times and a user-captured graph of dispatch + combine (GPU and host time
+    of one replay)."""
+    t_d = _time_ms(group, lambda: ctx.dispatch(x, idx, wts), iters)
+    h = ctx.dispatch(x, idx, wts)
+    t = _Times(t_d, _time_ms(group, lambda: ctx.combine(eo, h), iters))
+    if not host:
+        return t
+    t.dispatch_us = host_us(group, lambda: ctx.dispatch(x, idx, wts), iters)
+    h = ctx.dispatch(x, idx, wts)
+    t.combine_us = host_us(group, lambda: ctx.combine(eo, h), iters)
+    _barrier(group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        hg = ctx.dispatch(x, idx, wts)
+        ctx.combine(eo, hg)
+    t.graph_ms = _time_ms(group, graph.replay, iters)
+    t.graph_us = host_us(group, graph.replay, iters)
+    return t
+
+
+def _none_ms(group, x, idx, wts, experts, iters) -> tuple[float, float]:
+    """GPU times (ms) of the ``none`` path's dispatch and combine (``all_to_all_single``)."""
+    from ..ops.ep.baseline import a2a_combine, a2a_dispatch
+
+    state = {}
+
+    def none_dispatch():
+        state["s"] = a2a_dispatch(group, x, idx, wts, experts)
+
+    t_nd = _time_ms(group, none_dispatch, iters)
+    eo_n = torch.randn(state["s"][0].shape[0], x.shape[1], device=x.device).to(torch.bfloat16)
+    return t_nd, _time_ms(group, lambda: a2a_combine(group, eo_n, state["s"][3]), iters)
 
 
 def _routing(n, topk, experts, gen, dev):
@@ -71,7 +98,6 @@ def bench_body(group, shapes, with_none: bool, iters: int) -> list[dict]:
 
 def _one_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
     from ..ops.ep import EPAllToAll, EPMoE
-    from ..ops.ep.baseline import a2a_combine, a2a_dispatch
 
     w, dev = group.world_size, group.device
     tokens, hidden, topk, experts = shape
@@ -86,38 +112,19 @@ def _one_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
     ctx.check()
     base = dict(tokens=tokens, hidden=hidden, topk=topk, experts=experts, mode=MODE,
                 dtype="bfloat16", as_world=w, waits_met=w == 1)  # fmt: skip
-    t_d = _time_ms(group, lambda: ctx.dispatch(x, idx, wts), iters)
-    h = ctx.dispatch(x, idx, wts)
-    t_c = _time_ms(group, lambda: ctx.combine(eo, h), iters)
-    host_d = _host_us(group, lambda: ctx.dispatch(x, idx, wts), iters)
-    h = ctx.dispatch(x, idx, wts)
-    host_c = _host_us(group, lambda: ctx.combine(eo, h), iters)
-    # a user-captured graph of dispatch + combine: host time of one replay
-    _barrier(group)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        hg = ctx.dispatch(x, idx, wts)
-        ctx.combine(eo, hg)
-    t_graph = _time_ms(group, graph.replay, iters)
-    host_graph = _host_us(group, graph.replay, iters)
+    t = _times(group, ctx, x, idx, wts, eo, iters)
     ctx.check()
-    rec_d = dict(op="ep_dispatch", strategy="symm", **base, t_ms=t_d, host_us=host_d)
-    rec_c = dict(op="ep_combine", strategy="symm", **base, t_ms=t_c, host_us=host_c)
-    rec_g = dict(op="ep_dispatch_combine", strategy="graph", **base, t_ms=t_graph,
-                 host_us=host_graph)  # fmt: skip
+    rec_d = dict(op="ep_dispatch", strategy="symm", **base, t_ms=t.dispatch_ms,
+                 host_us=t.dispatch_us)  # fmt: skip
+    rec_c = dict(op="ep_combine", strategy="symm", **base, t_ms=t.combine_ms,
+                 host_us=t.combine_us)  # fmt: skip
+    rec_g = dict(op="ep_dispatch_combine", strategy="graph", **base, t_ms=t.graph_ms,
+                 host_us=t.graph_us)  # fmt: skip
     nbytes = tokens * hidden * 2 * (topk if experts == w else _ranks_per_token(idx, e_loc))
     for rec in (rec_d, rec_c):
         rec["algbw_gbps"] = nbytes / (rec["t_ms"] * 1e-3) / 1e9
     if with_none:
-        state = {}
-
-        def none_dispatch():
-            state["s"] = a2a_dispatch(group, x, idx, wts, experts)
-
-        t_nd = _time_ms(group, none_dispatch, iters)
-        eo_n = torch.randn(state["s"][0].shape[0], hidden, device=dev).to(torch.bfloat16)
-        t_nc = _time_ms(group, lambda: a2a_combine(group, eo_n, state["s"][3]), iters)
-        rec_d["t_nccl_ms"], rec_c["t_nccl_ms"] = t_nd, t_nc
+        rec_d["t_nccl_ms"], rec_c["t_nccl_ms"] = _none_ms(group, x, idx, wts, experts, iters)
     # the MoE layer: one [hidden, hidden] map per expert, so at most 8 local experts
     # (256 of them at hidden 7168 would take 26 GB of weights)
     moe_experts = min(experts, 8 * w)
@@ -145,7 +152,6 @@ def ll_body(group, shapes, with_none: bool, iters: int) -> list[dict]:
 
 def _ll_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
     from ..ops.ep import EPAllToAll, EPLowLatency
-    from ..ops.ep.baseline import a2a_combine, a2a_dispatch
 
     w, dev = group.world_size, group.device
     tokens, hidden, topk, experts = shape
@@ -156,53 +162,33 @@ def _ll_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
                 as_world=w, waits_met=w == 1)  # fmt: skip
     nbytes = tokens * hidden * 2 * topk  # low latency: a row per (token, expert)
     recs = []
-    times = {}
     with EPAllToAll(group, tokens, hidden, experts, topk) as ctx:
         h = ctx.dispatch(x, idx, wts)
         eo = torch.randn(ctx.capacity, hidden, device=dev).to(torch.bfloat16)
         ctx.combine(eo, h)
-        t_nd = _time_ms(group, lambda: ctx.dispatch(x, idx, wts), iters)
-        h = ctx.dispatch(x, idx, wts)
-        times["normal"] = (t_nd, _time_ms(group, lambda: ctx.combine(eo, h), iters))
+        normal = _times(group, ctx, x, idx, wts, eo, iters, host=False)
         ctx.check()
     if with_none:
-        state = {}
-
-        def none_dispatch():
-            state["s"] = a2a_dispatch(group, x, idx, wts, experts)
-
-        t_nd = _time_ms(group, none_dispatch, iters)
-        eo_n = torch.randn(state["s"][0].shape[0], hidden, device=dev).to(torch.bfloat16)
-        t_nc = _time_ms(group, lambda: a2a_combine(group, eo_n, state["s"][3]), iters)
+        t_nd, t_nc = _none_ms(group, x, idx, wts, experts, iters)
     for protocol in ("flag_in_data", "token_flag"):
         with EPLowLatency(group, tokens, hidden, experts, topk, protocol=protocol) as ll:
             h = ll.dispatch(x, idx, wts)
             eo = torch.randn(*ll.recv_x.shape, device=dev).to(torch.bfloat16)
             ll.combine(eo, h)
-            t_d = _time_ms(group, lambda: ll.dispatch(x, idx, wts), iters)
-            h = ll.dispatch(x, idx, wts)
-            t_c = _time_ms(group, lambda eo=eo, h=h: ll.combine(eo, h), iters)
-            host_d = _host_us(group, lambda: ll.dispatch(x, idx, wts), iters)
-            h = ll.dispatch(x, idx, wts)
-            host_c = _host_us(group, lambda eo=eo, h=h: ll.combine(eo, h), iters)
-            _barrier(group)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                hg = ll.dispatch(x, idx, wts)
-                ll.combine(eo, hg)
-            t_graph = _time_ms(group, graph.replay, iters)
-            host_graph = _host_us(group, graph.replay, iters)
+            t = _times(group, ll, x, idx, wts, eo, iters)
             ll.check()
-        for op, t, host, t_norm in (("ep_dispatch", t_d, host_d, times["normal"][0]),
-                                    ("ep_combine", t_c, host_c, times["normal"][1])):  # fmt: skip
-            rec = dict(op=op, strategy=protocol, mode="low_latency", **base, t_ms=t,
+        for op, t_ms, host, t_norm in (
+            ("ep_dispatch", t.dispatch_ms, t.dispatch_us, normal.dispatch_ms),
+            ("ep_combine", t.combine_ms, t.combine_us, normal.combine_ms),
+        ):
+            rec = dict(op=op, strategy=protocol, mode="low_latency", **base, t_ms=t_ms,
                        host_us=host, t_normal_ms=t_norm,
-                       algbw_gbps=nbytes / (t * 1e-3) / 1e9)  # fmt: skip
+                       algbw_gbps=nbytes / (t_ms * 1e-3) / 1e9)  # fmt: skip
             if with_none:
                 rec["t_nccl_ms"] = t_nd if op == "ep_dispatch" else t_nc
             recs.append(rec)
         recs.append(dict(op="ep_dispatch_combine", strategy=protocol, mode="low_latency",
-                         **base, t_ms=t_graph, host_us=host_graph))  # fmt: skip
+                         **base, t_ms=t.graph_ms, host_us=t.graph_us))  # fmt: skip
     return recs
 
 

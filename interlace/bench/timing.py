@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,15 +22,21 @@ def _align(group) -> None:
         torch.cuda.synchronize()
 
 
-def median_ms(group, fn, iters: int = 20, warmup: int = 5) -> float:
+def median_ms(group, fn, iters: int = 20, warmup: int = 5, setup=None) -> float:
     """Median time of ``fn()`` in ms on this rank, each run started with all ranks aligned
-    (device idle, host barrier) and timed with CUDA events, as a user's eager call."""
+    (device idle, host barrier) and timed with CUDA events, as a user's eager call.
+    ``setup()``, when given, runs before every call (warm-up too), untimed: it restores
+    what a call consumes (flags raised, counters filled)."""
     for _ in range(warmup):
+        if setup is not None:
+            setup()
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for start, end in zip(starts, ends):
         _align(group)
+        if setup is not None:
+            setup()
         start.record()
         fn()
         end.record()
@@ -76,6 +83,19 @@ def pipelined_median_ms(group, fn, iters: int = 20, warmup: int = 5) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def host_us(group, fn, iters: int = 20) -> float:
+    """Median host time of one call of ``fn()`` in µs on this rank, each call started with
+    all ranks aligned (device idle, host barrier), so that no call waits for a queue."""
+    samples = []
+    for _ in range(iters):
+        _align(group)
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
 def max_over_ranks(group, values: dict) -> dict:
     """Max of each value over the ranks; None (not measured) on any rank stays None."""
     keys = sorted(values)
@@ -88,10 +108,10 @@ def max_over_ranks(group, values: dict) -> dict:
     return {k: (v if math.isfinite(v) else None) for k, v in zip(keys, t.tolist())}
 
 
-def graph_of(group, fn):
-    """Capture one call of ``fn`` in a CUDA graph (after a warm-up call on a side stream),
-    on every rank at once (``group=None``: this process alone); returns the graph to
-    ``replay()``."""
+def graph_of(group, fn, reps: int = 1):
+    """Capture ``reps`` calls of ``fn`` in a CUDA graph (after one warm-up call on a side
+    stream), on every rank at once (``group=None``: this process alone); returns the graph
+    to ``replay()``."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -102,6 +122,7 @@ def graph_of(group, fn):
         dist.barrier(group=group.process_group, device_ids=[group.device.index])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(reps):
+            fn()
     torch.cuda.synchronize()
     return graph

@@ -130,23 +130,6 @@ def traced_launch(prepared, grid_tiles: int, device):
     return PreparedLaunch(prepared.kernel, grid, prepared.args, kwargs, operands), buf
 
 
-def _graph(fn, reps):
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    torch.cuda.synchronize()
-    return graph
-
-
 def _events_written(buf) -> dict:
     from ..language.trace import EV_TILE_END, EV_WAIT_END
 
@@ -199,7 +182,7 @@ def overhead(quick: bool, iters: int, reps: int = 10, as_world: int = 4, save=No
     import torch
 
     from .dense import MODELS, model_shape
-    from .timing import paired_median_ms
+    from .timing import graph_of, paired_median_ms
 
     dev = torch.device("cuda", torch.cuda.current_device())
     models = ["llama3-8b"] if quick else list(MODELS)
@@ -212,7 +195,9 @@ def overhead(quick: bool, iters: int, reps: int = 10, as_world: int = 4, save=No
                 case = OverheadCase(op, as_world, shape.M, shape.N, shape.K, dev)
                 err, written = case.check()
                 tiles, launches = case.tiles, (case.plain, case.traced)
-                graphs = [_graph(lambda p=p, o=case.operands: p(*o), reps) for p in launches]
+                graphs = [
+                    graph_of(None, lambda p=p, o=case.operands: p(*o), reps) for p in launches
+                ]
                 t_off, t_on = (
                     t / reps for t in paired_median_ms(None, [g.replay for g in graphs], iters)
                 )  # fmt: skip

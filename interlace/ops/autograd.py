@@ -42,21 +42,15 @@ from types import SimpleNamespace
 
 import torch
 
+from . import library as _library
 from .library import (
-    _ag_gemm,
     _ag_gemm_backward,
-    _ag_gemm_grads,
     _all_gather,
-    _all_gather_grads,
     _all_reduce,
-    _all_reduce_grads,
-    _gemm_ar,
-    _gemm_ar_grads,
-    _gemm_rs,
     _gemm_rs_backward,
-    _gemm_rs_grads,
     _reduce_scatter,
-    _reduce_scatter_grads,
+    _setup_collective,
+    _setup_gemm,
 )
 
 _is_compiling = torch.compiler.is_compiling
@@ -72,103 +66,81 @@ _EAGER = SimpleNamespace(
 
 
 # ---------------------------------------------------------------------------- eager
-def _gemm_function(name: str, impl, formula) -> type:
-    """An eager fused GEMM with autograd: forward ``impl``, backward ``formula`` (the custom
+def _function(name: str, impl, formula, setup) -> type:
+    """An eager op with autograd: forward ``impl`` after ``setup`` (the custom op's
+    ``setup_context``) saved what the backward needs, backward ``formula`` (the custom
     op's), its callees the implementations."""
 
-    def forward(ctx, a, b, bias, group, strategy):
-        ctx.save_for_backward(a, b)
-        ctx.group, ctx.strategy, ctx.has_bias = group, strategy, bias is not None
-        return impl(a, b, bias, group, strategy)
+    def forward(ctx, *args):
+        setup(ctx, args, None)
+        return impl(*args)
 
     def backward(ctx, grad):
         return formula(ctx, grad, _EAGER)
 
     body = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
     return type(name, (torch.autograd.Function,), body)
-
-
-def _collective_function(name: str, impl, formula) -> type:
-    """An eager collective with autograd (as :func:`_gemm_function`)."""
-
-    def forward(ctx, x, group, method):
-        ctx.group = group
-        return impl(x, group, method)
-
-    def backward(ctx, grad):
-        return formula(ctx, grad, _EAGER)
-
-    body = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
-    return type(name, (torch.autograd.Function,), body)
-
-
-_AGGemmFunction = _gemm_function("_AGGemmFunction", _ag_gemm, _ag_gemm_grads)
-_GemmRSFunction = _gemm_function("_GemmRSFunction", _gemm_rs, _gemm_rs_grads)
-_GemmARFunction = _gemm_function("_GemmARFunction", _gemm_ar, _gemm_ar_grads)
-_AllGatherFunction = _collective_function("_AllGatherFunction", _all_gather, _all_gather_grads)
-_ReduceScatterFunction = _collective_function(
-    "_ReduceScatterFunction", _reduce_scatter, _reduce_scatter_grads
-)
-_AllReduceFunction = _collective_function("_AllReduceFunction", _all_reduce, _all_reduce_grads)
 
 
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def ag_gemm(a, b, bias, group: int, strategy: str):
+def _named(entry, name: str, doc: str):
+    entry.__name__ = entry.__qualname__ = name
+    entry.__doc__ = doc
+    return entry
+
+
+def _parts(name: str, setup):
+    """The custom op ``name``, its implementation ``library._<name>`` and that with the
+    autograd formula ``library._<name>_grads`` (an autograd Function)."""
+    impl, formula = getattr(_library, f"_{name}"), getattr(_library, f"_{name}_grads")
+    return getattr(_CUSTOM, name), impl, _function(f"_{name}_function", impl, formula, setup)
+
+
+def _gemm_entry(name: str, doc: str):
+    """The entry point of the fused GEMM op ``name``: ``torch.ops.interlace.<name>`` while
+    compiling, else straight to the implementation (through an autograd Function when a
+    gradient is needed)."""
+    custom, impl, function = _parts(name, _setup_gemm)
+
+    def entry(a, b, bias, group: int, strategy: str):
+        if _is_compiling():
+            return custom(a, b, bias, group, strategy)
+        if _needs_grad(a, b, bias):
+            return function.apply(a, b, bias, group, strategy)
+        return impl(a, b, bias, group, strategy)
+
+    return _named(entry, name, doc)
+
+
+def _collective_entry(name: str, doc: str):
+    """The entry point of the collective ``name``, routed as :func:`_gemm_entry`'s."""
+    custom, impl, function = _parts(name, _setup_collective)
+
+    def entry(x, group: int, method: str = "default"):
+        if _is_compiling():
+            return custom(x, group, method)
+        if _needs_grad(x):
+            return function.apply(x, group, method)
+        return impl(x, group, method)
+
+    return _named(entry, name, doc)
+
+
+ag_gemm = _gemm_entry(
+    "ag_gemm",
     """``all_gather(a) @ b (+ bias)``: ``torch.ops.interlace.ag_gemm`` while compiling,
-    else straight to the implementation (with autograd when a gradient is needed)."""
-    if _is_compiling():
-        return _CUSTOM.ag_gemm(a, b, bias, group, strategy)
-    if _needs_grad(a, b, bias):
-        return _AGGemmFunction.apply(a, b, bias, group, strategy)
-    return _ag_gemm(a, b, bias, group, strategy)
-
-
-def gemm_rs(a, b, bias, group: int, strategy: str):
-    """``reduce_scatter(a @ b) (+ bias)``, routed as :func:`ag_gemm`."""
-    if _is_compiling():
-        return _CUSTOM.gemm_rs(a, b, bias, group, strategy)
-    if _needs_grad(a, b, bias):
-        return _GemmRSFunction.apply(a, b, bias, group, strategy)
-    return _gemm_rs(a, b, bias, group, strategy)
-
-
-def gemm_ar(a, b, bias, group: int, strategy: str):
-    """``all_reduce(a @ b) (+ bias)``, routed as :func:`ag_gemm`."""
-    if _is_compiling():
-        return _CUSTOM.gemm_ar(a, b, bias, group, strategy)
-    if _needs_grad(a, b, bias):
-        return _GemmARFunction.apply(a, b, bias, group, strategy)
-    return _gemm_ar(a, b, bias, group, strategy)
-
-
-def all_gather(x, group: int, method: str = "default"):
-    """All-gather along dim 0, routed as :func:`ag_gemm`."""
-    if _is_compiling():
-        return _CUSTOM.all_gather(x, group, method)
-    if _needs_grad(x):
-        return _AllGatherFunction.apply(x, group, method)
-    return _all_gather(x, group, method)
-
-
-def reduce_scatter(x, group: int, method: str = "default"):
-    """Reduce-scatter (sum) along dim 0, routed as :func:`ag_gemm`."""
-    if _is_compiling():
-        return _CUSTOM.reduce_scatter(x, group, method)
-    if _needs_grad(x):
-        return _ReduceScatterFunction.apply(x, group, method)
-    return _reduce_scatter(x, group, method)
-
-
-def all_reduce(x, group: int, method: str = "default"):
-    """All-reduce (sum), routed as :func:`ag_gemm`."""
-    if _is_compiling():
-        return _CUSTOM.all_reduce(x, group, method)
-    if _needs_grad(x):
-        return _AllReduceFunction.apply(x, group, method)
-    return _all_reduce(x, group, method)
+    else straight to the implementation (with autograd when a gradient is needed).""",
+)
+gemm_rs = _gemm_entry("gemm_rs", "``reduce_scatter(a @ b) (+ bias)``, routed as :func:`ag_gemm`.")
+gemm_ar = _gemm_entry("gemm_ar", "``all_reduce(a @ b) (+ bias)``, routed as :func:`ag_gemm`.")
+all_gather = _collective_entry("all_gather", "All-gather along dim 0, routed as :func:`ag_gemm`.")
+reduce_scatter = _collective_entry(
+    "reduce_scatter", "Reduce-scatter (sum) along dim 0, routed as :func:`ag_gemm`."
+)
+all_reduce = _collective_entry("all_reduce", "All-reduce (sum), routed as :func:`ag_gemm`.")
 
 
 __all__ = ["ag_gemm", "all_gather", "all_reduce", "gemm_ar", "gemm_rs", "reduce_scatter"]

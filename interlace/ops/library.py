@@ -287,53 +287,48 @@ def _b_transposed(b: torch.Tensor) -> torch.Tensor:
     return b.t().contiguous()
 
 
+def _fused_backward(
+    grad, a, b, group: int, strategy: str, need_a: bool, need_b: bool, gathers_a: bool
+):
+    """``(da, db)`` of a fused GEMM ``y = op(a @ b)`` from ``grad = dy``: ``da`` by the dual
+    fused GEMM of ``grad @ b.T`` while the operand ``db`` needs whole is all-gathered on a
+    side stream, then ``db`` laid out as ``b``. ``gathers_a`` (``ag_gemm``): the dual is
+    GEMM+RS and ``db = all_gather(a).T @ grad``; else (``gemm_rs``) the dual is AG+GEMM and
+    ``db = a.T @ all_gather(grad)``. An unneeded gradient is empty."""
+    g = group_of(group)
+    grad = grad.contiguous()
+    empty = grad.new_empty(0)
+    if g.world_size == 1:
+        da = torch.matmul(grad, b.t()) if need_a else empty
+        db = _weight_grad(a, grad, b) if need_b else empty
+        return da, db
+    gathered = stream = None
+    if need_b:
+        gathered, stream = _side_gather(g, group, a if gathers_a else grad)
+    da = empty
+    if need_a:
+        dual, cls = (_gemm_rs, GemmRS) if gathers_a else (_ag_gemm, AGGemm)
+        da = dual(grad, _b_transposed(b), None, group, _dual(cls, strategy))
+    db = empty
+    if need_b:
+        _join(g, gathered, stream)
+        db = _weight_grad(gathered, grad, b) if gathers_a else _weight_grad(a, gathered, b)
+    return da, db
+
+
 def _ag_gemm_backward(dc, a, b, group: int, strategy: str, need_a: bool, need_b: bool):
     """Gradients of ``c = all_gather(a) @ b``: ``da = reduce_scatter(dc @ b.T)`` by the
     fused GEMM+RS while ``a`` is gathered again on a side stream; then
     ``db = all_gather(a).T @ dc`` (laid out as ``b``). Returns ``(da, db)``; an unneeded
     one is empty."""
-    g = group_of(group)
-    dc = dc.contiguous()
-    empty = dc.new_empty(0)
-    if g.world_size == 1:
-        da = torch.matmul(dc, b.t()) if need_a else empty
-        db = _weight_grad(a, dc, b) if need_b else empty
-        return da, db
-    gathered = stream = None
-    if need_b:
-        gathered, stream = _side_gather(g, group, a)
-    da = empty
-    if need_a:
-        da = _gemm_rs(dc, _b_transposed(b), None, group, _dual(GemmRS, strategy))
-    db = empty
-    if need_b:
-        _join(g, gathered, stream)
-        db = _weight_grad(gathered, dc, b)
-    return da, db
+    return _fused_backward(dc, a, b, group, strategy, need_a, need_b, gathers_a=True)
 
 
 def _gemm_rs_backward(dy, a, b, group: int, strategy: str, need_a: bool, need_b: bool):
     """Gradients of ``y = reduce_scatter(a @ b)``: ``da = all_gather(dy) @ b.T`` by the
     fused AG+GEMM while ``dy`` is gathered on a side stream for ``db = a.T @
     all_gather(dy)`` (laid out as ``b``). Returns ``(da, db)``; an unneeded one is empty."""
-    g = group_of(group)
-    dy = dy.contiguous()
-    empty = dy.new_empty(0)
-    if g.world_size == 1:
-        da = torch.matmul(dy, b.t()) if need_a else empty
-        db = _weight_grad(a, dy, b) if need_b else empty
-        return da, db
-    gathered = stream = None
-    if need_b:
-        gathered, stream = _side_gather(g, group, dy)
-    da = empty
-    if need_a:
-        da = _ag_gemm(dy, _b_transposed(b), None, group, _dual(AGGemm, strategy))
-    db = empty
-    if need_b:
-        _join(g, gathered, stream)
-        db = _weight_grad(a, gathered, b)
-    return da, db
+    return _fused_backward(dy, a, b, group, strategy, need_a, need_b, gathers_a=False)
 
 
 # ---------------------------------------------------------------------------- registration
@@ -444,50 +439,46 @@ def _fake_grad_like(b):
     return b.new_empty(b.shape[::-1]).t() if _column_major(b) else b.new_empty(b.shape)
 
 
-@ag_gemm_backward.register_fake
-def _(dc, a, b, group, strategy, need_a, need_b):
-    da = a.new_empty(a.shape) if need_a else dc.new_empty(0)
-    db = _fake_grad_like(b) if need_b else dc.new_empty(0)
+def _fake_backward(grad, a, b, group, strategy, need_a, need_b):
+    """``(da, db)`` of either fused GEMM's backward: ``da`` as ``a``, ``db`` as
+    :func:`_weight_grad` lays it out; an unneeded one empty."""
+    da = a.new_empty(a.shape) if need_a else grad.new_empty(0)
+    db = _fake_grad_like(b) if need_b else grad.new_empty(0)
     return da, db
 
 
-@gemm_rs_backward.register_fake
-def _(dy, a, b, group, strategy, need_a, need_b):
-    da = a.new_empty(a.shape) if need_a else dy.new_empty(0)
-    db = _fake_grad_like(b) if need_b else dy.new_empty(0)
-    return da, db
+ag_gemm_backward.register_fake(_fake_backward)
+gemm_rs_backward.register_fake(_fake_backward)
 
 
 # ---------------------------------------------------------------------------- autograd
 # The backward formulas (see interlace.ops.autograd's docstring), written once for both
 # routes: ``via`` holds the callees, the custom ops here (a traced graph) or the
 # implementations (interlace.ops.autograd's eager Functions).
-def _none_if_empty(t, needed: bool):
-    return t if needed else None
+def _fused_gemm_grads(ctx, grad, backward):
+    """``(da, db)`` of a fused GEMM by its backward op ``backward``; None where not needed."""
+    a, b = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[:2]
+    if not (need_a or need_b):
+        return None, None
+    da, db = backward(grad, a, b, ctx.group, ctx.strategy, need_a, need_b)
+    return (da if need_a else None), (db if need_b else None)
 
 
 def _ag_gemm_grads(ctx, dc, via):
-    a, b = ctx.saved_tensors
-    need_a, need_b, need_bias = ctx.needs_input_grad[:3]
-    da = db = None
-    if need_a or need_b:
-        da, db = via.ag_gemm_backward(dc, a, b, ctx.group, ctx.strategy, need_a, need_b)
-    dbias = dc.sum(0) if ctx.has_bias and need_bias else None
-    return _none_if_empty(da, need_a), _none_if_empty(db, need_b), dbias, None, None
+    da, db = _fused_gemm_grads(ctx, dc, via.ag_gemm_backward)
+    dbias = dc.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return da, db, dbias, None, None
 
 
 def _gemm_rs_grads(ctx, dy, via):
-    a, b = ctx.saved_tensors
-    need_a, need_b, need_bias = ctx.needs_input_grad[:3]
-    da = db = None
-    if need_a or need_b:
-        da, db = via.gemm_rs_backward(dy, a, b, ctx.group, ctx.strategy, need_a, need_b)
+    da, db = _fused_gemm_grads(ctx, dy, via.gemm_rs_backward)
     dbias = None
-    if ctx.has_bias and need_bias:  # every rank's rows got the bias: sum over all of them
+    if ctx.has_bias and ctx.needs_input_grad[2]:  # every rank's rows got the bias: sum all
         dbias = dy.sum(0)
         if group_of(ctx.group).world_size > 1:
             dbias = via.all_reduce(dbias, ctx.group, "default")
-    return _none_if_empty(da, need_a), _none_if_empty(db, need_b), dbias, None, None
+    return da, db, dbias, None, None
 
 
 def _gemm_ar_grads(ctx, dy, via=None):

@@ -12,16 +12,11 @@ import pytest
 from interlace import __main__ as cli
 from interlace.bench import kernels
 from interlace.bench.cli import numpy_problem
+from tests.bench._helpers import fake_suite
 
 
 def test_every_suite_dispatches_to_its_module(monkeypatch):
-    seen = []
-
-    def fake_main(argv):
-        seen.append(argv)
-        return 3
-
-    monkeypatch.setattr(cli, "suite_main", lambda name: fake_main if name == "kernels" else None)
+    seen = fake_suite(monkeypatch, "kernels", 3)
     assert cli.main(["bench", "kernels", "--quick", "--out", "x"]) == 3
     assert seen == [["--quick", "--out", "x"]]
     assert cli.main(["bench", "--suite", "kernels", "--iters", "2"]) == 3  # older spelling

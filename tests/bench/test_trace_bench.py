@@ -10,17 +10,12 @@ import pytest
 
 from interlace import __main__ as cli
 from interlace.bench import trace as trace_bench
+from tests.bench._helpers import fake_suite
 from tests.conftest import get_world
 
 
 def test_trace_command_is_the_trace_suite(monkeypatch):
-    seen = []
-
-    def fake_main(argv):
-        seen.append(argv)
-        return 5
-
-    monkeypatch.setattr(cli, "suite_main", lambda name: fake_main if name == "trace" else None)
+    seen = fake_suite(monkeypatch, "trace", 5)
     assert cli.main(["trace", "ag_gemm", "--cpu"]) == 5
     assert cli.main(["bench", "trace", "--quick"]) == 5
     assert seen == [["ag_gemm", "--cpu"], ["--quick"]]

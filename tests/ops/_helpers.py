@@ -4,6 +4,7 @@ that use them pickle by reference to the spawned ranks."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -48,24 +49,55 @@ def reduced_rows(x, group):
     return reduced(x, group)[group.rank * rows : (group.rank + 1) * rows]
 
 
-def check_graph_replays(ctx, a, b, gen, reference, tol, replays=3):
-    """Capture ``c = ctx(a, b)`` in a CUDA graph (after one eager call), then replay it on
-    fresh random ``a`` with ``c`` poisoned: every result is within ``tol`` of
-    ``reference(a)``, and ``ctx.check()`` passes afterwards."""
-    ctx(a, b)
+def capture(step, side_stream=False):
+    """``(graph, out)``: ``step()`` called once eagerly (compiles kernels, takes buffers; on
+    a side stream with ``side_stream``), then, every rank past that call, captured in a
+    CUDA graph; ``out`` is what the captured ``step()`` returned (what a replay writes)."""
+    if side_stream:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+    else:
+        step()
     torch.cuda.synchronize()
     dist.barrier()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        c = ctx(a, b)
+        out = step()
+    return graph, out
+
+
+def replay(graph, *poison):
+    """Fill ``poison`` (the outputs) with NaN and wait for the fill (no peer's write into
+    them can land before it), then replay ``graph`` once every rank is ready and wait."""
+    for t in poison:
+        t.fill_(float("nan"))
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph.replay()
+    torch.cuda.synchronize()
+
+
+def check_graph_replays(ctx, a, b, gen, reference, tol, replays=3):
+    """Capture ``c = ctx(a, b)`` in a CUDA graph (after one eager call), then replay it on
+    fresh random ``a`` with ``c`` poisoned: every result is within ``tol`` of
+    ``reference(a)``, and ``ctx.check()`` passes afterwards."""
+    graph, c = capture(lambda: ctx(a, b))
     for _ in range(replays):
         a.copy_(rand(gen, *a.shape, dtype=a.dtype, device=a.device))
-        c.fill_(float("nan"))
-        dist.barrier()
-        graph.replay()
-        torch.cuda.synchronize()
+        replay(graph, c)
         assert rel_err(c, reference(a)) < tol
     ctx.check()
+
+
+def run_on_gpus(world, body, *args, why="needs a GPU"):
+    """``world.run(body, *args)`` where the world's ranks run on GPUs; a CPU world of a
+    ``gpu``-marked test skips, saying ``why``."""
+    if world.backend != "cuda":
+        pytest.skip(why)
+    return world.run(body, *args)
 
 
 def expect_error(exc, text, fn, *args, **kwargs):

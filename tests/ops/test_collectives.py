@@ -10,7 +10,7 @@ import torch
 
 import interlace
 from interlace.errors import InterlaceTypeError, InterlaceValueError, WaitTimeoutError
-from tests.ops._helpers import gathered, reduced, rel_err, sync
+from tests.ops._helpers import capture, gathered, reduced, rel_err, replay, run_on_gpus, sync
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -284,26 +284,16 @@ def _graph_body(group):
     x_rs = torch.randn(w * 4096, device=group.device).to(dtype)
     x_ar = torch.randn(5000, device=group.device).to(dtype)
     out_ag = torch.empty(w * 4096, 3, device=group.device, dtype=dtype)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside capture (compiles kernels)
-        ag(x_ag, out=out_ag), rs(x_rs), ar(x_ar)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    group.host_barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def call():
         ag(x_ag, out=out_ag)
-        y_rs = rs(x_rs)
-        y_ar = ar(x_ar)
+        return rs(x_rs), ar(x_ar)
+
+    graph, (y_rs, y_ar) = capture(call, side_stream=True)  # warm-up (compiles) on a side stream
     for step in range(4):
         for t in (x_ag, x_rs, x_ar):
             t.copy_(torch.randn(t.shape, device=group.device).to(dtype))
-        _poison(out_ag), _poison(y_rs), _poison(y_ar)
-        torch.cuda.synchronize()
-        group.host_barrier()
-        graph.replay()
-        torch.cuda.synchronize()
+        replay(graph, out_ag, y_rs, y_ar)
         assert torch.equal(out_ag, gathered(x_ag, group)), f"replay {step}: all-gather"
         ref_rs = reduced(x_rs, group)[group.rank * 4096 : (group.rank + 1) * 4096]
         assert rel_err(y_rs, ref_rs) < 1e-2, f"replay {step}: reduce-scatter"
@@ -316,9 +306,7 @@ def _graph_body(group):
 
 @pytest.mark.gpu
 def test_cuda_graph_capture_and_replay(world):
-    if world.backend != "cuda":
-        pytest.skip("CUDA graphs need the cuda backend")
-    world.run(_graph_body)
+    run_on_gpus(world, _graph_body, why="CUDA graphs need the cuda backend")
 
 
 # ----------------------------------------------------------------------------- 8 ranks

@@ -18,7 +18,7 @@ import interlace
 from interlace.errors import InterlaceTypeError, InterlaceValueError
 from interlace.ops.ep import EPAllToAll, EPCapacityError, EPMoE
 from interlace.ops.ep.baseline import a2a_combine, a2a_dispatch
-from tests.ops._helpers import expect_error, nans, rand, rel_err, sync
+from tests.ops._helpers import capture, expect_error, nans, rand, rel_err, replay, run_on_gpus, sync
 
 TOL = 1e-2
 
@@ -266,6 +266,37 @@ def test_errors(world):
     world.run(_errors_body)
 
 
+def _graph_replays(group, ctx, gen, eo, kinds):
+    """Capture dispatch + combine of ``ctx`` (``eo``: the expert outputs it combines, a
+    copy of the rows received) in a CUDA graph, replay it with new tokens and routing of
+    each of ``kinds`` written into the captured inputs: every replay matches the
+    reference."""
+    dev, w, n = group.device, group.world_size, ctx.max_tokens
+    x = torch.empty(n, ctx.hidden, dtype=torch.bfloat16, device=dev)
+    idx = torch.empty(n, ctx.topk, dtype=torch.int64, device=dev)
+    wts = torch.empty(n, ctx.topk, dtype=torch.float32, device=dev)
+
+    def fill(kind):
+        x.copy_(rand(gen, n, ctx.hidden, dtype=torch.bfloat16, device=dev))
+        i, ww = _routing(gen, kind, n, ctx.topk, ctx.experts, w)
+        idx.copy_(i)
+        wts.copy_(ww)
+
+    def step():
+        h = ctx.dispatch(x, idx, wts)
+        eo.copy_(h.recv_x)
+        return ctx.combine(eo, h)
+
+    fill("random")
+    graph, y = capture(step)
+    for kind in kinds:
+        fill(kind)
+        replay(graph, y)
+        ref = (wts * (idx >= 0))[:, :, None].float() * x.float()[:, None, :]
+        assert rel_err(y, ref.sum(1)) < TOL, kind
+    ctx.check()
+
+
 def _graph_body(group):
     """Capture dispatch + combine in a CUDA graph, replay with new routing and tokens
     written into the captured inputs; every replay matches the reference."""
@@ -273,38 +304,8 @@ def _graph_body(group):
     w, dev, hidden, topk, e_loc, n = group.world_size, group.device, 7168, 8, 4, 64
     ctx = EPAllToAll(group, n, hidden, w * e_loc, topk)
     try:
-        x = torch.empty(n, hidden, dtype=torch.bfloat16, device=dev)
-        idx = torch.empty(n, topk, dtype=torch.int64, device=dev)
-        wts = torch.empty(n, topk, dtype=torch.float32, device=dev)
         eo = torch.empty(ctx.capacity, hidden, dtype=torch.bfloat16, device=dev)
-
-        def fill(kind):
-            x.copy_(rand(gen, n, hidden, dtype=torch.bfloat16, device=dev))
-            i, ww = _routing(gen, kind, n, topk, w * e_loc, w)
-            idx.copy_(i)
-            wts.copy_(ww)
-
-        def step():
-            h = ctx.dispatch(x, idx, wts)
-            eo.copy_(h.recv_x)
-            return ctx.combine(eo, h)
-
-        fill("random")
-        step()
-        torch.cuda.synchronize()
-        dist.barrier()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = step()
-        for kind in ("random", "skewed", "not_rank0", "random"):
-            fill(kind)
-            y.fill_(float("nan"))
-            dist.barrier()
-            graph.replay()
-            torch.cuda.synchronize()
-            ref = (wts * (idx >= 0))[:, :, None].float() * x.float()[:, None, :]
-            assert rel_err(y, ref.sum(1)) < TOL, kind
-        ctx.check()
+        _graph_replays(group, ctx, gen, eo, ("random", "skewed", "not_rank0", "random"))
         for _ in range(3):  # eager calls (replayed from eager graphs) after the capture
             _check_call(group, ctx, gen, "skewed", n)
     finally:
@@ -314,9 +315,7 @@ def _graph_body(group):
 
 @pytest.mark.gpu
 def test_graph_replay(world):
-    if world.backend != "cuda":
-        pytest.skip("CUDA graphs need a GPU")
-    world.run(_graph_body)
+    run_on_gpus(world, _graph_body, why="CUDA graphs need a GPU")
 
 
 def _big_body(group):
@@ -329,9 +328,7 @@ def _big_body(group):
 
 @pytest.mark.gpu
 def test_large_hidden(world):
-    if world.backend != "cuda":
-        pytest.skip("GPU sizes")
-    world.run(_big_body)
+    run_on_gpus(world, _big_body, why="GPU sizes")
 
 
 def test_exports():
@@ -468,43 +465,13 @@ def _ll_graph_body(group, protocol):
     from interlace.ops.ep import EPLowLatency
 
     gen = torch.Generator().manual_seed(31 + group.rank)
-    w, dev, hidden, topk, e_loc, n = group.world_size, group.device, 7168, 8, 8, 128
+    w, hidden, topk, e_loc, n = group.world_size, 7168, 8, 8, 128
     ctx = EPLowLatency(group, n, hidden, w * e_loc, topk, protocol=protocol)
     try:
         for kind in ("random", "skewed"):  # eager calls (replayed from eager graphs)
             _ll_check_call(group, ctx, gen, kind, n)
-        x = torch.empty(n, hidden, dtype=torch.bfloat16, device=dev)
-        idx = torch.empty(n, topk, dtype=torch.int64, device=dev)
-        wts = torch.empty(n, topk, dtype=torch.float32, device=dev)
         eo = torch.empty_like(ctx.recv_x)
-
-        def fill(kind):
-            x.copy_(rand(gen, n, hidden, dtype=torch.bfloat16, device=dev))
-            i, ww = _routing(gen, kind, n, topk, w * e_loc, w)
-            idx.copy_(i)
-            wts.copy_(ww)
-
-        def step():
-            h = ctx.dispatch(x, idx, wts)
-            eo.copy_(h.recv_x)
-            return ctx.combine(eo, h)
-
-        fill("random")
-        step()
-        torch.cuda.synchronize()
-        dist.barrier()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = step()
-        for kind in ("random", "skewed", "not_rank0", "one_expert"):
-            fill(kind)
-            y.fill_(float("nan"))
-            dist.barrier()
-            graph.replay()
-            torch.cuda.synchronize()
-            ref = (wts * (idx >= 0))[:, :, None].float() * x.float()[:, None, :]
-            assert rel_err(y, ref.sum(1)) < TOL, kind
-        ctx.check()
+        _graph_replays(group, ctx, gen, eo, ("random", "skewed", "not_rank0", "one_expert"))
         _ll_check_call(group, ctx, gen, "random", n - 5)
     finally:
         ctx.close()
@@ -514,6 +481,4 @@ def _ll_graph_body(group, protocol):
 @pytest.mark.gpu
 @pytest.mark.parametrize("protocol", ["flag_in_data", "token_flag"])
 def test_low_latency_graph(world, protocol):
-    if world.backend != "cuda":
-        pytest.skip("CUDA graphs need a GPU")
-    world.run(_ll_graph_body, protocol)
+    run_on_gpus(world, _ll_graph_body, protocol, why="CUDA graphs need a GPU")

@@ -13,7 +13,7 @@ import torch
 
 from interlace.errors import InterlaceError, InterlaceTypeError, InterlaceValueError
 from interlace.ops.attention import FlashDecode
-from tests.ops._helpers import expect_error, nans, rel_err, sync
+from tests.ops._helpers import capture, expect_error, nans, rel_err, replay, run_on_gpus, sync
 
 TOL = 1e-2
 
@@ -143,8 +143,6 @@ def test_flash_decode_bad_inputs(world):
 
 
 def _graph_body(group):
-    import torch.distributed as dist
-
     r = group.rank
     max_b, hq, hkv, d, lens = _dims(group)
     ctx = FlashDecode(group, max_b, hq, hkv, d)
@@ -153,12 +151,7 @@ def _graph_body(group):
         k, v = (t.clone() for t in shards[r])
         kv_lens = torch.full((max_b,), lens[r], dtype=torch.int32, device=group.device)
         out = torch.empty_like(q)
-        ctx(q, k, v, kv_lens=kv_lens, out=out)  # compile outside the capture
-        torch.cuda.synchronize()
-        dist.barrier()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            ctx(q, k, v, kv_lens=kv_lens, out=out)
+        graph, _ = capture(lambda: ctx(q, k, v, kv_lens=kv_lens, out=out))  # compiles first
         for i in range(4):  # new contents and lengths per step, eager calls in between
             q2, shards2 = _inputs(group, max_b, hq, hkv, d, lens, seed=200 + i)
             valid = [[n - 13 * i - b for b in range(max_b)] for n in lens]
@@ -166,10 +159,7 @@ def _graph_body(group):
             k.copy_(shards2[r][0])
             v.copy_(shards2[r][1])
             kv_lens.copy_(torch.tensor(valid[r], dtype=torch.int32))
-            out.fill_(float("nan"))
-            dist.barrier()
-            graph.replay()
-            torch.cuda.synchronize()
+            replay(graph, out)
             assert rel_err(out, _reference(q2, shards2, valid, hkv)) < TOL, f"replay {i}"
             eager = ctx(q, k, v, kv_lens=kv_lens)
             torch.cuda.synchronize()
@@ -182,6 +172,4 @@ def _graph_body(group):
 
 @pytest.mark.gpu
 def test_flash_decode_graph_replay(world):
-    if world.backend != "cuda":
-        pytest.skip("CUDA graphs need a GPU")
-    world.run(_graph_body)
+    run_on_gpus(world, _graph_body, why="CUDA graphs need a GPU")

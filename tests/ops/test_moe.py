@@ -6,6 +6,8 @@ raising on every rank, and (on GPUs) CUDA-graph replay with new routing."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 
 from interlace.errors import InterlaceTypeError, InterlaceValueError
 from interlace.ops.moe import AGMoE, MoERS
-from tests.ops._helpers import expect_error, rand, rel_err, sync
+from tests.ops._helpers import capture, expect_error, rand, rel_err, replay, run_on_gpus, sync
 
 TOL = 1e-2
 
@@ -47,9 +49,7 @@ def _refusal_body(group):
 
 @pytest.mark.gpu
 def test_fused_moe_rs_is_refused_on_gpus(world):
-    if world.backend != "cuda":
-        pytest.skip("GPU only")
-    world.run(_refusal_body)
+    run_on_gpus(world, _refusal_body, why="GPU only")
 
 
 def make_routing(gen, m, k, experts, kind):
@@ -113,6 +113,15 @@ def _gather_cpu(t, group):
     return torch.cat(parts)
 
 
+@contextlib.contextmanager
+def _pair(group, strategy="auto", activation="swiglu", **sizes):
+    """``(AGMoE, MoERS)`` on ``group`` with the sizes ``sizes`` (``max_tokens``, ``hidden``,
+    ...), both closed on leaving."""
+    with AGMoE(group, strategy=strategy, activation=activation, **sizes) as ag:
+        with MoERS(group, strategy=strategy, **sizes) as rs:
+            yield ag, rs
+
+
 def _case(group, ag, rs, m, hidden, inter, experts, k, kind, seed, swiglu=True, check_h=True):
     w, r, dev, dtype = group.world_size, group.rank, group.device, torch.bfloat16
     gen = torch.Generator().manual_seed(seed + 17 * r)
@@ -151,13 +160,12 @@ def _case(group, ag, rs, m, hidden, inter, experts, k, kind, seed, swiglu=True, 
 
 # ------------------------------------------------------------------------- CPU shapes
 def _moe_body(group, strategy, shape, calls):
-    _allow_fused_rs(group)
     """One pair of contexts, several calls on it (varying tokens per rank and routing)."""
+    _allow_fused_rs(group)
     hidden, inter, experts, topk, max_m = shape
     w = group.world_size
     kw = dict(max_tokens=w * max_m, hidden=hidden, inter=inter, experts=experts, topk=topk)
-    ag, rs = AGMoE(group, strategy=strategy, **kw), MoERS(group, strategy=strategy, **kw)
-    try:
+    with _pair(group, strategy, **kw) as (ag, rs):
         for i, (kind, m) in enumerate(calls):
             routing = _case(group, ag, rs, m, hidden, inter, experts, topk, kind, seed=i)
             if strategy == "fused":
@@ -165,9 +173,6 @@ def _moe_body(group, strategy, shape, calls):
                 _check_tiles(routing, w)
         ag.check()
         rs.check()
-    finally:
-        ag.close()
-        rs.close()
     return True
 
 
@@ -198,9 +203,9 @@ def test_moe_matches_reference(world, strategy):
 
 
 def _edge_body(group):
-    _allow_fused_rs(group)
     """E = 1, k = 1 (one expert takes every token); E = 64, k = 8; odd widths (the
     pointer path: rows not 16-byte aligned); no activation."""
+    _allow_fused_rs(group)
     w = group.world_size
     for hidden, inter, experts, k, m, kind, swiglu in (
         (24, 8, 1, 1, 3, "one", True),
@@ -208,13 +213,8 @@ def _edge_body(group):
         (20, 12, 5, 3, 6, "skewed", False),
     ):
         kw = dict(max_tokens=w * 8, hidden=hidden, inter=inter, experts=experts, topk=k)
-        ag = AGMoE(group, activation="swiglu" if swiglu else None, **kw)
-        rs = MoERS(group, **kw)
-        try:
+        with _pair(group, activation="swiglu" if swiglu else None, **kw) as (ag, rs):
             _case(group, ag, rs, m, hidden, inter, experts, k, kind, seed=5, swiglu=swiglu)
-        finally:
-            ag.close()
-            rs.close()
     return True
 
 
@@ -228,13 +228,12 @@ def test_moe_edge_shapes(world):
 def _bad_body(group):
     w, r, dev = group.world_size, group.rank, group.device
     kw = dict(max_tokens=w * 4, hidden=16, inter=8, experts=4, topk=2)
-    ag, rs = AGMoE(group, **kw), MoERS(group, **kw)
     gen = torch.Generator().manual_seed(r)
     x = rand(gen, 3, 16, dtype=torch.bfloat16, device=dev)
     ids = torch.tensor([[0, 1], [2, 3], [1, 2]], device=dev)
     wts = torch.full((3, 2), 0.5, device=dev)
     w1 = rand(gen, 4, 16, 16, dtype=torch.bfloat16, device=dev)
-    try:
+    with _pair(group, **kw) as (ag, rs):
         bad_ids = ids.clone()
         if r == w - 1:
             bad_ids[1, 0] = 4  # out of range on one rank only: every rank raises
@@ -272,9 +271,6 @@ def _bad_body(group):
         assert torch.isfinite(y.float()).all()
         expect_error(InterlaceValueError, "strategy", AGMoE, group, strategy="fast", **kw)
         expect_error(InterlaceValueError, "topk", AGMoE, group, **{**kw, "topk": 5})
-    finally:
-        ag.close()
-        rs.close()
     return True
 
 
@@ -286,11 +282,10 @@ def test_moe_bad_inputs_raise_on_every_rank(world):
 
 # ------------------------------------------------------------------------- GPU only
 def _graph_body(group, m, hidden, inter, experts, k):
-    _allow_fused_rs(group)
     """CUDA-graph capture of both halves, replayed with new tokens and new routing."""
+    _allow_fused_rs(group)
     w, r, dev = group.world_size, group.rank, group.device
     kw = dict(max_tokens=w * m, hidden=hidden, inter=inter, experts=experts, topk=k)
-    ag, rs = AGMoE(group, **kw), MoERS(group, **kw)
     gen = torch.Generator().manual_seed(40 + r)
     w1, w2, w1_loc, w2_loc = _weights(w, hidden, inter, experts, torch.bfloat16, dev, r)
     x = torch.empty(m, hidden, dtype=torch.bfloat16, device=dev)
@@ -303,44 +298,34 @@ def _graph_body(group, m, hidden, inter, experts, k):
         x.copy_(xi.to(dev)), ids.copy_(ii.to(dev)), wts.copy_(wi.to(dev))
         return xi, ii, wi
 
-    try:
-        fill("random")
-        h, routing = ag(x, ids, wts, w1_loc)
-        rs(h, routing, w2_loc)
-        torch.cuda.synchronize()
-        dist.barrier()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+    with _pair(group, **kw) as (ag, rs):
+
+        def step():
             h, routing = ag(x, ids, wts, w1_loc)
-            y = rs(h, routing, w2_loc)
+            return rs(h, routing, w2_loc)
+
+        fill("random")
+        graph, y = capture(step)
         for kind in ("random", "skewed", "balanced"):
             xi, ii, wi = fill(kind)
-            y.fill_(float("nan"))
-            dist.barrier()
-            graph.replay()
-            torch.cuda.synchronize()
+            replay(graph, y)
             x_all, ids_all, w_all = (_gather_cpu(t, group) for t in (xi, ii, wi))
             ref = reference(x_all, ids_all, w_all, w1, w2, inter * w)[r * m : (r + 1) * m]
             err = rel_err(y.cpu(), ref)
             assert err < TOL, f"graph replay ({kind}): rel err {err:.2e}"
         ag.check()
         rs.check()
-    finally:
-        ag.close()
-        rs.close()
     return True
 
 
 @pytest.mark.gpu
 def test_moe_graph_replay_new_routing(world):
-    if world.backend != "cuda":
-        pytest.skip("CUDA graphs need a GPU")
-    world.run(_graph_body, 77, 256, 96, 8, 2)
+    run_on_gpus(world, _graph_body, 77, 256, 96, 8, 2, why="CUDA graphs need a GPU")
 
 
 def _gpu_body(group):
-    _allow_fused_rs(group)
     """GPU shapes: ragged tokens per rank, aligned and unaligned widths, E up to 64."""
+    _allow_fused_rs(group)
     w = group.world_size
     for m, hidden, inter, experts, k, kind in (
         (77, 256, 96, 8, 2, "random"),
@@ -348,31 +333,25 @@ def _gpu_body(group):
         (33, 264, 40, 64, 8, "random"),
     ):
         kw = dict(max_tokens=w * m, hidden=hidden, inter=inter, experts=experts, topk=k)
-        ag, rs = AGMoE(group, **kw), MoERS(group, **kw)
-        try:
+        with _pair(group, **kw) as (ag, rs):
             for i in range(2):
                 _case(group, ag, rs, m, hidden, inter, experts, k, kind, seed=i, check_h=i == 0)
-        finally:
-            ag.close()
-            rs.close()
     return True
 
 
 @pytest.mark.gpu
 def test_moe_gpu_shapes(world):
-    if world.backend != "cuda":
-        pytest.skip("GPU shapes")
-    world.run(_gpu_body)
+    run_on_gpus(world, _gpu_body, why="GPU shapes")
 
 
 # ------------------------------------------------------------------------- per-rank path
 def _per_rank_body(group):
-    _allow_fused_rs(group)
     """The per-rank path ``bench.moe`` times, on rank 0 alone: the routing kernels for all
     ``W`` source ranks (flags preset), the reduce GEMM with few programs running many tiles
     each (several K steps, ragged N), then the owner's finish over ``W`` accumulators,
     twice on the same buffers: the second call must not see the first's sums (the finish
     zeroes what it read) and a poisoned output is fully overwritten."""
+    _allow_fused_rs(group)
     from interlace.ops.moe import _gemm
     from interlace.ops.moe.routing import alloc_routing, launch_routing, pack_meta
 

@@ -18,7 +18,7 @@ import torch
 from interlace.errors import InterlaceTypeError, InterlaceValueError
 from interlace.ops.attention import SPAttention, zigzag_shard, zigzag_unshard
 from interlace.ops.attention.sp_attention import segment_ids
-from tests.ops._helpers import expect_error, rel_err, sync
+from tests.ops._helpers import capture, expect_error, rel_err, replay, sync
 
 TOL_FWD = 1e-2
 TOL_GRAD = 2e-2  # dS and P are rounded to 16 bits before their products (as flash attention)
@@ -76,11 +76,10 @@ def _fwd_bwd_body(group, causal, docs, heads, kv_heads, d, dtype_name, strategy,
     dtype = getattr(torch, dtype_name)
     gpu = group.backend == "cuda"
     sizes = [(1, 40), (2, 22)] if not gpu else [(1, 300), (2, 130)]  # ragged S_loc
-    ctx = SPAttention(
+    with SPAttention(
         group, heads, kv_heads, d, max_tokens=max(b * s for b, s in sizes), dtype=dtype,
         strategy=strategy,
-    )  # fmt: skip
-    try:
+    ) as ctx:  # fmt: skip
         for i, (batch, s_loc) in enumerate(sizes):
             (q, k, v, do), refs, cu = _case(
                 group, 100 + i, batch, heads, kv_heads, d, s_loc, causal, docs, dtype
@@ -100,8 +99,6 @@ def _fwd_bwd_body(group, causal, docs, heads, kv_heads, d, dtype_name, strategy,
                     assert err < TOL_GRAD, f"call {i}: d{name} rel err {err:.2e}"
         if strategy == "fused":
             ctx.check()
-    finally:
-        ctx.close()
     return True
 
 
@@ -146,8 +143,7 @@ def _repeat_body(group):
     of each kind are replayed from CUDA graphs (eager graphs), which must have been taken."""
     dtype, causal = torch.bfloat16, True
     gpu = group.backend == "cuda"
-    ctx = SPAttention(group, 4, 2, 64, max_tokens=24, dtype=dtype)
-    try:
+    with SPAttention(group, 4, 2, 64, max_tokens=24, dtype=dtype) as ctx:
         runs = []
         for i in range(5 if gpu else 3):
             (q, k, v, do), refs, cu = _case(group, 7 + i, 1, 4, 2, 64, 24, causal, 0, dtype)
@@ -163,8 +159,6 @@ def _repeat_body(group):
         if gpu and ctx.eager_graphs:
             replayed = [key[0][0] for key, g in ctx._graphs.items() if not isinstance(g, str)]
             assert sorted(replayed) == ["bwd", "bwd", "fwd", "fwd"], ctx._graphs
-    finally:
-        ctx.close()
     return True
 
 
@@ -196,8 +190,7 @@ def _bad_inputs_body(group):
         (lambda: cls(group, 4, 2, 64, 16, strategy="fast"), vexc, "strategy"),
     ):  # fmt: skip
         expect_error(exc, text, bad)
-    ctx = SPAttention(group, 4, 2, 64, max_tokens=16)
-    try:
+    with SPAttention(group, 4, 2, 64, max_tokens=16) as ctx:
         q = torch.randn(1, 4, 8, 64).to(bf).to(dev)
         k = torch.randn(1, 2, 8, 64).to(bf).to(dev)
         # dtype mismatch, wrong head count, K/V shape off, capacity, odd causal S_loc
@@ -220,8 +213,6 @@ def _bad_inputs_body(group):
         sync(group)
         assert torch.isfinite(o.float()).all()
         ctx.check()
-    finally:
-        ctx.close()
     return True
 
 
@@ -234,25 +225,15 @@ def _graph_body(group):
     """The forward captured in a CUDA graph (after an eager call) and replayed on fresh
     inputs with the output poisoned."""
     dtype, causal = torch.bfloat16, True
-    ctx = SPAttention(group, 4, 2, 128, max_tokens=256, dtype=dtype)
-    try:
+    with SPAttention(group, 4, 2, 128, max_tokens=256, dtype=dtype) as ctx:
         (q, k, v, _), refs, _ = _case(group, 3, 1, 4, 2, 128, 256, causal, 0, dtype)
-        ctx(q, k, v, causal=True)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o = ctx(q, k, v, causal=True)
+        graph, o = capture(lambda: ctx(q, k, v, causal=True))
         for i in range(3):
             (q2, k2, v2, _), refs, _ = _case(group, 50 + i, 1, 4, 2, 128, 256, causal, 0, dtype)
             q.copy_(q2), k.copy_(k2), v.copy_(v2)
-            o.fill_(float("nan"))
-            group.host_barrier()
-            graph.replay()
-            torch.cuda.synchronize()
+            replay(graph, o)
             assert rel_err(o.cpu(), refs[0]) < TOL_FWD, f"replay {i}"
         ctx.check()
-    finally:
-        ctx.close()
     return True
 
 
