@@ -42,6 +42,7 @@ import time
 
 import torch
 
+from ..runtime.signals import ERROR_WORDS
 from .timing import host_us, median_ms
 
 AS_WORLD = 4
@@ -85,7 +86,7 @@ class _PerRank:
         self.k_all = torch.cat([c.reshape(-1) for c in chunks_k])
         self.v_all = torch.cat([c.reshape(-1) for c in chunks_v])
         self.sig = torch.zeros(4 * (world + 1), dtype=torch.int32, device=dev)
-        self.err = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        self.err = torch.zeros(ERROR_WORDS, dtype=torch.int32, pin_memory=True)
         self.args = KernelArgs(
             0, world, heads, kv_heads, d, s_loc, causal, False, 1.0 / math.sqrt(d),
             torch.zeros(2, dtype=torch.int32, device=dev),

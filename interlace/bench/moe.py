@@ -34,6 +34,8 @@ import math
 
 import torch
 
+from ..runtime.signals import ERROR_WORDS
+
 SHAPES = [(2048, 1536, 8, 2), (2048, 1536, 32, 2), (2048, 1536, 32, 5),
           (4096, 2048, 8, 2), (4096, 2048, 32, 2), (4096, 2048, 32, 5)]  # fmt: skip
 TOKENS = 8192
@@ -85,7 +87,7 @@ class _Problem:
         for s in range(world):
             pack_meta(self.meta[s], ids[s * m : (s + 1) * m], wts[s * m : (s + 1) * m])
         self.sig = torch.ones(64, dtype=torch.int32, device=dev)  # every arrival flag raised
-        self.err = torch.zeros(4, dtype=torch.int32, device=dev)
+        self.err = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=dev)
         flat = ids.reshape(-1)
         order = torch.sort(flat, stable=True).indices
         ends = torch.cumsum(torch.bincount(flat, minlength=experts), 0).to(torch.int32)

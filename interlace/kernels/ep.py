@@ -35,13 +35,17 @@ import triton
 import triton.language as tl
 
 from ..language.primitives import (
+    CAUSE_TIMEOUT,
     ERROR_POLL,
     REMOTE_SLOT,
     notify,
     peer_ptr_aligned,
-    record_timeout,
+    record_check,
+    record_fault,
     signal_base,
     wait,
+    wait_deadline,
+    wait_stop,
 )
 
 #: Values per FP8 scale (one fp32 scale per this many consecutive values of a row).
@@ -58,18 +62,20 @@ def _decode_count(n_raw):
 
 @triton.jit
 def _wait_below(sig, bound, err, rank, slot, max_spins):
-    """Acquire-spin until ``*sig < bound`` (bounded, as ``primitives.wait``)."""
+    """Acquire-spin until ``*sig < bound``, bounded as ``primitives.wait``: ``max_spins``
+    microseconds, and it stops once this rank or any rank of the group recorded a fault."""
     seen = tl.load(sig, volatile=True)
+    deadline = wait_deadline(max_spins)
     spins = 0
-    while (seen >= bound) & (spins < max_spins):
-        if spins % ERROR_POLL == ERROR_POLL - 1:
-            if tl.load(err.to(tl.pointer_type(tl.int32)), volatile=True) != 0:
-                spins = max_spins
-        seen = tl.load(sig, volatile=True)
+    cause = 0
+    while (seen >= bound) & (cause == 0):
         spins += 1
+        if spins % ERROR_POLL == 0:
+            cause = wait_stop(err, deadline)
+        seen = tl.load(sig, volatile=True)
     seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
     if seen >= bound:
-        record_timeout(err, rank, slot, seen)
+        record_fault(err, rank, slot, seen, bound - 1, tl.where(cause == 0, CAUSE_TIMEOUT, cause))
 
 
 @triton.jit
@@ -288,10 +294,10 @@ def ep_layout_kernel(
         state = 0
         if bad_src < world:
             state = 2
-            record_timeout(err, bad_src, BAD_SLOT, 0)
+            record_check(err, bad_src, BAD_SLOT, 0)
         elif first_over < WP:
             state = 1
-            record_timeout(err, first_over, OVERFLOW_SLOT, need)
+            record_check(err, first_over, OVERFLOW_SLOT, need)
         tl.store(status, state)
 
 

@@ -46,7 +46,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..language.primitives import ERROR_POLL, peer_ptr_aligned, record_timeout
+from ..language.primitives import (
+    CAUSE_TIMEOUT,
+    ERROR_POLL,
+    peer_ptr_aligned,
+    record_check,
+    record_fault,
+    wait_deadline,
+    wait_stop,
+)
 
 LOW32 = tl.constexpr(0xFFFFFFFF)
 
@@ -69,27 +77,30 @@ def _payload(word):
 
 @triton.jit
 def _poll_word(ptr, epoch, err, rank, slot, max_spins, AT_LEAST: tl.constexpr = False):
-    """Spin (bounded, volatile loads) until the word at ``ptr`` carries ``epoch`` (or a
-    later one with ``AT_LEAST``); returns the word. A timeout is recorded in the error
-    word and returns a word whose payload is 0."""
+    """Spin (volatile loads) until the word at ``ptr`` carries ``epoch`` (or a later one
+    with ``AT_LEAST``); returns the word. Bounded as ``primitives.wait`` (``max_spins``
+    microseconds; it stops once any rank of the group recorded a fault): a wait that stops
+    is recorded in the error word and returns a word whose payload is 0."""
     w = tl.load(ptr, volatile=True)
+    deadline = wait_deadline(max_spins)
     spins = 0
+    cause = 0
     if AT_LEAST:
         met = _epoch_of(w) - epoch >= 0
     else:
         met = _epoch_of(w) == epoch
-    while (not met) & (spins < max_spins):
-        if spins % ERROR_POLL == ERROR_POLL - 1:
-            if tl.load(err.to(tl.pointer_type(tl.int32)), volatile=True) != 0:
-                spins = max_spins
+    while (not met) & (cause == 0):
+        spins += 1
+        if spins % ERROR_POLL == 0:
+            cause = wait_stop(err, deadline)
         w = tl.load(ptr, volatile=True)
         if AT_LEAST:
             met = _epoch_of(w) - epoch >= 0
         else:
             met = _epoch_of(w) == epoch
-        spins += 1
     if not met:
-        record_timeout(err, rank, slot, _epoch_of(w))
+        cause = tl.where(cause == 0, CAUSE_TIMEOUT, cause)
+        record_fault(err, rank, slot, _epoch_of(w), epoch, cause)
         w = _word(0, epoch)
     return w
 
@@ -105,19 +116,21 @@ def _poll_acquire(ptr, epoch, err, rank, slot, max_spins):
 
 @triton.jit
 def _poll_row(ptrs, mask, epoch, err, rank, slot, max_spins):
-    """Spin until every word of a row chunk carries ``epoch``; returns the words."""
+    """Spin until every word of a row chunk carries ``epoch``; returns the words. Bounded
+    as ``_poll_word``; a wait that stops records how many words were missing."""
     w = tl.load(ptrs, mask=mask, other=0, volatile=True)
     missing = tl.sum((mask & (_epoch_of(w) != epoch)).to(tl.int32))
+    deadline = wait_deadline(max_spins)
     spins = 0
-    while (missing > 0) & (spins < max_spins):
-        if spins % ERROR_POLL == ERROR_POLL - 1:
-            if tl.load(err.to(tl.pointer_type(tl.int32)), volatile=True) != 0:
-                spins = max_spins
+    cause = 0
+    while (missing > 0) & (cause == 0):
+        spins += 1
+        if spins % ERROR_POLL == 0:
+            cause = wait_stop(err, deadline)
         w = tl.load(ptrs, mask=mask, other=0, volatile=True)
         missing = tl.sum((mask & (_epoch_of(w) != epoch)).to(tl.int32))
-        spins += 1
     if missing > 0:
-        record_timeout(err, rank, slot, missing)
+        record_fault(err, rank, slot, missing, 0, tl.where(cause == 0, CAUSE_TIMEOUT, cause))
     return w
 
 
@@ -224,7 +237,7 @@ def ll_dispatch_kernel(
         seg = (par * E_LOC + el) * world + s
         cw = _payload(_poll_word(d_count + seg, epoch, err, rank, SLOT_BASE + s, max_spins))
         if cw < 0:
-            record_timeout(err, s, BAD_SLOT, 0)
+            record_check(err, s, BAD_SLOT, 0)
         cnt = tl.where(cw < 0, -1 - cw, cw)
         tl.store(layout + j * 2, first)
         tl.store(layout + j * 2 + 1, cnt)

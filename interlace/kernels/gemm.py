@@ -226,8 +226,10 @@ def gemm_segments_kernel(
     if ENTRY_BARRIER:
         if pid == 0:
             trace_event(TRACE, tbuf, EV_BARRIER_BEGIN, 0, 0, rank)
-            barrier_all(sig_table, bar_slot, rank, WORLD, err, max_spins)
-            notify(sig + go_slot, 1)
+            # no "go" when a peer is in another call (the fault is recorded): the
+            # segments that write into peers then stop at their wait instead
+            if barrier_all(sig_table, bar_slot, rank, WORLD, err, max_spins) != 0:
+                notify(sig + go_slot, 1)
             trace_event(TRACE, tbuf, EV_BARRIER_END, 0, 0, rank)
     tiles_n = tl.cdiv(N, BLOCK_N)
     out_ty = c.dtype.element_ty

@@ -58,8 +58,8 @@ def ring_reduce_scatter_kernel(
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     if pid == 0:
-        barrier_all(sig_table, bar_slot, rank, WORLD, err, max_spins)
-        notify(sig + go_slot, 1)
+        if barrier_all(sig_table, bar_slot, rank, WORLD, err, max_spins) != 0:
+            notify(sig + go_slot, 1)  # not when a peer is in another call
     go = wait(sig + go_slot, 1, err, rank, go_slot, max_spins)
     right = (rank + 1) % WORLD
     right_recv = peer_ptr_aligned(recv, recv_table, rank, right)

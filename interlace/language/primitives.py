@@ -12,10 +12,21 @@ Conventions
   the pointer ``like``.
 * Signals are int32 words. ``notify`` releases (every write before it is visible to whoever
   acquires the signal); ``wait`` acquires.
-* Every wait is bounded by ``max_spins``. When the bound is reached the wait records
-  ``[2, rank, slot, last value]`` into the error word at address ``err`` (first timeout
-  wins) and returns, so the kernel ends and the host raises ``WaitTimeoutError`` instead of
-  hanging the GPU. Data guarded by a timed-out wait is masked off (see ``guard``).
+* Every wait is bounded in time: ``max_spins`` (the name every kernel passes it under) is
+  the bound in microseconds (``runtime.default_wait_bound_us``, ``INTERLACE_WAIT_TIMEOUT_S``),
+  read against the GPU's global timer (``%globaltimer``) or, in the interpreter, the host
+  clock. A wait that stops records ``[2, rank, slot, last value, cause, expected]`` into
+  its rank's error word at address ``err`` (first wins) and returns, so the kernel ends and
+  the host raises instead of hanging the GPU. Data guarded by a failed wait is masked off
+  (see ``guard``).
+* One fault stops every rank: the error word also holds the address of the group's fault
+  word (rank 0's ``fault`` region of the signal pad, ``runtime.signals``). A wait that runs
+  out of time, or a barrier that sees a peer's call fingerprint differ from its own, claims
+  it; every spinning wait of every rank polls it (with its own error word) every
+  ``ERROR_POLL`` spins and stops.
+* Device barriers carry the call's fingerprint (this rank's ``call`` slot, also found
+  through ``err``): a peer that called differently never satisfies them and is reported as
+  a mismatch at once.
 * Ordering: a load guarded by a wait must take its mask from ``guard(mask, token, expected)``
   with the value the wait returned. The load then depends on the waited value, so Triton's
   software pipeliner cannot issue it before the wait (the role of Triton-distributed's
@@ -25,9 +36,32 @@ Conventions
 from __future__ import annotations
 
 import os
+import time
 
 import triton
 import triton.language as tl
+
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def _host_clock_ns():
+    """The interpreter's clock (device code calls it only where ``INTERPRETED``)."""
+    return time.monotonic_ns()
+
+
+_host_clock_ns.__triton_builtin__ = True  # let jit functions name it (interpreter only)
+
+
+@triton.jit
+def now_ns():
+    """Nanoseconds of a clock that only moves forward: the GPU's global timer, or the host
+    clock in the interpreter (which does not run inline PTX)."""
+    if INTERPRETED:
+        return tl.full([], _host_clock_ns(), tl.int64)
+    else:
+        return tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
 
 
 @triton.jit
@@ -75,9 +109,6 @@ def notify(sig, value, ADD: tl.constexpr = False, LOCAL: tl.constexpr = False):
         tl.atomic_xchg(sig, value, sem="release", scope="gpu" if LOCAL else "sys")
 
 
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-
-
 @triton.jit
 def bulk_stores_done():
     """Wait until this thread's TMA (bulk tensor) stores have completed, and order their
@@ -94,9 +125,19 @@ def bulk_stores_done():
 #: ``slot`` values at or above this name a slot on another rank's pad: ``slot +
 #: (peer + 1) * REMOTE_SLOT``; the host decodes it in timeout reports.
 REMOTE_SLOT = tl.constexpr(1 << 16)
-#: A spinning wait re-reads the error word every this many spins, and gives up at once if
-#: another wait of the launch (or of an earlier one) already timed out.
-ERROR_POLL = tl.constexpr(4096)
+#: A spinning wait reads its error word, the group's fault word and the clock every this
+#: many spins: it gives up once any wait of any rank has recorded a fault, or once its
+#: time is up. (A spin is about a microsecond on a GPU, a fraction of a millisecond in the
+#: interpreter.)
+ERROR_POLL = tl.constexpr(8 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 4096)
+
+# Why a wait stopped (``runtime.signals`` mirrors these).
+CAUSE_TIMEOUT = tl.constexpr(1)
+CAUSE_MISMATCH = tl.constexpr(2)
+CAUSE_PEER = tl.constexpr(3)  # another wait (any rank) recorded a fault first
+# A device-side argument check that every rank makes alike (``record_check``): recorded in
+# this rank's error word only, so the op raises its own error and the context stays usable.
+CAUSE_CHECK = tl.constexpr(5)
 
 _GE = tl.constexpr(0)  # wait until value >= expected
 _EQ = tl.constexpr(1)  # wait until value == expected
@@ -104,14 +145,92 @@ _CAS = tl.constexpr(2)  # swap expected -> new, waiting until the swap succeeds
 
 
 @triton.jit
-def record_timeout(err, rank, slot, seen):
-    """Write ``[2, rank, slot, seen]`` to the error word at address ``err`` (first wins)."""
+def _group_word(err):
+    """Address of the group's fault word kept in the error word (0: none)."""
+    return tl.load((err + 24).to(tl.pointer_type(tl.int64)))
+
+
+@triton.jit
+def call_fingerprint(err):
+    """This call's fingerprint, from this rank's ``call`` slot (its address is kept in the
+    error word); 1 where there is none (a context that does not fingerprint its calls)."""
+    call = tl.load((err + 32).to(tl.pointer_type(tl.int64)))
+    fp = 1
+    if call != 0:
+        fp = tl.load(call.to(tl.pointer_type(tl.int32)), volatile=True)
+    return tl.where(fp == 0, 1, fp)
+
+
+@triton.jit
+def failed(err):
+    """Non-zero once a wait of this rank, or any rank's fault, has been recorded."""
+    state = tl.load(err.to(tl.pointer_type(tl.int32)), volatile=True)
+    group = _group_word(err)
+    if group != 0:
+        state = state | tl.load(group.to(tl.pointer_type(tl.int32)), volatile=True)
+    return state
+
+
+@triton.jit
+def record_fault(err, rank, slot, seen, expected, cause):
+    """Write ``[2, rank, slot, seen, cause, expected]`` to this rank's error word (first
+    wins) and, for a fault found here (not ``CAUSE_PEER``), claim the group's fault word
+    with ``[2, rank, cause, slot, seen, expected]`` (first of all ranks wins)."""
     word = err.to(tl.pointer_type(tl.int32))
     if tl.atomic_cas(word, 0, 1, sem="acq_rel", scope="sys") == 0:
         tl.atomic_xchg(word + 1, rank, sem="relaxed", scope="sys")
         tl.atomic_xchg(word + 2, slot, sem="relaxed", scope="sys")
         tl.atomic_xchg(word + 3, seen, sem="relaxed", scope="sys")
+        tl.atomic_xchg(word + 4, cause, sem="relaxed", scope="sys")
+        tl.atomic_xchg(word + 5, expected, sem="relaxed", scope="sys")
         tl.atomic_xchg(word, 2, sem="release", scope="sys")
+    if (cause != CAUSE_PEER) & (cause != CAUSE_CHECK):
+        group = _group_word(err)
+        if group != 0:
+            g = group.to(tl.pointer_type(tl.int32))
+            if tl.atomic_cas(g, 0, 1, sem="acq_rel", scope="sys") == 0:
+                tl.atomic_xchg(g + 1, rank, sem="relaxed", scope="sys")
+                tl.atomic_xchg(g + 2, cause, sem="relaxed", scope="sys")
+                tl.atomic_xchg(g + 3, slot, sem="relaxed", scope="sys")
+                tl.atomic_xchg(g + 4, seen, sem="relaxed", scope="sys")
+                tl.atomic_xchg(g + 5, expected, sem="relaxed", scope="sys")
+                tl.atomic_xchg(g, 2, sem="release", scope="sys")
+
+
+@triton.jit
+def record_timeout(err, rank, slot, seen):
+    """``record_fault`` of a wait that ran out of time."""
+    record_fault(err, rank, slot, seen, seen + 1, CAUSE_TIMEOUT)
+
+
+@triton.jit
+def record_check(err, rank, slot, seen):
+    """Record ``[2, rank, slot, seen, CAUSE_CHECK, 0]`` in this rank's error word (first
+    wins), not in the group's fault word: for a check of the call's arguments that every
+    rank makes on the same data, so every rank raises it alike and no wait is stopped."""
+    record_fault(err, rank, slot, seen, 0, CAUSE_CHECK)
+
+
+@triton.jit
+def wait_deadline(bound_us):
+    """The ``now_ns`` value at which a wait that starts now runs out of time (``bound_us``:
+    the ``max_spins`` argument, microseconds)."""
+    return now_ns() + bound_us.to(tl.int64) * 1000
+
+
+@triton.jit
+def wait_stop(err, deadline):
+    """For a spin loop of its own (one that polls something other than one signal), called
+    every ``ERROR_POLL`` spins: 0 to go on, else why to stop, as ``_spin`` decides it:
+    ``CAUSE_PEER`` once this rank's error word or the group's fault word holds a fault,
+    ``CAUSE_TIMEOUT`` once the clock passed ``deadline`` (``wait_deadline``). The loop then
+    records ``record_fault(..., cause)``."""
+    cause = 0
+    if failed(err) != 0:
+        cause = CAUSE_PEER
+    elif now_ns() > deadline:
+        cause = CAUSE_TIMEOUT
+    return cause
 
 
 @triton.jit
@@ -134,27 +253,43 @@ def _met(seen, expected, MODE: tl.constexpr):
 
 
 @triton.jit
-def _spin(sig, expected, new, err, rank, slot, max_spins, MODE: tl.constexpr):
+def _spin(
+    sig, expected, new, err, rank, slot, bound_us, MODE: tl.constexpr,
+    CHECK: tl.constexpr = False,
+):  # fmt: skip
     """The one bounded spin behind every wait. Returns the token: the value seen, or
     ``expected - 1`` if the wait gave up, so that ``guard`` masks the data off.
+
+    Gives up when ``bound_us`` microseconds have passed, or when this rank's error word or
+    the group's fault word is set (read every ``ERROR_POLL`` spins). ``CHECK`` (with
+    ``_CAS``, a barrier's consume): the signal holds a call fingerprint, and a non-zero
+    value other than ``expected`` is a peer in a different call: a mismatch, at once.
 
     A plain wait ends with one acquiring atomic read of the signal: it orders every later
     load after the producer's release, and it is the token ``guard`` makes loads depend on.
     """
     seen = _poll(sig, expected, new, MODE)
+    start = now_ns()
+    limit = bound_us.to(tl.int64) * 1000
     spins = 0
-    while (not _met(seen, expected, MODE)) & (spins < max_spins):
-        if spins % ERROR_POLL == ERROR_POLL - 1:
-            failed = tl.load(err.to(tl.pointer_type(tl.int32)), volatile=True)
-            if failed != 0:
-                spins = max_spins
-        seen = _poll(sig, expected, new, MODE)
+    cause = 0
+    while (not _met(seen, expected, MODE)) & (cause == 0):
+        if CHECK:
+            if seen != 0:
+                cause = CAUSE_MISMATCH
         spins += 1
+        if spins % ERROR_POLL == 0:
+            if failed(err) != 0:
+                cause = CAUSE_PEER
+            elif now_ns() - start > limit:
+                cause = CAUSE_TIMEOUT
+        if cause == 0:
+            seen = _poll(sig, expected, new, MODE)
     if MODE != _CAS:
         seen = tl.atomic_add(sig, 0, sem="acquire", scope="sys")
     token = seen
     if not _met(seen, expected, MODE):
-        record_timeout(err, rank, slot, seen)
+        record_fault(err, rank, slot, seen, expected, tl.where(cause == 0, CAUSE_TIMEOUT, cause))
         token = expected - 1
     return token
 
@@ -180,10 +315,11 @@ def wait_inline(sig, expected, needed, err, rank, slot, max_spins, count=1):
     barriers). Waits for each of the ``count`` consecutive signals from ``sig`` (``slot``
     names the first) in turn and returns the smallest value seen; where ``needed`` is 0
     it returns ``expected`` at once (an earlier wait of this thread already acquired
-    them). Same protocol as ``wait``: volatile polls, the error word read every
-    ``ERROR_POLL`` (4096) spins, one acquiring load per signal once met (the token
-    depends on each); on timeout ``[2, rank, slot, seen]`` is recorded (first wins) and
-    ``expected - 1`` returned. In the interpreter, ``wait`` on each."""
+    them). Same protocol as ``wait``: volatile polls; every ``ERROR_POLL`` (4096) spins
+    the error word, the group's fault word and the global timer are read (a fault stops it,
+    as does ``max_spins`` microseconds since it began); one acquiring load per signal once
+    met (the token depends on each); on timeout the fault is recorded as ``record_fault``
+    does (first wins) and ``expected - 1`` returned. In the interpreter, ``wait`` on each."""
     if INTERPRETED:
         token = expected
         if needed != 0:
@@ -197,13 +333,18 @@ def wait_inline(sig, expected, needed, err, rank, slot, max_spins, count=1):
             """{
             .reg .pred %p;
             .reg .u32 %n, %t, %i, %v;
-            .reg .u64 %a;
+            .reg .u64 %a, %g, %d, %e;
             mov.b32 $0, $2;
             setp.eq.u32 %p, $7, 0;
             @%p bra DONE;
             mov.b32 $0, 2147483647;
             mov.u32 %i, 0;
             mov.b64 %a, $1;
+            mov.u64 %d, %globaltimer;
+            cvt.u64.u32 %e, $5;
+            mul.lo.u64 %e, %e, 1000;
+            add.u64 %d, %d, %e;
+            ld.global.u64 %g, [$3+24];
             SLOT:
             mov.u32 %n, 0;
             POLL:
@@ -211,15 +352,22 @@ def wait_inline(sig, expected, needed, err, rank, slot, max_spins, count=1):
             setp.ge.s32 %p, %v, $2;
             @%p bra MET;
             add.u32 %n, %n, 1;
-            setp.ge.u32 %p, %n, $5;
-            @%p bra TIMEOUT;
             and.b32 %t, %n, 4095;
             setp.ne.u32 %p, %t, 0;
             @%p bra POLL;
             ld.volatile.global.u32 %t, [$3];
-            setp.eq.u32 %p, %t, 0;
+            setp.ne.u32 %p, %t, 0;
+            @%p bra PEER;
+            setp.eq.u64 %p, %g, 0;
+            @%p bra CLOCK;
+            ld.volatile.global.u32 %t, [%g];
+            setp.ne.u32 %p, %t, 0;
+            @%p bra PEER;
+            CLOCK:
+            mov.u64 %e, %globaltimer;
+            setp.lt.u64 %p, %e, %d;
             @%p bra POLL;
-            bra GIVEUP;
+            bra TIMEOUT;
             MET:
             ld.acquire.sys.global.u32 %v, [%a];
             min.s32 $0, $0, %v;
@@ -231,11 +379,43 @@ def wait_inline(sig, expected, needed, err, rank, slot, max_spins, count=1):
             TIMEOUT:
             atom.acq_rel.sys.global.cas.b32 %t, [$3], 0, 1;
             setp.ne.u32 %p, %t, 0;
+            @%p bra GROUP;
+            st.relaxed.sys.global.u32 [$3+4], $4;
+            add.u32 %t, $6, %i;
+            st.relaxed.sys.global.u32 [$3+8], %t;
+            st.relaxed.sys.global.u32 [$3+12], %v;
+            mov.u32 %t, 1;
+            st.relaxed.sys.global.u32 [$3+16], %t;
+            st.relaxed.sys.global.u32 [$3+20], $2;
+            mov.u32 %t, 2;
+            st.release.sys.global.u32 [$3], %t;
+            GROUP:
+            setp.eq.u64 %p, %g, 0;
+            @%p bra GIVEUP;
+            atom.acq_rel.sys.global.cas.b32 %t, [%g], 0, 1;
+            setp.ne.u32 %p, %t, 0;
+            @%p bra GIVEUP;
+            st.relaxed.sys.global.u32 [%g+4], $4;
+            mov.u32 %t, 1;
+            st.relaxed.sys.global.u32 [%g+8], %t;
+            add.u32 %t, $6, %i;
+            st.relaxed.sys.global.u32 [%g+12], %t;
+            st.relaxed.sys.global.u32 [%g+16], %v;
+            st.relaxed.sys.global.u32 [%g+20], $2;
+            mov.u32 %t, 2;
+            st.release.sys.global.u32 [%g], %t;
+            bra GIVEUP;
+            PEER:
+            atom.acq_rel.sys.global.cas.b32 %t, [$3], 0, 1;
+            setp.ne.u32 %p, %t, 0;
             @%p bra GIVEUP;
             st.relaxed.sys.global.u32 [$3+4], $4;
             add.u32 %t, $6, %i;
             st.relaxed.sys.global.u32 [$3+8], %t;
             st.relaxed.sys.global.u32 [$3+12], %v;
+            mov.u32 %t, 3;
+            st.relaxed.sys.global.u32 [$3+16], %t;
+            st.relaxed.sys.global.u32 [$3+20], $2;
             mov.u32 %t, 2;
             st.release.sys.global.u32 [$3], %t;
             GIVEUP:
@@ -311,9 +491,10 @@ def consume(sig, expected, err, rank, slot, max_spins):
 
 
 @triton.jit
-def put_flag(sig, err, rank, slot, max_spins):
-    """Set a handshake flag from 0 to 1, first waiting for the previous 1 to be consumed."""
-    _spin(sig, 0, 1, err, rank, slot, max_spins, _CAS)
+def put_flag(sig, err, rank, slot, max_spins, value=1):
+    """Set a handshake flag from 0 to ``value`` (non-zero), first waiting for the previous
+    value to be consumed."""
+    _spin(sig, 0, value, err, rank, slot, max_spins, _CAS)
 
 
 @triton.jit
@@ -335,18 +516,28 @@ def guard_coord(coord, token, expected, out_of_bounds):
 def barrier_all(sig_table, slot_base, rank, world, err, max_spins):
     """Device-side barrier over all ranks, using slots ``[slot_base, slot_base + world)``.
 
-    Each rank sets flag ``slot_base + rank`` on every peer, then consumes flag
-    ``slot_base + peer`` of its own for every peer. Self-resetting: the same slots serve
-    every later barrier and CUDA-graph replays. Run it from one program.
+    Each rank sets flag ``slot_base + rank`` on every peer to its call fingerprint
+    (``call_fingerprint``), then consumes flag ``slot_base + peer`` of its own for every
+    peer, expecting its own fingerprint there: a peer in a different call (other shapes,
+    strategy, buffer set or call count) is reported as a mismatch at once, on both sides.
+    Self-resetting: the same slots serve every later barrier and CUDA-graph replays. Run it
+    from one program. Returns 1 if every peer arrived with this call's fingerprint, else 0
+    (the fault is recorded).
     """
+    fp = call_fingerprint(err)
     mine = signal_base(sig_table, rank) + slot_base
     for i in range(1, world):
         peer = (rank + i) % world
         theirs = signal_base(sig_table, peer) + slot_base
-        put_flag(theirs + rank, err, rank, slot_base + rank + (peer + 1) * REMOTE_SLOT, max_spins)
+        put_flag(
+            theirs + rank, err, rank, slot_base + rank + (peer + 1) * REMOTE_SLOT, max_spins, fp
+        )
+    ok = 1
     for i in range(1, world):
         peer = (rank + world - i) % world
-        consume(mine + peer, 1, err, rank, slot_base + peer, max_spins)
+        got = _spin(mine + peer, fp, 0, err, rank, slot_base + peer, max_spins, _CAS, True)
+        ok = tl.where(got == fp, ok, 0)
+    return ok
 
 
 @triton.jit

@@ -1,17 +1,43 @@
-"""What every op context shares: its signal pad, error word, barrier, argument checks and
-life cycle (``close()``, context-manager use, ``check()``)."""
+"""What every op context shares: its signal pad, error word, barrier, argument checks,
+call fingerprints and life cycle (``close()``, context-manager use, ``check()``).
+
+Faults across ranks (``interlace.errors.CrossRankError``): every call of an op runs
+``_begin()`` first (refuses a closed or failed context, raises a fault recorded since the
+last call), then its argument checks, then ``_begin_call(**fields)`` just before it
+enqueues device work: the fields the peers depend on (shapes, strategy, ...) become the
+call's fingerprint, written in stream order into this rank's ``call`` slot, which device
+barriers carry (a peer that called differently is reported at once) and which the host
+reads to name the difference. ``_end()`` raises a fault the call's waits recorded (at
+once on the ``cpu`` backend; on ``cuda`` at the next call or ``check()``, which wait for
+the device). After a fault the context refuses every call (``ContextFailedError``):
+close it and build a new one on every rank. An exception other than these escaping a
+call on one rank after ``_begin_call`` is reported to the group as an abort, so its peers
+stop at once. A check of the call's arguments that the kernels make alike on every rank
+(``primitives.record_check``, e.g. an expert-parallel capacity overflow) raises the op's
+own error (``_check_error``) instead, and leaves the context usable.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import warnings
+import zlib
 
 import torch
 
-from ..errors import InterlaceError, InterlaceTypeError, InterlaceValueError
+from ..errors import (
+    ContextClosedError,
+    ContextFailedError,
+    CrossRankError,
+    InterlaceTypeError,
+    InterlaceValueError,
+)
 from ..language.primitives import barrier_kernel
 from ..runtime import ErrorWord, Group, SignalPad, default_max_spins, graphs
+from ..runtime.signals import CALL_WORDS, CAUSE_CHECK, MAX_CALL_FIELDS, field_value, hash_text
+from ..runtime.symmetric import check_group
 from . import _trace
 from ._launch import PreparedLaunch
 
@@ -65,20 +91,68 @@ class AlternatingSets:
         return s
 
 
+def _checks_group_first(init):
+    """Wrap a context's ``__init__`` so that its ``group`` argument is checked before
+    anything else touches it (every public constructor raises InterlaceTypeError)."""
+
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        group = args[0] if args else kwargs.get("group")
+        check_group(type(self).op_name, group)
+        return init(self, *args, **kwargs)
+
+    wrapped._checks_group = True
+    return wrapped
+
+
+def _reports_aborts(call):
+    """Wrap a context's ``__call__``: an exception that escapes it on this rank after the
+    call has begun on the device (``_begin_call``) is reported to the group, so that its
+    peers' waits stop at once instead of running out of time."""
+
+    @functools.wraps(call)
+    def wrapped(self, *args, **kwargs):
+        try:
+            return call(self, *args, **kwargs)
+        except CrossRankError:
+            raise
+        except BaseException:
+            if self.error.in_call:
+                self.error.report()
+                self._failed = self._failed or ContextFailedError(
+                    self.op_name, RuntimeError("this rank aborted a call")
+                )
+            raise
+        finally:
+            self.error.in_call = False
+
+    wrapped._reports_aborts = True
+    return wrapped
+
+
 class OpContext:
     """Base of the op contexts: owns a signal pad with a ``barrier`` region plus the
-    op's own regions, and an error word that bounded waits report timeouts into."""
+    op's own regions, and an error word that bounded waits report faults into (attached
+    to the pad's group fault word and call slot, ``runtime.signals``)."""
 
     op_name = "op"
+    _failed: BaseException | None = None  # (class defaults: for contexts that build
+    _call_seq = 0  # their own state instead of calling OpContext.__init__)
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "_checks_group", False):
+            cls.__init__ = _checks_group_first(init)
+        call = cls.__dict__.get("__call__")
+        if call is not None and not getattr(call, "_reports_aborts", False):
+            cls.__call__ = _reports_aborts(call)
 
     def __init__(
         self, group: Group, dtype: torch.dtype, max_numel: int, regions: dict[str, int],
         max_spins=None,
     ):  # fmt: skip
-        if not isinstance(group, Group):
-            raise InterlaceTypeError(
-                f"{self.op_name}: group must be an interlace Group, got {type(group).__name__}"
-            )
+        check_group(self.op_name, group)
         if dtype not in SUPPORTED_DTYPES:
             raise InterlaceTypeError(
                 f"{self.op_name}: dtype must be one of {SUPPORTED_DTYPES}, got {dtype}"
@@ -92,20 +166,25 @@ class OpContext:
         self.max_spins = int(max_spins) if max_spins is not None else default_max_spins(group)
         self.pad = SignalPad(group, {"barrier": group.world_size, **regions})
         self.error = ErrorWord(group)
+        self.error.attach(self.pad, self.op_name)
         self._closed = False
+        self._failed: BaseException | None = None
         self._buffers = []
         self._barriers: dict = {}  # (clear_first, clear_count) -> its prepared launch
+        self._init_calls()
 
     # ------------------------------------------------------------------ life cycle
     def close(self) -> None:
-        """Free the context's symmetric buffers and signals (collective: call on every rank)."""
+        """Free the context's symmetric buffers and signals (collective: call on every
+        rank). Idempotent; any call after it raises ContextClosedError."""
         if self._closed:
             return
         if self.group.backend == "cuda":
-            torch.cuda.synchronize(self.group.device)
+            torch.cuda.synchronize(self.group.device)  # every wait is bounded in time
         self._closed = True
         for buf in self._buffers:
             buf.close()
+        self.error.detach()
         self.pad.close()
         self._buffers = []
 
@@ -116,18 +195,120 @@ class OpContext:
         self.close()
 
     def check(self) -> None:
-        """Wait for the device, then raise if any wait of this context timed out."""
+        """Wait for the device, then raise if a call of this context failed on any rank
+        (the same error on every rank), or if the context was closed or failed before."""
+        self._refuse_if_unusable()
         if self.group.backend == "cuda":
             torch.cuda.synchronize(self.group.device)
-        self.error.raise_if_set(self.op_name, self.pad.describe)
+        self._raise_recorded_check()
+        if self.error.fault_pending() or self.error.group_record() is not None:
+            self._fail()
+
+    @property
+    def failed(self) -> bool:
+        """A call of this context failed across ranks: it refuses further calls."""
+        return self._failed is not None
+
+    def _refuse_if_unusable(self) -> None:
+        if self._closed:
+            raise ContextClosedError(
+                f"{self.op_name}: the context was closed; build a new one to call it again"
+            )
+        if self._failed is not None:
+            raise ContextFailedError(self.op_name, self._failed)
+
+    def _check_error(self, rank: int, slot: int, seen: int) -> BaseException | None:
+        """The op's own error for a device-side argument check its kernels recorded
+        (``primitives.record_check``: ``rank`` and ``seen`` as the kernel gave them, at
+        ``slot``), or None. Such a check is made alike on every rank, so every rank raises
+        it and the context stays usable. Ops whose kernels record checks override this."""
+        return None
+
+    def _raise_recorded_check(self) -> None:
+        """Raise the op's own error (``_check_error``) for a check recorded in this rank's
+        error word, and clear the word; anything else is left to ``_fail``."""
+        word = self.error
+        if word._state.value == 0:  # the common case
+            return
+        _, rank, slot, seen, cause, _ = (int(v) for v in word.words[:6].tolist())
+        if cause != CAUSE_CHECK:
+            return
+        exc = self._check_error(rank, slot, seen)
+        if exc is not None:
+            word.words[:6].zero_()
+            raise exc
+
+    def _fail(self):
+        """Raise the recorded fault (and remember it: later calls are refused)."""
+        err = self.error.error(self.op_name, self.pad.describe)
+        self._failed = err
+        self.error.in_call = False
+        raise err
 
     def _begin(self) -> None:
-        """Start of every call: raise if closed or if an earlier call's wait timed out
-        (non-blocking), and note whether this call is being captured in a CUDA graph."""
-        if self._closed:
-            raise InterlaceError(f"{self.op_name}: the context was closed")
-        self.error.raise_if_set(self.op_name, self.pad.describe)
+        """Start of every call: refuse a closed or failed context, raise a fault recorded
+        since the last call (no device sync), and note whether this call is being
+        captured in a CUDA graph."""
+        self._refuse_if_unusable()
+        if self.error.fault_pending():
+            self._raise_recorded_check()
+            self._fail()
         self._capture = self.group.backend == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
+
+    # ------------------------------------------------------------------ call fingerprints
+    def _init_calls(self) -> None:
+        self._call_seq = 0
+        self._call_kinds: dict = {}  # fields -> (fingerprint base, values, staged copy)
+        self._call_written = None  # the fields whose values the call slot holds
+        slot = self.pad.local("call")
+        if self.group.backend == "cpu":
+            self._call_host = (ctypes.c_int32 * CALL_WORDS).from_address(slot.data_ptr())
+        else:
+            self._call_slot = slot.view(torch.uint32)
+        for name in getattr(self, "STRATEGIES", ()):
+            hash_text(name)  # so a peer's strategy reads back as its name
+
+    def _begin_call(self, **fields) -> int:
+        """Mark the start of a call's device work and fingerprint it: ``fields`` are the
+        call's arguments that its peers depend on (shapes, strategy, buffer set; ints or
+        strings; at most 14). Writes the fingerprint (and, when they changed, the field
+        values) into this rank's ``call`` slot in stream order, before the call's kernels.
+        Returns the fingerprint: ``(hash of op and fields) << 8 | call count mod 256``,
+        positive and non-zero, so that ranks whose arguments or call counts differ
+        disagree on it."""
+        key = tuple(fields.items())
+        kind = self._call_kinds.get(key)
+        if kind is None:
+            if len(fields) > MAX_CALL_FIELDS:
+                raise InterlaceValueError(
+                    f"{self.op_name}: a call fingerprint takes at most {MAX_CALL_FIELDS} fields"
+                )
+            values = [len(fields)] + [field_value(v) for v in fields.values()]
+            base = zlib.crc32(repr((self.op_name, key)).encode()) & 0x7FFFFF or 1
+            staged = None
+            if self.group.backend == "cuda":
+                staged = torch.tensor(values, dtype=torch.int32).pin_memory().view(torch.uint32)
+            kind = self._call_kinds[key] = (base, values, staged)
+            self.pad.call_names = tuple(fields)
+        base, values, staged = kind
+        self._call_seq += 1
+        fp = base << 8 | (self._call_seq & 0xFF)
+        if self.group.backend == "cpu":
+            if self._call_written is not key:
+                self._call_host[1 : 1 + len(values)] = values
+                self._call_written = key
+            self._call_host[0] = fp
+        else:
+            from ..runtime.streams import stream_write_value32
+
+            if self._call_written is not key or self._capture:
+                self._call_slot[1 : 1 + len(values)].copy_(staged, non_blocking=True)
+                # a captured write replays only inside its graph
+                self._call_written = None if self._capture else key
+            stream_write_value32(self._call_slot, 0, fp)
+        self.pad.call_names = tuple(fields)
+        self.error.in_call = True
+        return fp
 
     _capture = False
     eager_graphs = False
@@ -137,8 +318,13 @@ class OpContext:
         return self._capture
 
     def _end(self) -> None:
-        if self.group.backend == "cpu":  # everything already ran: report now
-            self.error.raise_if_set(self.op_name, self.pad.describe)
+        """End of every call: on the ``cpu`` backend everything already ran, so a fault
+        any rank recorded raises now, on every rank. On ``cuda`` it raises at the next
+        call or ``check()``."""
+        self.error.in_call = False
+        if self.group.backend == "cpu" and self.error.fault_pending():
+            self._raise_recorded_check()
+            self._fail()
 
     def _init_eager_graphs(self, eager_graphs: bool | None, collectives: bool = False) -> None:
         """``eager_graphs``: replay eager calls from CUDA graphs (:meth:`_enqueue`). None

@@ -32,7 +32,7 @@ from ..runtime import (
     use_stream,
 )
 from . import _trace, segment_gemm
-from ._context import BUFFER_SETS, GRAPH_SET, AlternatingSets
+from ._context import BUFFER_SETS, AlternatingSets
 from .overlapped import OverlappedGemm
 from .segment_gemm import MAX_SPLIT, Segment
 
@@ -162,6 +162,7 @@ class AGGemm(AlternatingSets, OverlappedGemm):
             self._check_out(out, (w * m_loc, n))
             segment_gemm.check_tma_aligned(self.op_name, out, names=("out",))
         strategy = self._resolve(w * m_loc, n, self.k)
+        self._begin_call(M=w * m_loc, N=n, K=self.k, strategy=strategy, bias=bias is not None)
         if strategy == "none":
             self._baseline(a_shard, b, bias, out)
         elif strategy == "fused":
@@ -239,9 +240,10 @@ class AGGemm(AlternatingSets, OverlappedGemm):
         run(plan.gathered, b, out, bias, a_shard)
 
     def _fused(self, a_shard, b, bias, out):
-        """The consumer GEMM on the caller's stream, and on the comm stream the copies of
-        this rank's shard into its peers' buffers of this call's buffer set (no device
-        barrier when eager, ``AlternatingSets``). On a GPU the GEMM is launched first: it
+        """A device barrier that checks the call fingerprints, then the consumer GEMM on
+        the caller's stream, and on the comm stream the copies of this rank's shard into
+        its peers' buffers of this call's buffer set (``AlternatingSets``). On a GPU the
+        GEMM is launched before the copies: it
         starts on its own shard at once, so the host time before its launch is all an
         eager call exposes (a profiled eager call on 2 x H200, copies first: the GEMM began
         165 us after the call, 80 us after the copy), and it waits per chunk for the peers'
@@ -254,13 +256,17 @@ class AGGemm(AlternatingSets, OverlappedGemm):
         plan = self._plan(m_loc, b.shape[1], pull=False, s=s)
         whole = a_shard.shape[0]
         consumer_first = self.group.backend == "cuda"
+        # Every peer is in this same call (the barrier carries the call fingerprint: a
+        # peer that called with other shapes is reported at once) and done with its
+        # previous call (a captured call's set is rewritten by every replay). On the
+        # caller's stream, before the GEMM: on the comm stream, beside a persistent GEMM
+        # that holds the SMs and waits for the copies, the one-program barrier may never
+        # be scheduled.
+        self._barrier()
         fork_mark(self.group)  # the copies may start once the inputs are ready
         if consumer_first:
             self._gemm(plan, a_shard, b, bias, out, m_loc)
         stream = fork_from_mark(self.group)
-        if s == GRAPH_SET:
-            with use_stream(stream):
-                self._barrier()  # every peer is done with the previous replay's rows
         for c in plan.copies:
             src = a_shard if c.hi - c.lo == whole else a_shard[c.lo : c.hi]
             _trace.copy_and_signal(c.dst, src, c.signal, c.slot, stream=stream)

@@ -86,6 +86,7 @@ class AllGather(AlternatingSets, OpContext):
         self._check_tensor("x", x, max_numel=self.max_numel)
         shape = (self.world_size * x.shape[0], *x.shape[1:])
         out = self._check_out(out, shape)
+        self._begin_call(numel=x.numel(), method=self.method)
         if self.method == "ce_push":
             result = self._push(x, x.numel()).view(shape)
             if out is not None:
@@ -204,6 +205,7 @@ class ReduceScatter(AlternatingSets, OpContext):
         if out is None:
             out = torch.empty(shape, dtype=self.dtype, device=x.device)
         m = x.numel() // w
+        self._begin_call(numel=x.numel(), method=self.method)
         src = x.reshape(w, m)
         if self.method == "ce_scatter":
             self._scatter_reduce(src, out.view(-1), m)
@@ -308,6 +310,7 @@ class AllReduce(OpContext):
         if out is None:
             out = torch.empty_like(x)
         w, r, n = self.world_size, self.rank, x.numel()
+        self._begin_call(numel=n, method=self.method)
         flat = out.view(-1)
         self._stage(x)
         self._barrier()  # every rank's input is staged

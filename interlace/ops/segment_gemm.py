@@ -22,6 +22,7 @@ from ..kernels.gemm import (
     SEG_COLS,
     gemm_segments_kernel,
 )
+from ..runtime.signals import ERROR_WORDS
 from ..tune.configs import gemm_configs
 from . import _trace
 from ._context import cdiv, sm_count
@@ -352,7 +353,9 @@ def plan_tiles(
 
 @functools.cache
 def _unused_error_word(device) -> torch.Tensor:
-    return torch.zeros(4, dtype=torch.int32, device=device)
+    """A whole error word (zeros: no group fault word, no call slot) for launches that run
+    no wait."""
+    return torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
 
 
 SUPPORTED = (torch.bfloat16, torch.float16)
@@ -362,7 +365,7 @@ def check_gemm_shape(op: str, max_m, n, k, dtype) -> None:
     """A GEMM context's capacity and dtype: ``max_m``, ``n`` and ``k`` positive, ``dtype``
     one of ``SUPPORTED``; the message names the op."""
     if dtype not in SUPPORTED:
-        raise InterlaceValueError(f"{op}: dtype must be one of {SUPPORTED}, got {dtype}")
+        raise InterlaceTypeError(f"{op}: dtype must be one of {SUPPORTED}, got {dtype}")
     for name, v in (("max_m", max_m), ("n", n), ("k", k)):
         if int(v) <= 0:
             raise InterlaceValueError(f"{op}: {name} must be positive, got {v}")

@@ -2,7 +2,13 @@
 
 from . import graphs
 from .group import Group, interpreter_enabled
-from .signals import ErrorWord, SignalPad, default_max_spins
+from .signals import (
+    ErrorWord,
+    SignalPad,
+    abort_open_calls,
+    default_max_spins,
+    default_wait_bound_us,
+)
 from .streams import (
     comm_stream,
     copy_and_signal,
@@ -20,9 +26,11 @@ __all__ = [
     "Group",
     "SignalPad",
     "SymmetricTensor",
+    "abort_open_calls",
     "comm_stream",
     "copy_and_signal",
     "default_max_spins",
+    "default_wait_bound_us",
     "fork",
     "fork_from_mark",
     "fork_mark",

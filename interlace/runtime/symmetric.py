@@ -26,10 +26,11 @@ import weakref
 
 import torch
 
-from ..errors import InterlaceError, InterlaceValueError
+from ..errors import ContextClosedError, InterlaceTypeError, InterlaceValueError
 from .group import Group
 
 SHM_DIR = "/dev/shm"
+_stale_cleaned: set[str] = set()
 _open_buffers: weakref.WeakSet[SymmetricTensor] = weakref.WeakSet()
 _symm_enabled_groups: set[str] = set()
 
@@ -44,6 +45,9 @@ class SymmetricTensor:
     """A tensor allocated alike on every rank of ``group``; see the module docstring."""
 
     def __init__(self, shape, dtype: torch.dtype, group: Group):
+        check_group("symm_empty", group)
+        if not isinstance(dtype, torch.dtype):
+            raise InterlaceTypeError(f"symm_empty: dtype must be a torch.dtype, got {dtype!r}")
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         if any(s < 0 for s in shape):
             raise InterlaceValueError(f"symm_empty: shape must be non-negative, got {shape}")
@@ -79,7 +83,12 @@ class SymmetricTensor:
                 warnings.simplefilter("ignore", FutureWarning)
                 symm_mem.enable_symm_mem_for_group(name)
             _symm_enabled_groups.add(name)
-        local = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.group.device)
+        local, why = None, ""
+        try:
+            local = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.group.device)
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # agreed on below, collectively
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        _agree(self.group, why, self.nbytes, "symmetric memory")
         self._handle = symm_mem.rendezvous(local, pg)
         raw = []
         for r in range(self.group.world_size):
@@ -95,7 +104,12 @@ class SymmetricTensor:
         import torch.distributed as dist
         from torch.multiprocessing.reductions import reduce_tensor
 
-        local = torch.empty(self.nbytes, dtype=torch.uint8, device=self.group.device)
+        local, why = None, ""
+        try:
+            local = torch.empty(self.nbytes, dtype=torch.uint8, device=self.group.device)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        _agree(self.group, why, self.nbytes, "GPU memory")
         handles = [None] * self.group.world_size
         dist.all_gather_object(handles, reduce_tensor(local), group=self.group.process_group)
         return [
@@ -105,23 +119,42 @@ class SymmetricTensor:
 
     def _alloc_cpu(self) -> list[torch.Tensor]:
         g = self.group
+        clean_stale_shm()
         seq = g.next_id()
-        paths = [
-            os.path.join(SHM_DIR, f"{shm_prefix()}-{g.uid}-{seq}-r{r}") for r in range(g.world_size)
-        ]
-        fd = os.open(paths[g.rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        # Each file is named after its creator's pid, so that a later start can remove
+        # what a killed run left behind (``clean_stale_shm``); the names are exchanged.
+        mine = os.path.join(SHM_DIR, f"{shm_prefix()}-{g.uid}-{seq}-r{g.rank}-p{os.getpid()}")
+        fd = os.open(mine, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        why = ""
+        free = _shm_free()
+        if self.nbytes > free:  # (fallocate would fill /dev/shm before it fails)
+            why = f"only {free / 2**20:.1f} MiB free in {SHM_DIR}"
         try:
-            os.ftruncate(fd, self.nbytes)  # a new file reads as zeros
+            if why:
+                raise OSError(why)
+            # Reserve the pages now (a new file reads as zeros): a /dev/shm too small for
+            # the buffer is an error here, not a bus error at the first touch.
+            os.posix_fallocate(fd, 0, self.nbytes)
+        except OSError as e:
+            why = why or f"{e.strerror or e} ({_shm_free() / 2**20:.1f} MiB free in {SHM_DIR})"
         finally:
             os.close(fd)
-        g.host_barrier()
+        try:
+            _agree(g, why, self.nbytes, SHM_DIR)
+        except InterlaceValueError:
+            os.unlink(mine)
+            raise
+        paths = [None] * g.world_size
+        import torch.distributed as dist
+
+        dist.all_gather_object(paths, mine, group=g.process_group)
         try:
             raw = [
                 torch.from_file(p, shared=True, size=self.nbytes, dtype=torch.uint8) for p in paths
             ]
         finally:
             g.host_barrier()  # every rank has mapped every file: the names can go
-            os.unlink(paths[g.rank])
+            os.unlink(mine)
         return raw
 
     def close(self) -> None:
@@ -141,13 +174,82 @@ class SymmetricTensor:
 
     def check_open(self, what: str) -> None:
         if self._closed:
-            raise InterlaceError(f"{what}: used after close()")
+            raise ContextClosedError(f"{what}: used after close()")
 
     def __repr__(self) -> str:
         return (
             f"SymmetricTensor(shape={self.shape}, dtype={self.dtype}, rank={self.group.rank}, "
             f"world_size={self.group.world_size}, backend={self.group.backend!r})"
         )
+
+
+def check_group(what: str, group) -> None:
+    """Every public constructor's first check: ``group`` is an interlace :class:`Group`."""
+    if not isinstance(group, Group):
+        raise InterlaceTypeError(
+            f"{what}: group must be an interlace Group (interlace.Group.from_torch()), got "
+            f"{type(group).__name__}"
+        )
+
+
+def _agree(group: Group, why: str, nbytes: int, where: str) -> None:
+    """Collective: every rank learns whether every rank's allocation succeeded, and all
+    raise the same :class:`InterlaceValueError` naming the first rank that failed (a rank
+    failing alone would leave its peers blocked in the next collective)."""
+    import torch.distributed as dist
+
+    whys = [None] * group.world_size
+    dist.all_gather_object(whys, why, group=group.process_group)
+    for r, w in enumerate(whys):
+        if w:
+            raise InterlaceValueError(
+                f"symm_empty: rank {r} could not allocate {nbytes / 2**20:.1f} MiB of {where} "
+                f"for a symmetric buffer: {w}. Build the context with a smaller capacity "
+                f"(max_m, max_numel, ...) or free memory"
+            )
+
+
+def _shm_free() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_shm(prefix: str | None = None) -> list[str]:
+    """Remove the /dev/shm files of this library (``<prefix>-...-p<pid>``) whose creating
+    process is gone: what a run killed between creating a buffer's file and unlinking it
+    left behind. Runs once per prefix and process, at the first allocation; returns the
+    removed paths."""
+    prefix = prefix or shm_prefix()
+    if prefix in _stale_cleaned:
+        return []
+    _stale_cleaned.add(prefix)
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith(prefix + "-") or name.startswith("interlace-")):
+            continue
+        head, sep, pid = name.rpartition("-p")
+        if not sep or not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
 
 
 def symm_empty(shape, dtype: torch.dtype, group: Group) -> SymmetricTensor:

@@ -32,6 +32,7 @@ from ..ops import segment_gemm as _gemm
 from ..ops.ag_gemm import ag_layout
 from ..ops.gemm_rs import cef_layout
 from ..ops.gemm_rs.fused import fused_segments
+from ..runtime.signals import ERROR_WORDS
 from ..tune.policy import lookup
 
 SPINS = 1 << 22  # every wait is met before the launch; bounded all the same
@@ -126,7 +127,8 @@ class Emulated:
         own_rows = m if mode in ("plain", "ag") else m_loc  # every row into one output
         own_out = torch.empty(own_rows, n, device=dev, dtype=torch.bfloat16)
         self.out = self.results[rank] if self.all_reduce else own_out
-        self.err = torch.zeros(4, dtype=torch.int32, device=dev)  # read after the launch
+        # a whole error word (zeros: no group fault word, no call slot), read after the launch
+        self.err = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=dev)
         tiles = _gemm.plan_tiles(
             segments, m, n, self.cfg, dev, backend, comm_sms=1, one_loop=tables,
             single=mode in ("rs_fused", "ar_fused"),

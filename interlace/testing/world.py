@@ -76,7 +76,16 @@ def _worker(
         try:
             outbox.put((rank, "ok", fn(group, *args, **kwargs)))
         except BaseException:  # noqa: BLE001 - the parent re-raises it with the traceback
-            outbox.put((rank, "error", traceback.format_exc()))
+            text = traceback.format_exc()
+            # This rank gives up on the body: its peers' waits in any of its contexts
+            # stop at once (an abort in the group's fault word), not at their time bound.
+            from ..runtime.signals import abort_open_calls
+
+            try:
+                abort_open_calls(every=True)
+            except Exception:  # noqa: BLE001 - the body's error is the one to report
+                pass
+            outbox.put((rank, "error", text))
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - best effort at shutdown

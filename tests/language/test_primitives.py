@@ -27,6 +27,7 @@ from interlace.language.primitives import (
     wait_kernel,
 )
 from interlace.runtime import ErrorWord, SignalPad, default_max_spins, symm_empty
+from interlace.runtime.signals import ERROR_WORDS
 from tests.conftest import WITH_ONE_GPU
 
 SHORT_SPINS = 200  # a wait that is meant to time out
@@ -38,7 +39,7 @@ def _sync(group) -> None:
 
 
 def _pad_values(pad, region=None) -> list[int]:
-    t = pad.buffer.local if region is None else pad.local(region)
+    t = pad.buffer.local[: pad.size] if region is None else pad.local(region)
     return t.cpu().tolist()
 
 
@@ -360,7 +361,8 @@ def _timeout_body(group):
         _wait_slots(pad, err, rank, pad.offset("data") + 3, 1, 6, SHORT_SPINS, False)
         _expect_timeout(group, err, pad, "probe_op", "data[3]", observed=5)
         assert pad.describe(pad.offset("data") + 3) == "data[3]"
-        assert pad.describe(pad.size + 4) == f"slot {pad.size + 4}"
+        assert pad.describe(pad.size + 4) == "fault[4]"  # the reserved regions follow
+        assert pad.describe(pad.size + 100) == f"slot {pad.size + 100}"
         # first timeout wins: data[1] and data[2] both time out, data[1] is reported
         _wait_slots(pad, err, rank, pad.offset("data") + 1, 2, 1, SHORT_SPINS, True)
         _expect_timeout(group, err, pad, "second_probe", "data[1]", observed=0)
@@ -673,7 +675,7 @@ def test_wait_inline_sees_a_late_signal():
         pytest.skip("needs a GPU")
     dev = torch.device("cuda", 0)
     sig = torch.zeros(4, dtype=torch.int32, device=dev)
-    err = torch.zeros(4, dtype=torch.int32, device=dev)
+    err = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=dev)  # no group word, no call slot
     out = torch.full((1,), -7, dtype=torch.int32, device=dev)
     raised = torch.full((1,), 3, dtype=torch.int32).pin_memory()
     waiter, raiser = torch.cuda.Stream(dev), torch.cuda.Stream(dev)

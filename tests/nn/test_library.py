@@ -192,7 +192,7 @@ def _bad_inputs_body(group):
     expect_error(InterlaceValueError, "no interlace group", ops.ag_gemm, a, b, None, 999, "auto")
     expect_error(InterlaceValueError, "2-D", ops.gemm_rs, a.view(-1), b, None, h, "auto")
     expect_error(InterlaceValueError, "inner dimensions", ops.gemm_ar, a, b[:20], None, h, "auto")
-    expect_error(InterlaceValueError, "dtype", ops.ag_gemm, a.float(), b.float(), None, h, "auto")
+    expect_error(InterlaceTypeError, "dtype", ops.ag_gemm, a.float(), b.float(), None, h, "auto")
     expect_error(InterlaceTypeError, "Group", library.register_group, "not a group")
     return True
 

@@ -253,7 +253,7 @@ def _bad_inputs_body(group):
         for bad, exc in [
             (lambda: SignalReorderGemmRS(group, max_m=4 * w + 1, n=16, k=8), InterlaceValueError),
             (lambda: SignalReorderGemmAR(group, max_m=8, n=16, k=8, dtype=torch.float32),
-             InterlaceValueError),
+             InterlaceTypeError),
             (lambda: SignalReorderGemmAR(group, max_m=0, n=16, k=8), InterlaceValueError),
             (lambda: SignalReorderGemmAR("group", max_m=8, n=16, k=8), InterlaceTypeError),
         ]:  # fmt: skip

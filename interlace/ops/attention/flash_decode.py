@@ -248,6 +248,7 @@ class FlashDecode(OpContext):
     def __call__(self, q, k, v, kv_lens=None, out=None):
         self._begin()
         self._check_call(q, k, v, kv_lens, out)
+        self._begin_call(batch=q.shape[0])  # (the shard length and kv_lens differ by rank)
         merges = self.owner is None or self.owner == self.rank
         if out is None and merges:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -382,11 +382,21 @@ class SPAttention(AlternatingSets, OpContext):
                 f"documents) from {lo} to {hi}; this rank: {vals}"
             )
 
+    def _fingerprint(self, shape: CallShape) -> None:
+        """``_begin_call`` of a forward or backward: the shape every rank shares (the same
+        fields for both, so that alternating steps rewrite only the fingerprint; a rank
+        that skipped a step differs in its call count)."""
+        self._begin_call(
+            batch=shape.batch, s_loc=shape.s_loc, causal=shape.causal, docs=shape.docs,
+            strategy=self.strategy,
+        )  # fmt: skip
+
     # ------------------------------------------------------------------ public call
     def __call__(self, q, k, v, causal: bool = False, cu_seqlens=None, sm_scale=None):
         """Attention of this rank's queries over the whole sequence; differentiable for
         ``fused`` and ``none``."""
         shape = self._check_inputs(q, k, v, causal, cu_seqlens)
+        self._fingerprint(shape)
         scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
         if self.strategy == "none":
             from .ring import gather_attention
@@ -541,6 +551,7 @@ class _SPAttentionFn(torch.autograd.Function):
         q, k, v, o, lse = fctx.saved_tensors
         op = fctx.op
         op._begin()
+        op._fingerprint(fctx.shape)
         dq, dk, dv = op._backward(q, k, v, o, lse, do, fctx.shape, fctx.cu, fctx.scale)
         op._end()
         return None, dq, dk, dv, None, None, None

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import InterlaceError, InterlaceValueError
+from ...errors import InterlaceValueError
 from ...kernels.ep import (
     ep_expand_kernel,
     ep_layout_kernel,
@@ -125,42 +125,26 @@ class EPAllToAll(OpContext):
         group.host_barrier()  # every rank's buffers exist before any peer writes them
 
     # ------------------------------------------------------------------ errors
-    def _raise_if_failed(self) -> None:
-        """Raise what a kernel recorded: capacity overflow or a bad expert id as their own
-        errors, a timed-out wait as :class:`~interlace.errors.WaitTimeoutError`."""
-        if self.error._state.value == 0:
-            return
-        state, rank, slot, seen = (int(v) for v in self.error.tensor.tolist())
+    def _check_error(self, rank: int, slot: int, seen: int):
+        """Capacity overflow and a bad expert id, found by the layout kernel alike on every
+        rank (``OpContext._check_error``); a timed-out wait fails the context as usual."""
         if slot == self.pad.offset("overflow"):
-            self.error.tensor.zero_()
-            raise EPCapacityError(
+            return EPCapacityError(
                 f"{self.op_name}: rank {rank} would receive {seen} (token, expert) rows, "
                 f"more than the capacity of {self.capacity} given at construction; the call "
                 "moved no rows (build the context with a larger capacity)"
             )
         if slot == self.pad.offset("bad_index"):
-            self.error.tensor.zero_()
-            raise InterlaceValueError(
+            return InterlaceValueError(
                 f"{self.op_name}: rank {rank} passed an expert id outside [-1, "
                 f"{self.experts}); the call moved no rows"
             )
-        self.error.raise_if_set(self.op_name, self.pad.describe)
+        return None
 
-    def _begin(self) -> None:
-        if self._closed:
-            raise InterlaceError(f"{self.op_name}: the context was closed")
-        self._raise_if_failed()
-        self._capture = self.group.backend == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
-
-    def _end(self) -> None:
-        if self.group.backend == "cpu":
-            self._raise_if_failed()
-
-    def check(self) -> None:
-        """Wait for the device, then raise if a call of this context failed."""
-        if self.group.backend == "cuda":
-            torch.cuda.synchronize(self.group.device)
-        self._raise_if_failed()
+    def _fingerprint(self) -> None:
+        """``_begin_call`` of a dispatch or combine: the arguments every rank shares (token
+        counts differ by rank); a rank that skipped a step differs in its call count."""
+        self._begin_call(hidden=self.hidden, experts=self.experts, topk=self.topk)
 
     # ------------------------------------------------------------------ dispatch
     def _common(self) -> dict:
@@ -173,6 +157,7 @@ class EPAllToAll(OpContext):
         :class:`EPHandle`. Collective."""
         self._begin()
         check_routing_args(self.op_name, x, topk_idx, topk_weights, self)
+        self._fingerprint()
         n = x.shape[0]
         if n == 0:
             run = lambda: self._dispatch(n, None, None, None)  # noqa: E731

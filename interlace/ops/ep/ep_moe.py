@@ -33,6 +33,7 @@ import torch
 from ...errors import InterlaceTypeError, InterlaceValueError
 from ...language.primitives import wait_kernel
 from ...runtime import fork_from_mark, fork_mark, join, use_stream
+from ...runtime.symmetric import check_group
 from .._launch import launch
 from . import combine as _combine
 from .baseline import a2a_combine, a2a_dispatch
@@ -60,6 +61,7 @@ class EPMoE:
         dtype: torch.dtype = torch.bfloat16, strategy: str = "fused",
         capacity: int | None = None, **options,
     ):  # fmt: skip
+        check_group(self.op_name, group)  # first, as every context's constructor
         if strategy not in self.STRATEGIES:
             raise InterlaceValueError(
                 f"{self.op_name}: strategy must be one of {self.STRATEGIES}, got {strategy!r}"
@@ -78,7 +80,11 @@ class EPMoE:
         if not isinstance(weight, torch.Tensor):
             raise InterlaceTypeError(f"{self.op_name}: weight must be a torch.Tensor")
         want = (self.e_loc, self.hidden, self.hidden)
-        if tuple(weight.shape) != want or weight.dtype != self.dtype:
+        if weight.dtype != self.dtype:
+            raise InterlaceTypeError(
+                f"{self.op_name}: weight has dtype {weight.dtype}, expected {self.dtype}"
+            )
+        if tuple(weight.shape) != want:
             raise InterlaceValueError(
                 f"{self.op_name}: weight must be {list(want)} of {self.dtype}, got "
                 f"{tuple(weight.shape)} of {weight.dtype}"
@@ -106,6 +112,7 @@ class EPMoE:
         a2a, group = self.a2a, self.group
         a2a._begin()
         check_routing_args(self.op_name, x, topk_idx, topk_weights, a2a)
+        a2a._fingerprint()
         n, w = x.shape[0], group.world_size
         if self._src_recv is None:
             self._src_recv = torch.empty(w * self.cap_s, self.hidden, dtype=self.dtype,

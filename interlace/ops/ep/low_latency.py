@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import InterlaceError, InterlaceValueError
+from ...errors import InterlaceTypeError, InterlaceValueError
 from ...kernels.ep_low_latency import ll_combine_kernel, ll_dispatch_kernel
 from ...runtime import symm_empty
 from .._context import OpContext, sm_count
@@ -101,7 +101,7 @@ class EPLowLatency(OpContext):
         if not 1 <= topk <= 16:
             raise InterlaceValueError(f"{op}: topk = {topk}, must be in [1, 16]")
         if dtype not in (torch.bfloat16, torch.float16):
-            raise InterlaceValueError(f"{op}: dtype must be bfloat16 or float16, got {dtype}")
+            raise InterlaceTypeError(f"{op}: dtype must be bfloat16 or float16, got {dtype}")
         if protocol == "auto":
             protocol = DEFAULT_PROTOCOL
         if protocol not in PROTOCOLS:
@@ -146,33 +146,19 @@ class EPLowLatency(OpContext):
         group.host_barrier()  # every rank's buffers exist (and are zeroed) before any write
 
     # ------------------------------------------------------------------ errors
-    def _raise_if_failed(self) -> None:
-        if self.error._state.value == 0:
-            return
-        _, rank, slot, _ = (int(v) for v in self.error.tensor.tolist())
+    def _check_error(self, rank: int, slot: int, seen: int):
+        """A bad expert id, found alike on every rank (``OpContext._check_error``)."""
         if slot == self.pad.offset("bad_index"):
-            self.error.tensor.zero_()
-            raise InterlaceValueError(
+            return InterlaceValueError(
                 f"{self.op_name}: rank {rank} passed an expert id outside [-1, "
                 f"{self.experts}); its tokens were not sent"
             )
-        self.error.raise_if_set(self.op_name, self.pad.describe)
+        return None
 
-    def _begin(self) -> None:
-        if self._closed:
-            raise InterlaceError(f"{self.op_name}: the context was closed")
-        self._raise_if_failed()
-        self._capture = self.group.backend == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
-
-    def _end(self) -> None:
-        if self.group.backend == "cpu":
-            self._raise_if_failed()
-
-    def check(self) -> None:
-        """Wait for the device, then raise if a call of this context failed."""
-        if self.group.backend == "cuda":
-            torch.cuda.synchronize(self.group.device)
-        self._raise_if_failed()
+    def _fingerprint(self) -> None:
+        """``_begin_call`` of a dispatch or combine: the arguments every rank shares (token
+        counts differ by rank); a rank that skipped a step differs in its call count."""
+        self._begin_call(hidden=self.hidden, experts=self.experts, topk=self.topk)
 
     # ------------------------------------------------------------------ calls
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
@@ -181,6 +167,7 @@ class EPLowLatency(OpContext):
         for combine. Returns an :class:`EPLowLatencyHandle`. Collective."""
         self._begin()
         check_routing_args(self.op_name, x, topk_idx, topk_weights, self)
+        self._fingerprint()
         n = x.shape[0]
         if n == 0:  # placeholders the kernel never reads
             x, topk_idx, topk_weights = self.recv_x[0, :1], self.home_idx, self.home_w
@@ -234,6 +221,7 @@ class EPLowLatency(OpContext):
                 raise InterlaceValueError(
                     f"{op}: out must be a contiguous [{n}, {self.hidden}] tensor"
                 )
+        self._fingerprint()
         dst = out if n else self.recv_x[0, :1]  # placeholder, never written
         run = lambda: self._combine(n, expert_out, dst)  # noqa: E731
         self._enqueue(f"combine{n == 0}", run, expert_out, dst)

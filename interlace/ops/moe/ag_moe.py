@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import InterlaceValueError
+from ...errors import InterlaceTypeError, InterlaceValueError
 from ...runtime import copy_and_signal, fork, join, symm_empty
 from .._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext
 from . import _checks
@@ -61,7 +61,7 @@ class _MoeContext(AlternatingSets, OpContext):
                 f"{self.op_name}: strategy must be one of {self.STRATEGIES}, got {strategy!r}"
             )
         if dtype not in (torch.bfloat16, torch.float16):
-            raise InterlaceValueError(
+            raise InterlaceTypeError(
                 f"{self.op_name}: dtype must be bfloat16 or float16, got {dtype}"
             )
         for name, v in (("max_tokens", max_tokens), ("hidden", hidden), ("inter", inter),
@@ -171,6 +171,7 @@ class AGMoE(_MoeContext):
         self._begin()
         self._check(x_shard, topk_ids, topk_weights, w)
         strategy = self._resolve()
+        self._begin_call(m=x_shard.shape[0], strategy=strategy)
         if strategy == "none":
             h, routing = ag_moe_none(
                 self.group, x_shard, topk_ids, topk_weights, w, self.experts, self.activation

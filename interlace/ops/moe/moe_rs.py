@@ -138,6 +138,7 @@ class MoERS(_MoeContext):
         if strategy == "auto":
             padded = routing.layout == "padded"
             strategy = "fused" if padded and not self._fused_refused() else "none"
+        self._begin_call(m=routing.m_loc, strategy=strategy)
         if strategy == "none":
             y = moe_rs_none(self.group, h, routing, w_down, self.dtype)
         else:

@@ -23,6 +23,7 @@ from ...kernels.grouped_gemm import (
     moe_scan_kernel,
     moe_scatter_kernel,
 )
+from ...runtime.signals import ERROR_WORDS
 from .._context import cdiv
 
 
@@ -157,7 +158,7 @@ def _no_err(like: torch.Tensor) -> int:
     """An error word for launches that run no wait (the kernels still take an address)."""
     key = like.device
     if key not in _NO_ERR:
-        _NO_ERR[key] = torch.zeros(4, dtype=torch.int32, device=like.device)
+        _NO_ERR[key] = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=like.device)
     return _NO_ERR[key].data_ptr()
 
 

@@ -1,0 +1,326 @@
+"""Cross-rank faults end in one clear error on every rank (issue 22).
+
+Each fault body runs on every rank and returns what happened there: the error class, its
+message and how long the failing call took. The tests assert that every rank raised (none
+returned a result), that all raised the same class, within the time bound (a mismatch or
+an abort long before it: it is detected, not waited out), and that the context then
+refuses calls with ContextFailedError, closes idempotently and refuses calls after close.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+
+import interlace
+from interlace.errors import (
+    CallMismatchError,
+    ContextClosedError,
+    ContextFailedError,
+    CrossRankError,
+    InterlaceTypeError,
+    InterlaceValueError,
+    PeerAbortError,
+    WaitTimeoutError,
+)
+from interlace.ops.attention import FlashDecode, SPAttention
+from interlace.ops.ep import EPAllToAll, EPLowLatency, EPMoE
+from interlace.ops.moe import AGMoE, MoERS
+from interlace.runtime import signals, symmetric
+from tests.conftest import GPU_SIZES
+
+#: W = 2 and 3 on the CPU emulation; the GPU worlds (shared GPU where there is one)
+PARAMS = [pytest.param(("cpu", w), id=f"cpu{w}") for w in (2, 3)] + [
+    pytest.param(("cuda", w), id=f"cuda{w}", marks=pytest.mark.gpu) for w in GPU_SIZES
+]
+#: A bound no mismatch or abort may come near: they are detected, not timed out.
+LONG_BOUND_US = 60_000_000
+#: The bound of the timeout tests.
+SHORT_BOUND_US = 1_000_000
+
+
+def _outcome(ctx, fn):
+    """Run ``fn()`` (a call, then ``ctx.check()`` for the asynchronous GPU backend) and
+    return ``(error class name, message, seconds)``; ``("returned", ...)`` if it did not
+    raise."""
+    t0 = time.monotonic()
+    try:
+        fn()
+        ctx.check()
+    except CrossRankError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "returned", "", time.monotonic() - t0
+
+
+def _after_failure(ctx, call) -> list[str]:
+    """A failed context refuses calls (every rank), then closes twice and refuses again."""
+    seen = []
+    try:
+        call()
+    except ContextFailedError as e:
+        seen.append("refused" if "close() it and build a new one" in str(e) else str(e))
+    ctx.close()
+    ctx.close()  # idempotent
+    try:
+        call()
+    except ContextClosedError:
+        seen.append("closed")
+    return seen
+
+
+def _rand(group, *shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(torch.bfloat16).to(group.device)
+
+
+def _check(results, cls, bound_s=None, text=()):
+    names = [r[0] for r in results]
+    assert all(n == cls.__name__ for n in names), results
+    for _, msg, dt, *_ in results:
+        for t in text:
+            assert t in msg, (t, msg)
+        if bound_s is not None:
+            assert dt < bound_s, (dt, msg)
+
+
+# --------------------------------------------------------------------------------------
+# mismatched calls
+# --------------------------------------------------------------------------------------
+
+
+def _mismatch_body(group, op, strategy, field):
+    w, r = group.world_size, group.rank
+    k, n = 8, 16
+    if op == "ag_gemm":
+        ctx = interlace.AGGemm(group, max_m=4 * w, n=n, k=k, strategy=strategy,
+                               max_spins=LONG_BOUND_US)  # fmt: skip
+        m = 2 if r == 0 else 4  # gathered M = 2w on rank 0, 4w elsewhere
+        a, b = _rand(group, m, k, seed=r), _rand(group, k, n, seed=9)
+        call = lambda: ctx(a, b)  # noqa: E731
+    else:
+        cls = interlace.GemmRS if op == "gemm_rs" else interlace.GemmAR
+        ctx = cls(group, max_m=4 * w, n=n, k=k, strategy=strategy, max_spins=LONG_BOUND_US)
+        m = 2 * w if (r == 0 or field != "M") else 4 * w
+        cols = n if (r == 0 or field != "N") else n - 2
+        a, b = _rand(group, m, k, seed=r), _rand(group, k, cols, seed=9)
+        call = lambda: ctx(a, b)  # noqa: E731
+    out = _outcome(ctx, call)
+    group.host_barrier()
+    return (*out, _after_failure(ctx, call))
+
+
+@pytest.mark.parametrize("world", PARAMS, indirect=True)
+@pytest.mark.parametrize(
+    "op, strategy, field",
+    [("ag_gemm", "fused", "M"), ("gemm_rs", "fused", "M"), ("gemm_ar", "fused", "N")],
+)
+def test_mismatched_calls_raise_on_every_rank(world, op, strategy, field):
+    """AG+GEMM with another M on rank 0 (silently wrong before), GEMM+RS with another M,
+    GEMM+AR with another N: every rank raises CallMismatchError naming the field and the
+    ranks, at once, then refuses calls until rebuilt."""
+    results = world.run(_mismatch_body, op, strategy, field)
+    _check(results, CallMismatchError, bound_s=LONG_BOUND_US / 2e6, text=(op, f"{field} = "))
+    # every rank describes the same difference
+    assert len({msg.split(" (raised on")[0] for _, msg, *_ in results}) == 1, results
+    assert "rank 0 with" in results[0][1], results[0][1]
+    assert all(r[3] == ["refused", "closed"] for r in results), results
+
+
+# --------------------------------------------------------------------------------------
+# a rank that never arrives, a rank that aborts
+# --------------------------------------------------------------------------------------
+
+
+def _absent_rank_body(group, op):
+    """Rank 0 never calls; its peers time out within the bound. Rank 0's next call then
+    raises the same WaitTimeoutError (the group's fault word), and the context refuses."""
+    w, r = group.world_size, group.rank
+    if op == "all_gather":
+        ctx = interlace.AllGather(group, max_numel=16, dtype=torch.float32,
+                                  max_spins=SHORT_BOUND_US)  # fmt: skip
+        x = torch.randn(8, device=group.device)
+        call = lambda: ctx(x)  # noqa: E731
+    elif op == "gemm_rs":
+        ctx = interlace.GemmRS(group, max_m=2 * w, n=16, k=8, strategy="fused",
+                               max_spins=SHORT_BOUND_US)  # fmt: skip
+        a, b = _rand(group, 2 * w, 8, seed=r), _rand(group, 8, 16, seed=1)
+        call = lambda: ctx(a, b)  # noqa: E731
+    else:  # the low-latency kernels' own polling loops (count words of every source)
+        ctx = EPLowLatency(group, 4, 16, 2 * w, 2, max_spins=SHORT_BOUND_US)
+        x, wts = _rand(group, 4, 16, seed=r), torch.rand(4, 2, device=group.device)
+        idx = torch.tensor([[0, 2 * w - 1]] * 4, device=group.device)
+        call = lambda: ctx.dispatch(x, idx, wts)  # noqa: E731
+    if r == 0:
+        group.host_barrier()  # the peers have given up
+        out = _outcome(ctx, call)
+    else:
+        out = _outcome(ctx, call)
+        group.host_barrier()
+    group.host_barrier()
+    return (*out, _after_failure(ctx, call))
+
+
+@pytest.mark.parametrize("world", PARAMS, indirect=True)
+@pytest.mark.parametrize("op", ["all_gather", "gemm_rs", "ep_low_latency"])
+def test_absent_rank_times_out_on_every_rank(world, op):
+    results = world.run(_absent_rank_body, op)
+    _check(results, WaitTimeoutError, text=(op, "timed out waiting on signal"))
+    bound_s = SHORT_BOUND_US / 1e6
+    for _, msg, dt, _ in results[1:]:  # the peers: at the bound, not much later
+        assert bound_s * 0.9 <= dt < bound_s + 20, (dt, msg)
+    assert all(r[3] == ["refused", "closed"] for r in results), results
+
+
+def _abort_body(group):
+    """The last rank raises inside its call after the call began (a crash mid-call): its
+    peers stop at once with PeerAbortError naming it, instead of running out of time."""
+    w, r = group.world_size, group.rank
+    ctx = interlace.AGGemm(group, max_m=2 * w, n=16, k=8, strategy="fused",
+                           max_spins=LONG_BOUND_US)  # fmt: skip
+    a, b = _rand(group, 2, 8, seed=r), _rand(group, 8, 16, seed=1)
+    if r == w - 1:
+
+        def crash(*args, **kwargs):
+            raise RuntimeError("boom")
+
+        ctx._enqueue = crash
+    out = _outcome(ctx, lambda: ctx(a, b))
+    group.host_barrier()
+    ctx.__dict__.pop("_enqueue", None)
+    return (*out, _after_failure(ctx, lambda: ctx(a, b)))
+
+
+@pytest.mark.parametrize("world", PARAMS, indirect=True)
+def test_a_rank_that_aborts_stops_its_peers_at_once(world):
+    results = world.run(_abort_body)
+    w = world.world_size
+    assert results[-1][0] == "RuntimeError" and "boom" in results[-1][1], results[-1]
+    _check(results[:-1], PeerAbortError, bound_s=LONG_BOUND_US / 2e6, text=(f"rank {w - 1}",))
+    assert all(r[3] == ["refused", "closed"] for r in results), results
+
+
+def _recovers_after_local_errors_body(group):
+    """Bad arguments raised alike on every rank before launch leave the context usable."""
+    w = group.world_size
+    ctx = interlace.GemmRS(group, max_m=2 * w, n=16, k=8, strategy="fused")
+    a, b = _rand(group, 2 * w, 8), _rand(group, 8, 16, seed=1)
+    with pytest.raises(InterlaceTypeError):
+        ctx(a.float(), b)
+    for _ in range(2):
+        y = ctx(a, b)
+    ctx.check()
+    ref = (a.float() @ b.float()) * w
+    rows = slice(group.rank * 2, group.rank * 2 + 2)
+    err = (y.float() - ref[rows]).norm() / ref[rows].norm()
+    ctx.close()
+    return float(err)
+
+
+@pytest.mark.parametrize("world", PARAMS, indirect=True)
+def test_local_argument_errors_do_not_fail_the_context(world):
+    assert all(e < 1e-2 for e in world.run(_recovers_after_local_errors_body))
+
+
+# --------------------------------------------------------------------------------------
+# construction: group first, dtype one class, capacity
+# --------------------------------------------------------------------------------------
+
+_CONSTRUCTORS = [
+    lambda g: interlace.AGGemm(g, max_m=8, n=8, k=8),
+    lambda g: interlace.GemmRS(g, max_m=8, n=8, k=8),
+    lambda g: interlace.GemmAR(g, max_m=8, n=8, k=8),
+    lambda g: interlace.AllGather(g, max_numel=8),
+    lambda g: interlace.ReduceScatter(g, max_numel=8),
+    lambda g: interlace.AllReduce(g, max_numel=8),
+    lambda g: interlace.P2PRing(g),
+    lambda g: interlace.SignalReorderGemmRS(g, max_m=8, n=8, k=8),
+    lambda g: interlace.SignalReorderGemmAR(g, max_m=8, n=8, k=8),
+    lambda g: interlace.SignalReorderGemmA2A(g, max_m=8, n=8, k=8),
+    lambda g: interlace.symm_empty((8,), torch.float32, g),
+    lambda g: AGMoE(g, max_tokens=8, hidden=8, inter=8, experts=2, topk=1),
+    lambda g: MoERS(g, max_tokens=8, hidden=8, inter=8, experts=2, topk=1),
+    lambda g: EPAllToAll(g, 8, 16, 2, 1),
+    lambda g: EPLowLatency(g, 8, 16, 2, 1),
+    lambda g: EPMoE(g, 8, 16, 2, 1),
+    lambda g: SPAttention(g, 4, 2, 64, 16),
+    lambda g: FlashDecode(g, 2, heads=4, kv_heads=2, head_dim=16),
+]
+
+
+@pytest.mark.parametrize("make", _CONSTRUCTORS)
+def test_every_constructor_checks_its_group_first(make):
+    for bad in (None, "group", object()):
+        with pytest.raises(InterlaceTypeError, match="group must be an interlace Group"):
+            make(bad)
+
+
+def _capacity_body(group):
+    """A buffer beyond /dev/shm (or GPU memory) is an InterlaceValueError on every rank at
+    construction, naming the rank; the world stays usable."""
+    huge = 1 << 44  # 16 TiB
+    try:
+        interlace.symm_empty((huge,), torch.uint8, group)
+    except InterlaceValueError as e:
+        msg = str(e)
+    else:
+        msg = "allocated"
+    small = interlace.symm_zeros((4,), torch.float32, group)
+    small.close()
+    return msg
+
+
+@pytest.mark.parametrize("world", PARAMS, indirect=True)
+def test_capacity_beyond_memory_is_a_clear_error(world):
+    msgs = world.run(_capacity_body)
+    assert len(set(msgs)) == 1 and "could not allocate" in msgs[0] and "rank " in msgs[0], msgs
+
+
+def test_stale_shm_files_of_dead_processes_are_removed():
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # its pid is now free: a dead creator
+    prefix = f"interlace-stale-{os.getpid()}"
+    dead = os.path.join(symmetric.SHM_DIR, f"{prefix}-abc-0-r1-p{proc.pid}")
+    alive = os.path.join(symmetric.SHM_DIR, f"{prefix}-abc-1-r0-p{os.getpid()}")
+    for path in (dead, alive):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        removed = symmetric.clean_stale_shm(prefix)
+        assert os.path.basename(dead) in removed
+        assert not os.path.exists(dead) and os.path.exists(alive)
+    finally:
+        for path in (dead, alive):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_wait_bound_comes_from_one_variable(monkeypatch):
+    monkeypatch.delenv(signals.WAIT_TIMEOUT_ENV, raising=False)
+    assert signals.default_wait_bound_us() == int(signals.DEFAULT_WAIT_TIMEOUT_S * 1e6)
+    monkeypatch.setenv(signals.WAIT_TIMEOUT_ENV, "0.25")
+    assert signals.default_wait_bound_us() == 250_000
+    for bad in ("soon", "0", "-1"):
+        monkeypatch.setenv(signals.WAIT_TIMEOUT_ENV, bad)
+        with pytest.raises(InterlaceValueError, match=signals.WAIT_TIMEOUT_ENV):
+            signals.default_wait_bound_us()
+
+
+def test_mismatch_text_names_fields_and_ranks():
+    signals.hash_text("fused")
+    signals.hash_text("ce_fused")
+    rec = signals.CallRecord(
+        ("M", "N", "strategy"),
+        [0x101, 0x101],
+        [[128, 16, signals.field_value("fused")], [256, 16, signals.field_value("ce_fused")]],
+    )
+    text = rec.difference("gemm_rs")
+    assert text == "rank 1 called gemm_rs with M = 256, strategy = ce_fused, rank 0 with " \
+        "M = 128, strategy = fused", text  # fmt: skip
+    same = signals.CallRecord(("M",), [0x105, 0x106], [[8], [8]])
+    assert "rank 1 is at call 6" in same.difference("ag_gemm")
