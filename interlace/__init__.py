@@ -2,7 +2,17 @@
 on stock PyTorch and stock Triton."""
 
 from . import nn, trace, tune
-from .errors import InterlaceError, InterlaceTypeError, InterlaceValueError, WaitTimeoutError
+from .errors import (
+    CallMismatchError,
+    ContextClosedError,
+    ContextFailedError,
+    CrossRankError,
+    InterlaceError,
+    InterlaceTypeError,
+    InterlaceValueError,
+    PeerAbortError,
+    WaitTimeoutError,
+)
 from .ops import (
     AGGemm,
     AGMoE,
@@ -38,6 +48,11 @@ from .runtime import Group, SymmetricTensor, symm_empty, symm_zeros
 __version__ = "0.1.0"
 
 __all__ = [
+    "CallMismatchError",
+    "ContextClosedError",
+    "ContextFailedError",
+    "CrossRankError",
+    "PeerAbortError",
     "AGGemm",
     "AGMoE",
     "AllGather",
