@@ -1,6 +1,8 @@
 # Sourced by scripts/test.sh and scripts/bench.sh: sets $PY to a python that has torch and
 # triton. Uses python3 as it is when it already has them (a GPU machine, a user's env);
-# otherwise builds ./.venv with the CPU set CI runs: torch 2.13.0, triton 3.6.0, numpy < 2.3
+# otherwise builds ./.venv with the CPU set CI runs: torch 2.13.0, triton 3.6.0, numpy < 2.3,
+# and the optional extras the tests exercise (matplotlib for figures, transformers for
+# interlace.nn.parallelize)
 # (Triton 3.6's interpreter breaks on numpy >= 2.3).
 set -e
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -19,7 +21,7 @@ else
         python3 -m venv "$root/.venv"
         "$root/.venv/bin/python" -m pip install -q --upgrade pip
         "$root/.venv/bin/python" -m pip install -q "torch==2.13.0" "triton==3.6.0" "numpy<2.3"
-        "$root/.venv/bin/python" -m pip install -q -e "$root[dev,cli]"
+        "$root/.venv/bin/python" -m pip install -q -e "$root[dev,cli,plot,hf]"
     fi
     PY="$root/.venv/bin/python"
 fi
