@@ -1,9 +1,8 @@
 # Sourced by scripts/test.sh and scripts/bench.sh: sets $PY to a python that has torch and
 # triton. Uses python3 as it is when it already has them (a GPU machine, a user's env);
-# otherwise builds ./.venv with the CPU set CI runs: torch 2.13.0, triton 3.6.0, numpy < 2.3,
-# and the optional extras the tests exercise (matplotlib for figures, transformers for
-# interlace.nn.parallelize)
-# (Triton 3.6's interpreter breaks on numpy >= 2.3).
+# otherwise builds ./.venv with the CPU set CI runs: torch 2.13.0, triton 3.6.0, numpy < 2.3
+# (Triton 3.6's interpreter breaks on numpy >= 2.3), and the optional extras the tests
+# exercise (matplotlib for figures, transformers for interlace.nn.parallelize).
 set -e
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if python3 - <<'PY' 2>/dev/null
