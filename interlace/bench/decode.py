@@ -6,7 +6,9 @@ One GPU: each rank's kernels on the per-rank problem of a KV cache split over
 efficient backends with grouped-query heads; the faster one is the reference), each as HBM
 bandwidth over the K/V bytes read; the host time of an eager call and of a CUDA-graph
 replay of one step; a few launch configurations (records ``flash_decode_variant``).
-Several GPUs: the whole op over the ranks, eager and replayed from a graph.
+Several GPUs: the whole op over the ranks, eager and replayed from a graph, timed in the
+same run as its ``none`` strategy (torch flash attention per shard, NCCL all-gather of
+the partials, torch log-sum-exp merge), ``t_none_ms``.
 """
 
 from __future__ import annotations
@@ -165,18 +167,26 @@ def _multi_body(group, shapes, iters):
         q, k, v = _inputs(batch, kv_len, seed=1)  # same q everywhere, shards differ little
         k.add_(0.01 * group.rank)
         ctx = FlashDecode(group, batch, HEADS, KV_HEADS, D)
-        out = torch.empty_like(q)
+        base = FlashDecode(group, batch, HEADS, KV_HEADS, D, strategy="none")
+        out, out_none = torch.empty_like(q), torch.empty_like(q)
         call = functools.partial(ctx, q, k, v, out=out)
-        t = median_ms(group, call, iters=iters)
+        call_none = functools.partial(base, q, k, v, out=out_none)
+        call()
+        call_none()
+        torch.cuda.synchronize()
+        err = float((out.float() - out_none.float()).norm() / out_none.float().norm())
+        t, t_none = paired_median_ms(group, [call, call_none], iters=iters)
         graph = graph_of(group, call)
         t_graph = median_ms(group, graph.replay, iters=iters)
         ctx.check()
         ctx.close()
-        m = max_over_ranks(group, {"t": t, "g": t_graph})
+        base.close()
+        m = max_over_ranks(group, {"t": t, "g": t_graph, "n": t_none, "e": err})
         out_records.append(dict(
             op="flash_decode", strategy="fused", dtype="bfloat16", batch=batch, heads=HEADS,
             kv_heads=KV_HEADS, d=D, kv_len=kv_len, kv_total=kv_len * group.world_size,
-            t_ms=round(m["t"], 5), t_graph_ms=round(m["g"], 5),
+            t_ms=round(m["t"], 5), t_graph_ms=round(m["g"], 5), t_none_ms=round(m["n"], 5),
+            rel_err_none=m["e"],
         ))  # fmt: skip
     return out_records
 
@@ -210,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {write_records(args.out, dev, n, multi)}")
         for r in multi:
             print(f"W={n} batch {r['batch']} kv/rank {r['kv_len']}: {r['t_ms']:.4f} ms eager, "
-                  f"{r['t_graph_ms']:.4f} ms graph")  # fmt: skip
+                  f"{r['t_graph_ms']:.4f} ms graph, none {r['t_none_ms']:.4f} ms "
+                  f"({r['t_none_ms'] / r['t_ms']:.2f} x), rel err vs none "
+                  f"{r['rel_err_none']:.1e}")  # fmt: skip
     else:
         print("several-GPU flash-decode (partials pushed over NVLink) needs 2+ GPUs")
     print(f"{'batch':>5} {'kv/rank':>8} {'W':>2} {'ms':>8} {'sdpa ms':>8} {'GB/s':>7} "

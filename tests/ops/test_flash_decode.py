@@ -4,7 +4,10 @@ the KV block, per-sequence valid lengths (one rank's shard empty for a sequence)
 sliced from a larger allocation (strided), one split and several splits per sequence,
 poisoned outputs, repeated calls on one context (epoch flags and buffer parities
 wrapping), the one-owner mode, bad inputs raising on every rank, and (on GPUs) CUDA-graph
-capture and replay mixed with eager calls."""
+capture and replay mixed with eager calls. The reference and one-owner tests also run the
+``none`` baseline (torch attention per shard, process-group gather, torch merge; it costs
+milliseconds on the CPU); where the ranks share one GPU it gathers through host memory
+(gloo), so it runs there too, its per-shard flash-attention call included."""
 
 from __future__ import annotations
 
@@ -54,10 +57,11 @@ def _reference(q, shards, valid, hkv):
     return out
 
 
-def _body(group, owner, calls):
+def _body(group, owner, calls, strategy="auto"):
     r = group.rank
     max_b, hq, hkv, d, lens = _dims(group)
-    ctx = FlashDecode(group, max_b, hq, hkv, d, owner=owner)
+    ctx = FlashDecode(group, max_b, hq, hkv, d, owner=owner, strategy=strategy)
+    ran = "fused" if strategy == "auto" else strategy
     splits = set()
     try:
         for i in range(calls):
@@ -72,6 +76,7 @@ def _body(group, owner, calls):
             out = nans(batch, hq, d, dtype=torch.bfloat16, device=group.device)
             got = ctx(q, k, v, kv_lens=kv_lens, out=out if i != 2 else None)
             sync(group)
+            assert ctx.last_strategy == ran
             splits.add(ctx.splits(batch, k.shape[2])[0])
             if owner is not None and r != owner:
                 assert got is None
@@ -87,20 +92,21 @@ def _body(group, owner, calls):
     return sorted(splits)
 
 
-def test_flash_decode_matches_reference(world):
-    splits = world.run(_body, None, 4)[0]
-    if world.backend == "cpu":  # batch 1 splits each shard, the full batch does not
+@pytest.mark.parametrize("strategy", ["auto", "none"])
+def test_flash_decode_matches_reference(world, strategy):
+    splits = world.run(_body, None, 4, strategy)[0]
+    if world.backend == "cpu" and strategy == "auto":  # batch 1 splits each shard, B not
         assert 1 in splits and max(splits) > 1, splits
 
 
-def test_flash_decode_owner(world):
-    """One rank merges; the others return None and wait for its acknowledgement before
-    they overwrite a buffer parity (five calls: each parity reused twice)."""
-    world.run(_body, world.world_size - 1, 5)
+@pytest.mark.parametrize("strategy", ["auto", "none"])
+def test_flash_decode_owner(world, strategy):
+    """One rank merges; the others return None (fused: and wait for its acknowledgement
+    before they overwrite a buffer parity; five calls: each parity reused twice)."""
+    world.run(_body, world.world_size - 1, 5, strategy)
 
 
 def _bad_body(group):
-    dev = group.device
     max_b, hq, hkv, d, lens = _dims(group)
     expect_error(InterlaceValueError, "not a multiple of kv_heads", FlashDecode,
                  group, max_b, 6, 4, d)  # fmt: skip
@@ -109,7 +115,16 @@ def _bad_body(group):
                  dtype=torch.float32)  # fmt: skip
     expect_error(InterlaceValueError, "owner", FlashDecode, group, max_b, hq, hkv, d,
                  owner=group.world_size)  # fmt: skip
-    ctx = FlashDecode(group, max_b, hq, hkv, d)
+    expect_error(InterlaceValueError, "strategy must be one of", FlashDecode, group, max_b,
+                 hq, hkv, d, strategy="ring")  # fmt: skip
+    for strategy in ("none", "auto"):
+        _bad_calls(group, FlashDecode(group, max_b, hq, hkv, d, strategy=strategy))
+    return True
+
+
+def _bad_calls(group, ctx):
+    dev = group.device
+    max_b, hq, hkv, d, lens = _dims(group)
     try:
         q, shards = _inputs(group, max_b, hq, hkv, d, lens, seed=5)
         k, v = shards[group.rank]
@@ -135,7 +150,6 @@ def _bad_body(group):
     finally:
         ctx.close()
     expect_error(InterlaceError, "closed", ctx, q, k, v)
-    return True
 
 
 def test_flash_decode_bad_inputs(world):

@@ -16,6 +16,18 @@ each sequence's valid length in the shard). Per call, on the caller's stream:
 Two launches, no copies, no host synchronisation and no per-call flag resets (epoch
 flags, see :mod:`interlace.kernels.decode`), so a decode step captures into a CUDA graph
 as it is, and graph replays and eager calls can be mixed on one context.
+
+Strategies (``strategy=``): ``"fused"`` is the path above (``"auto"`` resolves to it);
+``"none"`` is the baseline written with torch alone, one step after another:
+
+1. the rank's partial ``(o, lse)`` over its shard (natural-log log-sum-exp): on a GPU
+   without ``kv_lens``, torch's flash-attention kernel with the ``HQ / HKV`` query heads
+   of a KV head taken as that many query rows (no K/V copy for grouped-query heads);
+   otherwise scores, log-sum-exp and weighted values in float32 with torch ops;
+2. ``(o, lse)`` of every rank gathered with the process group: ``all_gather_into_tensor``
+   (``gather`` to ``owner`` in the one-owner mode) over NCCL; ``all_gather`` / ``gather``
+   of host tensors where the group is gloo (the ``cpu`` backend, or ranks sharing one GPU);
+3. the ``W`` partials merged by log-sum-exp in float32 with torch ops.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import triton
 
 from ...errors import InterlaceTypeError, InterlaceValueError
@@ -33,6 +46,7 @@ from .._context import OpContext, cdiv, sm_count
 from .._launch import PreparedLaunch
 
 LOG2E = 1.4426950408889634
+STRATEGIES = ("auto", "fused", "none")
 #: Most splits of one sequence's shard: bounds the local scratch.
 MAX_SPLITS = 128
 
@@ -79,19 +93,28 @@ class FlashDecode(OpContext):
 
     ``ctx(q, k_shard, v_shard, kv_lens=None, out=None)`` returns ``out [B, heads, d]`` on
     every rank (``owner=None``) or on rank ``owner`` only (the others get ``None``). ``q``
-    must be the same on every rank and ``B`` must agree across ranks."""
+    must be the same on every rank and ``B`` must agree across ranks.
+
+    ``strategy``: ``"fused"`` (the Triton kernels; ``"auto"`` resolves to it) or
+    ``"none"`` (torch attention per shard, a process-group gather, a torch merge: the
+    baseline). ``last_strategy`` names the strategy the last call ran."""
 
     op_name = "flash_decode"
+    STRATEGIES = STRATEGIES
 
     def __init__(
         self, group, max_batch: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
         dtype=torch.bfloat16, owner: int | None = None, sm_scale: float | None = None,
-        config: DecodeConfig | None = None, max_spins=None,
+        config: DecodeConfig | None = None, max_spins=None, strategy: str = "auto",
     ):  # fmt: skip
+        name = self.op_name
+        if strategy not in STRATEGIES:
+            raise InterlaceValueError(
+                f"{name}: strategy must be one of {STRATEGIES}, got {strategy!r}"
+            )
         max_batch, heads, kv_heads, head_dim = (
             int(x) for x in (max_batch, heads, kv_heads, head_dim)
         )
-        name = self.op_name
         if min(max_batch, heads, kv_heads) <= 0:
             raise InterlaceValueError(
                 f"{name}: max_batch, heads and kv_heads must be positive, got "
@@ -114,6 +137,8 @@ class FlashDecode(OpContext):
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.owner = None if owner is None else int(owner)
         self.sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.strategy = strategy
+        self.last_strategy: str | None = None
         n_groups = max_batch * kv_heads
         regions = {
             "count": n_groups + 2,  # split counters per group, the launch's, the merge's
@@ -125,15 +150,19 @@ class FlashDecode(OpContext):
         cuda = group.backend == "cuda"
         self.config = config or (DecodeConfig() if cuda else CPU_CONFIG)
         self._target = (sm_count(group.device.index) if cuda else 1) * self.config.programs_per_sm
-        rows = max_batch * heads
-        self.push_o = self._track(symm_zeros((2, w, rows, head_dim), torch.float32, group))
-        self.push_lse = self._track(symm_zeros((2, w, rows), torch.float32, group))
-        scratch_rows = max(b * heads * self._max_splits(b) for b in range(1, max_batch + 1))
-        dev = group.device
-        self.part_o = torch.empty(scratch_rows * head_dim, dtype=torch.float32, device=dev)
-        self.part_lse = torch.empty(scratch_rows, dtype=torch.float32, device=dev)
-        self._no_lens = torch.zeros(1, dtype=torch.int32, device=dev)
         self._plans: dict[tuple, DecodePlan] = {}
+        if self._resolve() == "fused":  # (the baseline needs none of the kernels' buffers)
+            rows = max_batch * heads
+            self.push_o = self._track(symm_zeros((2, w, rows, head_dim), torch.float32, group))
+            self.push_lse = self._track(symm_zeros((2, w, rows), torch.float32, group))
+            scratch_rows = max(b * heads * self._max_splits(b) for b in range(1, max_batch + 1))
+            dev = group.device
+            self.part_o = torch.empty(scratch_rows * head_dim, dtype=torch.float32, device=dev)
+            self.part_lse = torch.empty(scratch_rows, dtype=torch.float32, device=dev)
+            self._no_lens = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def _resolve(self) -> str:
+        return "fused" if self.strategy == "auto" else self.strategy
 
     # ------------------------------------------------------------------ planning
     def _max_splits(self, batch: int) -> int:
@@ -248,13 +277,86 @@ class FlashDecode(OpContext):
     def __call__(self, q, k, v, kv_lens=None, out=None):
         self._begin()
         self._check_call(q, k, v, kv_lens, out)
-        self._begin_call(batch=q.shape[0])  # (the shard length and kv_lens differ by rank)
+        strategy = self._resolve()
+        # (the shard length and kv_lens differ by rank: not part of the fingerprint)
+        self._begin_call(batch=q.shape[0], strategy=strategy)
         merges = self.owner is None or self.owner == self.rank
         if out is None and merges:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if strategy == "none":
+            self._none(q, k, v, kv_lens, out)
+        else:
+            self._fused(q, k, v, kv_lens, out, merges)
+        self.last_strategy = strategy
+        self._end()
+        return out if merges else None
+
+    def _fused(self, q, k, v, kv_lens, out, merges) -> None:
         plan = self._plan(q, k, v, kv_lens is not None, out if merges else q)
         plan.decode(q, k, v, self._no_lens if kv_lens is None else kv_lens)
         if plan.merge is not None:
             plan.merge(out)
-        self._end()
-        return out if merges else None
+
+    # ------------------------------------------------------------------ none
+    def _none(self, q, k, v, kv_lens, out) -> None:
+        """The baseline (see the module docstring): writes ``out`` on the merging ranks."""
+        d = self.head_dim
+        o, lse = local_partial(q, k, v, kv_lens, self.sm_scale)
+        part = torch.cat([o, lse[..., None]], dim=-1)  # [B, HQ, d + 1] float32
+        parts = self._gather_partials(part)  # [W, B, HQ, d + 1]
+        if parts is not None:
+            out.copy_(merge_partials(parts[..., :d], parts[..., d]))
+
+    def _gather_partials(self, part: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's ``part``, stacked in rank order, on the merging ranks (None on the
+        others): NCCL on the CUDA tensors, else gloo on host copies."""
+        group, w = self.group, self.world_size
+        pg = group.process_group
+        on_host = group.backend != "cuda" or group.shared_device
+        src = part.cpu() if on_host else part
+        if self.owner is None:
+            if on_host:
+                parts = [torch.empty_like(src) for _ in range(w)]
+                dist.all_gather(parts, src, group=pg)
+                gathered = torch.stack(parts)
+            else:
+                gathered = torch.empty((w, *src.shape), dtype=src.dtype, device=src.device)
+                dist.all_gather_into_tensor(gathered, src, group=pg)
+        else:
+            mine = self.rank == self.owner
+            parts = [torch.empty_like(src) for _ in range(w)] if mine else None
+            dist.gather(src, parts, dst=dist.get_global_rank(pg, self.owner), group=pg)
+            if not mine:
+                return None
+            gathered = torch.stack(parts)
+        return gathered.to(part.device)
+
+
+def local_partial(q, k, v, kv_lens, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q [B, HQ, d]`` over one shard ``k, v [B, HKV, L, d]`` (the first
+    ``kv_lens[b]`` rows of sequence ``b`` where given) as ``(o [B, HQ, d], lse [B, HQ])``
+    in float32, ``lse`` the natural-log log-sum-exp of the scaled scores (``-inf`` and
+    ``o = 0`` where no row is valid). The ``HQ / HKV`` query heads that share a KV head
+    are that head's query rows, so grouped-query heads read K/V once."""
+    batch, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    qg = q.reshape(batch, hkv, hq // hkv, d)
+    if q.is_cuda and kv_lens is None and n > 0:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(qg, k, v, scale=scale)
+        return res[0].float().reshape(batch, hq, d), res[1].reshape(batch, hq)
+    s = (qg.float() @ k.float().transpose(-1, -2)) * scale  # [B, HKV, G, L]
+    if kv_lens is not None:
+        valid = torch.arange(n, device=k.device)[None, :] < kv_lens[:, None]  # [B, L]
+        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    o = p @ v.float()
+    return o.reshape(batch, hq, d), lse.reshape(batch, hq)
+
+
+def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``o [W, ..., d]`` and ``lse [W, ...]`` (float32) merged by log-sum-exp over the
+    first dimension (0 where every partial is empty)."""
+    total = torch.logsumexp(lse, dim=0)
+    weight = torch.exp(lse - torch.where(torch.isfinite(total), total, 0.0))
+    return (o * weight[..., None]).sum(dim=0)
