@@ -149,7 +149,8 @@ def one_gpu(quick: bool, iters: int):
                 tv, tr = paired_median_ms(None, [vcall, ref], iters=iters, warmup=3)
                 vctx.check()
                 records.append(dict(
-                    op="flash_decode_variant", variant=name, **shape, as_world=as_world,
+                    op="flash_decode_variant", strategy="fused", variant=name, **shape,
+                    as_world=as_world,
                     t_ms=round(tv, 5), gbps=round(gb / tv * 1e3, 1), t_ref_ms=round(tr, 5),
                     ratio=round(tr / tv, 3), splits=vctx.splits(batch, kv_len)[0],
                 ))  # fmt: skip

@@ -47,6 +47,15 @@ def results_path(out_dir: str, device: str, world: int, date: str | None = None)
     return os.path.join(out_dir, f"{date}-{slug}-w{world}.json")
 
 
+def _complete(rec: dict) -> dict:
+    """``rec`` with the fields every record has: ``op`` and ``strategy`` (required), and
+    ``t_ms`` (None for a record that measured no time, e.g. a host-cost record)."""
+    missing = [k for k in ("op", "strategy") if rec.get(k) is None]
+    if missing:
+        raise ValueError(f"a results record needs {missing}: {rec}")
+    return {**rec, "t_ms": rec.get("t_ms")}
+
+
 def write_records(
     out_dir: str, device: str, world: int, records: list[dict], plot: bool = True
 ) -> str:
@@ -68,6 +77,7 @@ def write_records(
     if os.path.exists(path):
         with open(path) as f:
             doc["records"] = json.load(f).get("records", [])
+    records = [_complete(r) for r in records]
     fresh = {record_key(r) for r in records}
     doc["records"] = [r for r in doc["records"] if record_key(r) not in fresh] + list(records)
     os.makedirs(out_dir or ".", exist_ok=True)

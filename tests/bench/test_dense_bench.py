@@ -227,3 +227,14 @@ def test_strategy_variants_for_the_ablation():
     both = ["ce_fused:gather=epilogue", "ce_fused:split=2"]
     assert strategies_of("gemm_ar", both) == both
     assert strategies_of("gemm_rs", both) == ["ce_fused:split=2"]
+
+
+def test_write_results_completes_and_refuses_records(tmp_path):
+    """Every written record has op, strategy and t_ms (None where no time was measured);
+    a record without op or strategy is refused."""
+    host = {"op": "x", "strategy": "s", "host_us": 3.0}
+    path = write_results(str(tmp_path), "cpu", 1, [host], plot=False)
+    (rec,) = json.load(open(path))["records"]
+    assert rec["t_ms"] is None and rec["host_us"] == 3.0
+    with pytest.raises(ValueError, match="strategy"):
+        write_results(str(tmp_path), "cpu", 1, [{"op": "x", "t_ms": 1.0}], plot=False)
