@@ -46,12 +46,19 @@ from ...runtime import symm_empty
 from .._context import OpContext, sm_count
 from .._launch import launch
 from . import combine as _combine
-from .layout import EPCapacityError, EPHandle, check_routing_args, ep_config, next_pow2
+from .layout import (
+    EPCallChecks,
+    EPCapacityError,
+    EPHandle,
+    check_routing_args,
+    ep_config,
+    next_pow2,
+)
 
 FP8_GROUP = 128
 
 
-class EPAllToAll(OpContext):
+class EPAllToAll(EPCallChecks, OpContext):
     """Dispatch tokens to the ranks of their top-k experts and combine the experts'
     outputs back (see the module docstring). ``experts`` is the global expert count, a
     multiple of the world size; rank ``r`` holds experts ``r * E/W .. (r + 1) * E/W - 1``.
@@ -134,17 +141,7 @@ class EPAllToAll(OpContext):
                 f"more than the capacity of {self.capacity} given at construction; the call "
                 "moved no rows (build the context with a larger capacity)"
             )
-        if slot == self.pad.offset("bad_index"):
-            return InterlaceValueError(
-                f"{self.op_name}: rank {rank} passed an expert id outside [-1, "
-                f"{self.experts}); the call moved no rows"
-            )
-        return None
-
-    def _fingerprint(self) -> None:
-        """``_begin_call`` of a dispatch or combine: the arguments every rank shares (token
-        counts differ by rank); a rank that skipped a step differs in its call count."""
-        self._begin_call(hidden=self.hidden, experts=self.experts, topk=self.topk)
+        return self._bad_index_error(rank, slot, "the call moved no rows")
 
     # ------------------------------------------------------------------ dispatch
     def _common(self) -> dict:

@@ -108,3 +108,22 @@ def check_routing_args(op, x, topk_idx, topk_weights, ctx) -> None:
                 f"{op}: {name} must be a contiguous [{t}, {ctx.topk}] tensor, got "
                 f"{tuple(tensor.shape)}"
             )
+
+
+class EPCallChecks:
+    """Mixed into the EP contexts (``OpContext`` subclasses with ``hidden``, ``experts``,
+    ``topk`` and a ``bad_index`` signal region): what their dispatch and combine share."""
+
+    def _fingerprint(self) -> None:
+        """``_begin_call`` of a dispatch or combine: the arguments every rank shares (token
+        counts differ by rank); a rank that skipped a step differs in its call count."""
+        self._begin_call(hidden=self.hidden, experts=self.experts, topk=self.topk)
+
+    def _bad_index_error(self, rank: int, slot: int, what: str):
+        """The error of an expert id outside [-1, experts), found alike on every rank
+        (``what``: what the call then did), or None for another slot."""
+        if slot != self.pad.offset("bad_index"):
+            return None
+        return InterlaceValueError(
+            f"{self.op_name}: rank {rank} passed an expert id outside [-1, {self.experts}); {what}"
+        )

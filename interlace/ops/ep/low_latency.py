@@ -40,7 +40,7 @@ from ...kernels.ep_low_latency import ll_combine_kernel, ll_dispatch_kernel
 from ...runtime import symm_empty
 from .._context import OpContext, sm_count
 from .._launch import launch
-from .layout import check_routing_args, next_pow2
+from .layout import EPCallChecks, check_routing_args, next_pow2
 
 #: The arrival protocol ``protocol="auto"`` uses: one flag per token measured faster than
 #: flag-in-data on one H100 (hidden 7168, top-8, 256 experts, waits met): dispatch 0.092
@@ -74,7 +74,7 @@ class EPLowLatencyHandle:
     call: int
 
 
-class EPLowLatency(OpContext):
+class EPLowLatency(EPCallChecks, OpContext):
     """See the module docstring. ``experts`` is the global expert count, a multiple of
     the world size; rank ``r`` holds experts ``r * E/W .. (r + 1) * E/W - 1``."""
 
@@ -148,17 +148,7 @@ class EPLowLatency(OpContext):
     # ------------------------------------------------------------------ errors
     def _check_error(self, rank: int, slot: int, seen: int):
         """A bad expert id, found alike on every rank (``OpContext._check_error``)."""
-        if slot == self.pad.offset("bad_index"):
-            return InterlaceValueError(
-                f"{self.op_name}: rank {rank} passed an expert id outside [-1, "
-                f"{self.experts}); its tokens were not sent"
-            )
-        return None
-
-    def _fingerprint(self) -> None:
-        """``_begin_call`` of a dispatch or combine: the arguments every rank shares (token
-        counts differ by rank); a rank that skipped a step differs in its call count."""
-        self._begin_call(hidden=self.hidden, experts=self.experts, topk=self.topk)
+        return self._bad_index_error(rank, slot, "its tokens were not sent")
 
     # ------------------------------------------------------------------ calls
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
