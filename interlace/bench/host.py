@@ -31,7 +31,7 @@ MODEL, M, COLLECTIVE_BYTES = "llama3-8b", 2048, 16 << 20
 def _max_over_ranks(group, value: float) -> float:
     import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=group.device if group.nccl else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.process_group)
     return float(t)
 

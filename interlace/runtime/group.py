@@ -48,6 +48,7 @@ class Group:
     device: torch.device = field(init=False)
     uid: str = field(init=False)
     shared_device: bool = field(init=False)
+    nccl: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if not dist.is_initialized():
@@ -81,6 +82,9 @@ class Group:
         # Several ranks on one GPU (``World(share_device=True)``, for tests): the backend
         # is ``cuda`` over a gloo group, and symmetric buffers are CUDA IPC mappings.
         self.shared_device = self.backend == "cuda" and dist.get_backend(pg) != "nccl"
+        # torch.distributed collectives over this group take CUDA tensors (NCCL) when true,
+        # host tensors (gloo: the CPU emulation, ranks sharing a GPU) otherwise.
+        self.nccl = self.backend == "cuda" and not self.shared_device
         # One id that every rank agrees on, to name shared files and key caches.
         box = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
@@ -98,7 +102,7 @@ class Group:
 
     def host_barrier(self) -> None:
         """A host-side barrier over the group (used at set-up and tear-down only)."""
-        if self.backend == "cuda" and not self.shared_device:
+        if self.nccl:
             dist.barrier(group=self.process_group, device_ids=[self.device.index])
         else:
             dist.barrier(group=self.process_group)

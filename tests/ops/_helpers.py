@@ -30,17 +30,19 @@ def nans(*shape, dtype, device):
 
 
 def gathered(x, group):
-    """``x`` of every rank, concatenated in rank order (the all-gather reference)."""
-    parts = [torch.empty_like(x) for _ in range(group.world_size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts)
+    """``x`` of every rank, concatenated in rank order (the all-gather reference), on
+    ``x``'s device; the collective runs where the group's backend takes tensors."""
+    src = x.contiguous().to(group.device if group.nccl else "cpu")
+    parts = [torch.empty_like(src) for _ in range(group.world_size)]
+    dist.all_gather(parts, src)
+    return torch.cat(parts).to(x.device)
 
 
 def reduced(x, group):
     """The sum of ``x`` over ranks, in float32 (the all-reduce reference)."""
-    full = x.float().clone()
+    full = x.float().to(group.device if group.nccl else "cpu", copy=True)
     dist.all_reduce(full)
-    return full
+    return full.to(x.device)
 
 
 def reduced_rows(x, group):

@@ -312,7 +312,7 @@ class FlashDecode(OpContext):
         others): NCCL on the CUDA tensors, else gloo on host copies."""
         group, w = self.group, self.world_size
         pg = group.process_group
-        on_host = group.backend != "cuda" or group.shared_device
+        on_host = not group.nccl
         src = part.cpu() if on_host else part
         if self.owner is None:
             if on_host:

@@ -78,8 +78,7 @@ def agree(ctx, error: ArgError | None, fields: tuple[int, ...], exchange: bool) 
     if exchange and ctx.world_size > 1:
         group = ctx.group
         vals = [1 if error else 0, *fields, *(-f for f in fields)]
-        on_device = group.backend == "cuda" and not group.shared_device
-        t = torch.tensor(vals, dtype=torch.int64, device=group.device if on_device else "cpu")
+        t = torch.tensor(vals, dtype=torch.int64, device=group.device if group.nccl else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.process_group)
         got = t.tolist()
         n = len(fields)

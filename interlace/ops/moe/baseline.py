@@ -47,7 +47,7 @@ def swiglu(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
     """``x`` of every rank, concatenated in rank order."""
     pg = group.process_group
-    if group.backend == "cuda" and not group.shared_device:
+    if group.nccl:
         out = torch.empty(group.world_size * x.shape[0], *x.shape[1:], dtype=x.dtype,
                           device=x.device)  # fmt: skip
         dist.all_gather_into_tensor(out, x.contiguous(), group=pg)
@@ -83,7 +83,7 @@ def moe_rs_none(group, h, routing: MoeRouting, w_down, out_dtype):
     contrib = torch.where(live[:, None], rows * routing.weights[:, None], 0.0)
     full = torch.zeros(world * m, hidden, dtype=torch.float32, device=h.device)
     full.index_add_(0, tok.clamp(min=0), contrib)
-    if group.backend == "cuda" and not group.shared_device:
+    if group.nccl:
         mine = torch.empty(m, hidden, dtype=torch.float32, device=h.device)
         dist.reduce_scatter_tensor(mine, full, group=group.process_group)
     else:  # gloo has no reduce-scatter
