@@ -10,7 +10,7 @@
 #   INTERLACE_TEST_GPU_SIZES: the GPU worlds' rank counts (default 2,4; 2,4,8 on 8 GPUs).
 #   INTERLACE_TEST_SHARE_GPU=1: worlds with more ranks than GPUs share GPU 0 (set by
 #     default on a one-GPU machine).
-#   TEST_TIMEOUT / BENCH_TIMEOUT (per suite) in seconds.
+#   TEST_TIMEOUT (per test path) / BENCH_TIMEOUT (per suite) in seconds.
 #   STRATEGIES: the dense strategies (default: all but signal_reorder, which has its own
 #     suite, plus auto without graph-backed eager calls).
 #   SAVE_CACHE=1 packs Triton's cache (.triton_cache/) into $OUT for a later fresh machine.
@@ -33,18 +33,26 @@ if [ "$GPUS" -le 1 ]; then
 else
     BENCH=${BENCH:-collectives dense p2p_ring signal_reorder}
 fi
-TEST_TIMEOUT=${TEST_TIMEOUT:-400}
+TEST_TIMEOUT=${TEST_TIMEOUT:-300}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-540}
 
 { nvidia-smi -L; nvidia-smi topo -m; python3 -c 'import torch, triton, numpy; print("torch", torch.__version__, "triton", triton.__version__, "numpy", numpy.__version__)'; } \
     > "$OUT/machine.txt" 2>&1
 
 if [ "${TESTS:-1}" != 0 ]; then
+    # One pytest per path, each bounded by TEST_TIMEOUT: SIGINT first, so that pytest
+    # still prints the failures and tracebacks it has when its time runs out.
+    : > "$OUT/gpu_tests.log"; test_rc=0
     # shellcheck disable=SC2086 # TEST_PATHS: several paths
-    timeout -k 10 "$TEST_TIMEOUT" python3 -m pytest -m gpu ${TEST_PATHS:-tests} -k "${TEST_K:-}" -q -rfEs \
-        -p no:cacheprovider --continue-on-collection-errors \
-        --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
-    test_rc=$?
+    for path in ${TEST_PATHS:-tests}; do
+        echo "#### $path" >> "$OUT/gpu_tests.log"
+        timeout -s INT -k 20 "$TEST_TIMEOUT" python3 -m pytest -m gpu "$path" -k "${TEST_K:-}" \
+            -q -rfEs --tb=short -p no:cacheprovider --continue-on-collection-errors \
+            >> "$OUT/gpu_tests.log" 2>&1
+        rc=$?
+        # 5: nothing selected in this path
+        if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then test_rc=$rc; fi
+    done
 else
     echo "skipped (TESTS=0)" > "$OUT/gpu_tests.log"; test_rc=skipped
 fi
@@ -66,7 +74,7 @@ if [ -n "${SAVE_CACHE:-}" ]; then
 fi
 
 echo "== machine"; head -5 "$OUT/machine.txt"
-echo "== GPU tests (rc=$test_rc)"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT/gpu_tests.log" | tail -25
+echo "== GPU tests (rc=$test_rc)"; grep -E "^(####|FAILED|ERROR)|passed|failed|error|Interrupted" "$OUT/gpu_tests.log" | tail -60
 for suite in $BENCH; do
     [ "$suite" = none ] && continue
     echo "== bench $suite (rc=${rcs[$suite]})"

@@ -44,7 +44,10 @@ def get_world(backend: str, size: int, own_gpu: bool = False) -> World:
         pytest.skip("needs a GPU per rank (collectives on CUDA tensors, per-GPU memory)")
     key = (backend, size)
     if key not in _worlds:
-        timeout = 240 if backend == "cpu" or share else 120
+        # INTERLACE_TEST_WORLD_TIMEOUT_S bounds each test body (a GPU run sets it low so
+        # that one hung body costs less of a bounded device call).
+        default = 240 if backend == "cpu" or share else 120
+        timeout = float(os.environ.get("INTERLACE_TEST_WORLD_TIMEOUT_S", default))
         _worlds[key] = World(size, backend, timeout=timeout, share_device=share)
     return _worlds[key]
 
