@@ -371,6 +371,13 @@ def moe_finish_kernel(
             peer = (rank + i) % WORLD
             src = tl.load(acc_table + peer).to(tl.pointer_type(tl.float32)) + set_off + at
             total += tl.load(src, mask=ok, other=0.0)
+        # Every thread's loads of the block complete before any thread zeroes it: the
+        # compiler may give the zero store a thread mapping other than the load's, and
+        # then one thread could clear an element that another has not read yet.
+        tl.debug_barrier()
+        for i in tl.static_range(WORLD):
+            peer = (rank + i) % WORLD
+            src = tl.load(acc_table + peer).to(tl.pointer_type(tl.float32)) + set_off + at
             tl.store(src, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), mask=ok)
         out = y + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(out, total.to(y.dtype.element_ty), mask=inside)

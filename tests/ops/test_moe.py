@@ -15,41 +15,44 @@ import torch.nn.functional as F
 
 from interlace.errors import InterlaceTypeError, InterlaceValueError
 from interlace.ops.moe import AGMoE, MoERS
-from tests.ops._helpers import capture, expect_error, rand, rel_err, replay, run_on_gpus, sync
+from tests.ops._helpers import (
+    capture,
+    expect_error,
+    gathered,
+    rand,
+    rel_err,
+    replay,
+    run_on_gpus,
+    sync,
+)
 
 TOL = 1e-2
 
 
-def _allow_fused_rs(group):
-    """GPU bodies test MoERS's fused kernel, which the op refuses on GPUs by default."""
-    if group.backend == "cuda":
-        import os
+def _auto_body(group):
+    """``auto`` takes the fused kernel for a padded routing in the CPU emulation and
+    ``none`` on GPUs (``moe_rs.AUTO_FUSED_ON_GPU``); ``fused`` runs where asked."""
+    from interlace.ops.moe import moe_rs
 
-        from interlace.ops.moe.moe_rs import EXPERIMENTAL
-
-        os.environ[EXPERIMENTAL] = "1"
-
-
-def _refusal_body(group):
-    import os
-
-    from interlace.ops.moe.moe_rs import EXPERIMENTAL
-
-    os.environ.pop(EXPERIMENTAL, None)
     kw = dict(max_tokens=8 * group.world_size, hidden=32, inter=16, experts=2, topk=1)
-    expect_error(
-        InterlaceValueError,
-        "known defect",
-        MoERS(group, strategy="fused", **kw),
-        torch.empty(0),
-        None,
-        None,
-    )
+    with _pair(group, "fused", **kw) as (ag, rs), MoERS(group, **kw) as auto:
+        gen = torch.Generator().manual_seed(group.rank)
+        x = rand(gen, 8, 32, dtype=torch.bfloat16, device=group.device)
+        ids, wts = make_routing(gen, 8, 1, 2, "random")
+        ids, wts = ids.to(group.device), wts.to(group.device)
+        w1 = rand(gen, 2, 32, 2 * 16, dtype=torch.bfloat16, device=group.device)
+        w2 = rand(gen, 2, 16, 32, dtype=torch.bfloat16, device=group.device)
+        h, routing = ag(x, ids, wts, w1)
+        auto(h, routing, w2)
+        rs(h, routing, w2)
+        on_gpu = group.backend == "cuda" and not moe_rs.AUTO_FUSED_ON_GPU
+        assert auto.last_strategy == ("none" if on_gpu else "fused")
+        assert rs.last_strategy == "fused"
+    return True
 
 
-@pytest.mark.gpu
-def test_fused_moe_rs_is_refused_on_gpus(world):
-    run_on_gpus(world, _refusal_body, why="GPU only")
+def test_moe_rs_auto_choice(world):
+    world.run(_auto_body)
 
 
 def make_routing(gen, m, k, experts, kind):
@@ -108,9 +111,7 @@ def _weights(world, hidden, inter, experts, dtype, device, rank, swiglu=True):
 
 
 def _gather_cpu(t, group):
-    parts = [torch.empty_like(t) for _ in range(group.world_size)]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts)
+    return gathered(t, group)
 
 
 @contextlib.contextmanager
@@ -161,7 +162,6 @@ def _case(group, ag, rs, m, hidden, inter, experts, k, kind, seed, swiglu=True, 
 # ------------------------------------------------------------------------- CPU shapes
 def _moe_body(group, strategy, shape, calls):
     """One pair of contexts, several calls on it (varying tokens per rank and routing)."""
-    _allow_fused_rs(group)
     hidden, inter, experts, topk, max_m = shape
     w = group.world_size
     kw = dict(max_tokens=w * max_m, hidden=hidden, inter=inter, experts=experts, topk=topk)
@@ -205,7 +205,6 @@ def test_moe_matches_reference(world, strategy):
 def _edge_body(group):
     """E = 1, k = 1 (one expert takes every token); E = 64, k = 8; odd widths (the
     pointer path: rows not 16-byte aligned); no activation."""
-    _allow_fused_rs(group)
     w = group.world_size
     for hidden, inter, experts, k, m, kind, swiglu in (
         (24, 8, 1, 1, 3, "one", True),
@@ -283,7 +282,6 @@ def test_moe_bad_inputs_raise_on_every_rank(world):
 # ------------------------------------------------------------------------- GPU only
 def _graph_body(group, m, hidden, inter, experts, k):
     """CUDA-graph capture of both halves, replayed with new tokens and new routing."""
-    _allow_fused_rs(group)
     w, r, dev = group.world_size, group.rank, group.device
     kw = dict(max_tokens=w * m, hidden=hidden, inter=inter, experts=experts, topk=k)
     gen = torch.Generator().manual_seed(40 + r)
@@ -325,7 +323,6 @@ def test_moe_graph_replay_new_routing(world):
 
 def _gpu_body(group):
     """GPU shapes: ragged tokens per rank, aligned and unaligned widths, E up to 64."""
-    _allow_fused_rs(group)
     w = group.world_size
     for m, hidden, inter, experts, k, kind in (
         (77, 256, 96, 8, 2, "random"),
@@ -351,7 +348,6 @@ def _per_rank_body(group):
     each (several K steps, ragged N), then the owner's finish over ``W`` accumulators,
     twice on the same buffers: the second call must not see the first's sums (the finish
     zeroes what it read) and a poisoned output is fully overwritten."""
-    _allow_fused_rs(group)
     from interlace.ops.moe import _gemm
     from interlace.ops.moe.routing import alloc_routing, launch_routing, pack_meta
 

@@ -78,10 +78,12 @@ def launch_gemm(
     *, a, x_own, w, out, routing: MoeRouting, n: int, up: int, cfg: MoeGemmConfig, grid: int,
     gather: bool, swiglu: bool, reduce: bool, acc_out=None, sig=None, sig_table=None,
     flag0=0, err=0, rank=0, max_spins=0, done_slot=0, clear=None, contrib_slot=0,
-    wait=False, world=1,
+    wait=False, world=1, use_tma: bool | None = None,
 ):  # fmt: skip
-    """One launch of the grouped GEMM on the current stream (see the kernel)."""
-    use_tma = tma_ok(w)
+    """One launch of the grouped GEMM on the current stream (see the kernel).
+    ``use_tma``: read the weight tiles through a TMA descriptor; None: wherever
+    ``tma_ok`` allows it (False forces the pointer path, which probes compare against)."""
+    use_tma = tma_ok(w) if use_tma is None else bool(use_tma) and tma_ok(w)
     if use_tma:
         install_scratch_allocator()
     stand_in = routing.token_ids
