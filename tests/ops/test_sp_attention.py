@@ -129,11 +129,14 @@ def test_head_dim_128_gpu(world, causal):
 @pytest.mark.parametrize("world", W23 + GPU2, indirect=True)
 @pytest.mark.parametrize("strategy", ["none", "ring"])
 def test_baselines(world, strategy):
-    """``none`` (forward and gradients) and ``ring`` (forward), causal with GQA and
-    packed documents."""
-    backward = strategy == "none"
-    world.run(_fwd_bwd_body, True, 0, 4, 2, 64, "bfloat16", strategy, backward)
-    world.run(_fwd_bwd_body, False, 2, 2, 1, 64, "bfloat16", strategy, backward)
+    """``none`` and ``ring``, forward and every rank's dq, dk, dv: causal with GQA, full
+    attention with packed documents, and (``ring``: its masks per block differ) causal
+    with packed documents and full attention with GQA and no documents."""
+    world.run(_fwd_bwd_body, True, 0, 4, 2, 64, "bfloat16", strategy, True)
+    world.run(_fwd_bwd_body, False, 2, 2, 1, 64, "bfloat16", strategy, True)
+    if strategy == "ring":
+        world.run(_fwd_bwd_body, True, 3, 4, 2, 64, "bfloat16", strategy, True)
+        world.run(_fwd_bwd_body, False, 0, 4, 1, 64, "bfloat16", strategy, True)
 
 
 def _repeat_body(group):

@@ -33,8 +33,9 @@ Strategies:
   chunk once they have all landed.
 * ``none``: NCCL all-gather of K and V, then torch SDPA (differentiable: its backward
   reduces dK / dV over ranks).
-* ``ring``: ring attention with torch ops (forward only): K/V passed to the next rank
-  step by step (send/recv), SDPA partials merged by log-sum-exp (``ring.py``).
+* ``ring``: ring attention with torch ops: K/V passed to the next rank step by step
+  (send/recv), SDPA partials merged by log-sum-exp (``ring.py``); differentiable (its
+  backward passes K/V round the ring again and each chunk's dK/dV on to its owner).
 
 Eager calls alternate between two buffer sets (``AlternatingSets``), so consecutive calls
 need no device barrier; a call captured in a CUDA graph uses a third set behind one.
@@ -60,13 +61,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import triton
 
 from ...errors import InterlaceTypeError, InterlaceValueError
 from ...kernels import attention as K
 from ...runtime import copy_and_signal, fork, join, symm_empty
 from .._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext, cdiv
-from .._launch import scratch
+from .._launch import install_scratch_allocator
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -105,19 +105,6 @@ GPU_CONFIGS = {
 CPU_CONFIG = AttnConfig(16, 16, 4, 1)
 DELTA_BLOCK = 64
 REDUCE_BLOCK = 32
-
-
-def _descriptor_scratch(size: int, alignment: int, stream):
-    return scratch(
-        size, stream, torch.cuda.current_device(), torch.cuda.is_current_stream_capturing()
-    )
-
-
-def use_descriptor_scratch() -> None:
-    """Give Triton the scratch allocator its device-side tensor descriptors need, in the
-    calling thread: Triton keeps it per thread (a context variable), and autograd runs a
-    backward on a thread of its own."""
-    triton.set_allocator(_descriptor_scratch)
 
 
 def config_of(kind: str, d: int, backend: str) -> AttnConfig:
@@ -371,8 +358,7 @@ class SPAttention(AlternatingSets, OpContext):
         if self._capturing() or self.world_size == 1 or not self.validate:
             return
         vals = [shape.batch, shape.s_loc, int(shape.causal), shape.docs]
-        on_host = self.group.backend != "cuda" or self.group.shared_device
-        dev = "cpu" if on_host else self.group.device
+        dev = self.group.device if self.group.nccl else "cpu"
         t = torch.tensor(vals + [-x for x in vals], dtype=torch.int64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group.process_group)
         hi, lo = t[: len(vals)].tolist(), [-x for x in t[len(vals) :].tolist()]
@@ -394,7 +380,7 @@ class SPAttention(AlternatingSets, OpContext):
     # ------------------------------------------------------------------ public call
     def __call__(self, q, k, v, causal: bool = False, cu_seqlens=None, sm_scale=None):
         """Attention of this rank's queries over the whole sequence; differentiable for
-        ``fused`` and ``none``."""
+        every strategy."""
         shape = self._check_inputs(q, k, v, causal, cu_seqlens)
         self._fingerprint(shape)
         scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
@@ -483,7 +469,7 @@ class SPAttention(AlternatingSets, OpContext):
 
     def _forward(self, q, k, v, shape: CallShape, cu, scale):
         if self.group.backend == "cuda":
-            use_descriptor_scratch()
+            install_scratch_allocator()
         a = self._args(shape, cu, scale)
         o = torch.empty_like(q)
         lse = torch.empty(
@@ -505,7 +491,7 @@ class SPAttention(AlternatingSets, OpContext):
 
     def _backward(self, q, k, v, o, lse, do, shape: CallShape, cu, scale):
         if self.group.backend == "cuda":
-            use_descriptor_scratch()
+            install_scratch_allocator()
         a = self._args(shape, cu, scale)
         do = do.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
