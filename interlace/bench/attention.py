@@ -65,9 +65,10 @@ class _PerRank:
 
     def __init__(self, s, causal, world=AS_WORLD, heads=HEADS, kv_heads=KV_HEADS, d=D,
                  dtype=torch.bfloat16):  # fmt: skip
-        from ..ops.attention.sp_attention import KernelArgs, use_descriptor_scratch
+        from ..ops._launch import install_scratch_allocator
+        from ..ops.attention.sp_attention import KernelArgs
 
-        use_descriptor_scratch()
+        install_scratch_allocator()
         dev = torch.device("cuda")
         self.s, self.causal, self.world = s, causal, world
         self.s_loc = s_loc = s // world

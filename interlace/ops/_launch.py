@@ -28,8 +28,8 @@ Tested against Triton 3.6's internals (``JITFunction.device_caches``,
 
 from __future__ import annotations
 
-import functools
 import os
+import threading
 
 import torch
 import triton
@@ -96,19 +96,27 @@ def scratch(size: int, stream: int, device: int, capturing: bool) -> torch.Tenso
     return buf
 
 
-@functools.cache
+_THREAD = threading.local()
+
+
+def _scratch_alloc(size: int, alignment: int, stream) -> torch.Tensor:
+    capturing = torch.cuda.is_current_stream_capturing()
+    return scratch(size, stream, torch.cuda.current_device(), capturing)
+
+
 def install_scratch_allocator() -> None:
     """Device-side tensor descriptors need a scratch allocator: Triton's launch asks for a
-    few hundred bytes per program (:func:`scratch`)."""
-
-    def alloc(size: int, alignment: int, stream):
-        capturing = torch.cuda.is_current_stream_capturing()
-        return scratch(size, stream, torch.cuda.current_device(), capturing)
-
-    triton.set_allocator(alloc)
+    few hundred bytes per program (:func:`scratch`). Triton keeps the allocator per thread
+    (a context variable), and autograd runs a backward on a thread of its own, so every
+    launch path that may need it calls this; it sets the allocator once per thread."""
+    if getattr(_THREAD, "scratch", False):
+        return
+    triton.set_allocator(_scratch_alloc)
+    _THREAD.scratch = True
 
 
 def _run(compiled, grid: int, values) -> None:
+    install_scratch_allocator()
     stream = driver.active.get_current_stream(driver.active.get_current_device())
     compiled.run(
         grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
@@ -120,6 +128,7 @@ def launch(kernel, grid: int, *args, **kwargs) -> None:
     """``kernel[(grid,)](*args, **kwargs)``, on the short path when it can be taken."""
     found = _bind(kernel, args, kwargs) if _short_path_ok() else None
     if found is None:
+        install_scratch_allocator()
         kernel[(grid,)](*args, **kwargs)
         return
     compiled, bound = found
@@ -197,6 +206,7 @@ class PreparedLaunch:
             args[i] = t
         found = _bind(self.kernel, args, self.kwargs) if _short_path_ok() else None
         if found is None:
+            install_scratch_allocator()
             self.kernel[(self.grid,)](*args, **self.kwargs)
             return
         compiled, bound_args = found

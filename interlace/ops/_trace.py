@@ -13,6 +13,7 @@ import torch
 
 from ..runtime import streams
 from ..runtime.symmetric import _open_buffers
+from ._launch import install_scratch_allocator
 
 
 def cdiv(a: int, b: int) -> int:
@@ -62,6 +63,7 @@ def launch_gemm(prepared, operands) -> bool:
         block_m=kwargs["BLOCK_M"], block_n=kwargs["BLOCK_N"], one_loop=bool(kwargs["ONE_LOOP"]),
     )  # fmt: skip
     tbuf = rec.kernel_buffer(grid, cdiv(bound, grid), info)
+    install_scratch_allocator()
     kernel[(grid,)](*args, **kwargs, TRACE=True, tbuf=tbuf)
     return True
 

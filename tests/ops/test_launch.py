@@ -4,6 +4,8 @@ places (under the interpreter it takes Triton's full path with the same argument
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import triton
@@ -70,15 +72,36 @@ def test_tma_scratch_is_reused_per_stream_and_fresh_under_capture(monkeypatch):
         torch, "empty", lambda size, device=None, dtype=None: real_empty(size, dtype=dtype)
     )
     monkeypatch.setattr(_launch, "_SCRATCH", {})
-    _launch.install_scratch_allocator.cache_clear()
-    try:
+    monkeypatch.setattr(_launch, "_THREAD", threading.local())
+    _launch.install_scratch_allocator()
+    alloc = set_to["fn"]
+    first = alloc(256, 128, 11)
+    assert alloc(256, 128, 11) is first  # same stream, same size: reused
+    assert alloc(256, 128, 12) is not first  # another stream
+    assert alloc(512, 128, 11) is not first  # another size
+    capturing["now"] = True
+    assert alloc(256, 128, 11) is not first  # a captured launch gets its own
+
+
+def test_scratch_allocator_is_set_in_every_thread():
+    """Triton keeps its allocator per thread (a context variable) and autograd runs a
+    backward on a thread of its own: the allocator set in one thread is missing in another
+    until that thread installs it too."""
+    from triton.runtime import _allocation
+
+    from interlace.ops import _launch
+
+    _launch.install_scratch_allocator()
+    assert _allocation._allocator.get() is _launch._scratch_alloc
+    seen = {}
+
+    def other():
+        seen["before"] = _allocation._allocator.get()
         _launch.install_scratch_allocator()
-        alloc = set_to["fn"]
-        first = alloc(256, 128, 11)
-        assert alloc(256, 128, 11) is first  # same stream, same size: reused
-        assert alloc(256, 128, 12) is not first  # another stream
-        assert alloc(512, 128, 11) is not first  # another size
-        capturing["now"] = True
-        assert alloc(256, 128, 11) is not first  # a captured launch gets its own
-    finally:
-        _launch.install_scratch_allocator.cache_clear()
+        seen["after"] = _allocation._allocator.get()
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert seen["before"] is not _launch._scratch_alloc
+    assert seen["after"] is _launch._scratch_alloc
