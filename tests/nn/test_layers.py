@@ -121,7 +121,7 @@ def _blocks_body(group, strategy):
     ref_model = DecoderStack(c)
     for p in ref_model.parameters():
         nn.init.normal_(p, std=0.3)
-    ref_model = ref_model.to(torch.bfloat16)
+    ref_model = ref_model.to(device=dev, dtype=torch.bfloat16)
     mlp_ref, attn_ref = ref_model.layers[0].mlp, ref_model.layers[0].self_attn
     b, s = 2, 7  # S = 7: padded to a multiple of W
     for sp in (True, False):
