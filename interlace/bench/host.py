@@ -20,7 +20,7 @@ import torch
 
 from .collectives import _inputs
 from .dense import model_shape
-from .timing import host_us
+from .timing import host_us, max_over_ranks
 
 DENSE = (("ag_gemm", "fused"), ("gemm_rs", "fused"), ("gemm_rs", "ce_fused"),
          ("gemm_ar", "fused"), ("gemm_ar", "ce_fused"))  # fmt: skip
@@ -28,16 +28,32 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 MODEL, M, COLLECTIVE_BYTES = "llama3-8b", 2048, 16 << 20
 
 
-def _max_over_ranks(group, value: float) -> float:
-    import torch.distributed as dist
+def _timed(group, make, call, iters: int, warmup: int) -> dict:
+    """``host_us``: the max over ranks of each rank's median host time of ``call(ctx)`` on
+    a context from ``make()``, after ``warmup`` calls, and the context's ``method`` where
+    it has one. An interlace error (raised alike on every rank, by design) gives
+    ``host_us: None`` and the ``error`` instead of ending the suite."""
+    from ..errors import InterlaceError
 
-    t = torch.tensor([value], dtype=torch.float64, device=group.device if group.nccl else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.process_group)
-    return float(t)
+    out = {}
+    t = None
+    try:
+        with make() as ctx:
+            out["method"] = getattr(ctx, "method", "default")
+            for _ in range(warmup):
+                call(ctx)
+            t = host_us(group, lambda: call(ctx), iters)
+            ctx.check()
+    except InterlaceError as e:
+        t, out["error"] = None, f"{type(e).__name__}: {e}"
+    worst = max_over_ranks(group, {"t": t})["t"]
+    out["host_us"] = None if worst is None else round(worst, 1)
+    return out
 
 
 def measure(group, iters: int = 20, warmup: int = 5) -> list[dict]:
-    """Rank body: one record per op, the max over ranks of each rank's median."""
+    """Rank body: one record per op, the max over ranks of each rank's median; an op that
+    fails gets ``host_us: None`` and its ``error``."""
     import interlace
 
     w, dev = group.world_size, group.device
@@ -49,27 +65,26 @@ def measure(group, iters: int = 20, warmup: int = 5) -> list[dict]:
         rows = s.M // w if op == "ag_gemm" else s.M
         a = torch.randn(rows, s.K, device=dev, dtype=torch.bfloat16)
         b = torch.randn(s.K, s.N, device=dev, dtype=torch.bfloat16) / s.K**0.5
-        with classes[op](group, max_m=s.M, n=s.N, k=s.K, strategy=strategy) as ctx:
-            for _ in range(warmup):
-                ctx(a, b)
-            t = host_us(group, lambda ctx=ctx, a=a, b=b: ctx(a, b), iters)
-            ctx.check()
+        got = _timed(
+            group, lambda op=op, s=s, strategy=strategy: classes[op](
+                group, max_m=s.M, n=s.N, k=s.K, strategy=strategy),
+            lambda ctx, a=a, b=b: ctx(a, b), iters, warmup,
+        )  # fmt: skip
+        got.pop("method", None)
         records.append({"op": op, "strategy": strategy, "model": MODEL, "M": s.M, "N": s.N,
-                        "K": s.K, "as_world": w, "host_us": round(_max_over_ranks(group, t), 1),
-                        "eager_graphs": True})  # fmt: skip
+                        "K": s.K, "as_world": w, "eager_graphs": True, **got})  # fmt: skip
     collective = {"all_gather": interlace.AllGather, "reduce_scatter": interlace.ReduceScatter,
                   "all_reduce": interlace.AllReduce}  # fmt: skip
     for op in COLLECTIVES:
         x, _, capacity = _inputs(group, op, COLLECTIVE_BYTES, torch.bfloat16, seed=0)
-        with collective[op](group, capacity, torch.bfloat16) as ctx:
-            for _ in range(warmup):
-                ctx(x)
-            t = host_us(group, lambda ctx=ctx, x=x: ctx(x), iters)
-            ctx.check()
-            method = getattr(ctx, "method", "default")
-        records.append({"op": op, "strategy": method, "bytes_per_rank": COLLECTIVE_BYTES,
-                        "as_world": w, "host_us": round(_max_over_ranks(group, t), 1),
-                        "eager_graphs": True})  # fmt: skip
+        cls = collective[op]
+        got = _timed(
+            group, lambda cls=cls, capacity=capacity: cls(group, capacity, torch.bfloat16),
+            lambda ctx, x=x: ctx(x), iters, warmup,
+        )  # fmt: skip
+        records.append({"op": op, "strategy": got.pop("method", "default"),
+                        "bytes_per_rank": COLLECTIVE_BYTES, "as_world": w, "eager_graphs": True,
+                        **got})  # fmt: skip
     return records
 
 
@@ -81,8 +96,12 @@ def table(records: list[dict]) -> None:
     for r in records:
         shape = (f"{r['model']} M={r['M']}" if "model" in r
                  else f"{r['bytes_per_rank'] >> 20} MB/rank")  # fmt: skip
-        rows.append([r["op"], r["strategy"], shape, str(r["as_world"]), f"{r['host_us']:.1f}"])
+        t = "failed" if r["host_us"] is None else f"{r['host_us']:.1f}"
+        rows.append([r["op"], r["strategy"], shape, str(r["as_world"]), t])
     print_table("host time of one eager call (graphs on)", head, rows)
+    for r in records:
+        if r.get("error"):
+            print(f"error {r['op']} {r['strategy']}: {r['error']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     table(records)
     path = write_records(args.out, torch.cuda.get_device_name(0), 1 if shared else world, records)
     print(f"results written to {path}")
-    return 0
+    return 1 if any(r.get("error") for r in records) else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,44 @@
+"""``bench host``'s per-op step on the CPU (2 ranks): an op that raises an interlace error
+(on every rank, as the ops do) is reported with ``host_us: None`` and its error, and the
+suite goes on to the next op; one that works reports the worst rank's time. The host clock
+is replaced by a fixed value per rank."""
+
+from __future__ import annotations
+
+import contextlib
+
+from tests.conftest import get_world
+
+
+def _body(group):
+    from interlace.bench import host
+    from interlace.errors import InterlaceValueError
+
+    host.host_us = lambda group, fn, iters: (fn(), 3.0 + group.rank)[1]
+
+    class Ctx(contextlib.AbstractContextManager):
+        method = "m"
+
+        def __init__(self, fail):
+            self.fail, self.calls = fail, 0
+
+        def __call__(self):
+            self.calls += 1
+            if self.fail and self.calls == 2:
+                raise InterlaceValueError("gemm_rs: peer never arrived")
+
+        def check(self):
+            pass
+
+        def __exit__(self, *exc):
+            return None
+
+    bad = host._timed(group, lambda: Ctx(True), lambda ctx: ctx(), iters=3, warmup=2)
+    good = host._timed(group, lambda: Ctx(False), lambda ctx: ctx(), iters=3, warmup=2)
+    return bad, good
+
+
+def test_a_failed_op_is_reported_and_the_next_runs():
+    for bad, good in get_world("cpu", 2).run(_body):
+        assert bad["host_us"] is None and "peer never arrived" in bad["error"]
+        assert good == {"method": "m", "host_us": 4.0}
