@@ -2,36 +2,110 @@
 gated expert MLPs): every rank holds a slice of every expert's intermediate features.
 
 Sequence parallel (the default): each rank routes its own tokens, gathers every rank's
-tokens and routing (``all_gather``), runs its expert slices on them, and reduce-scatters
-the partial sums back to its share of the tokens; without it, the tokens are the same on
-every rank and the partial sums are all-reduced. The expert GEMMs here are a per-expert
-loop of torch matmuls (``strategy="none"``); the fused AG + grouped GEMM + RS ops belong to
-:mod:`interlace.ops.moe` (``strategy="fused"`` needs it).
+tokens and routing, runs its expert slices on them, and reduce-scatters the partial sums
+back to its share of the tokens; without it, the tokens are the same on every rank and the
+partial sums are all-reduced.
+
+Two ways to run the experts (``strategy``):
+
+* ``none``: ``all_gather`` of the tokens and routing, a per-expert loop of torch matmuls,
+  ``reduce_scatter`` (or ``all_reduce``); differentiable op by op.
+* ``fused`` (sequence parallel only): :class:`~interlace.ops.moe.AGMoE` (all-gather
+  overlapped with the routing-driven grouped GEMM and SwiGLU) then
+  :class:`~interlace.ops.moe.MoERS` (grouped GEMM, top-k weighted sum and reduce-scatter
+  overlapped). Those ops have no autograd: :class:`_FusedExperts` runs them in the forward
+  and, in the backward, recomputes the ``none`` path on the saved inputs and weights and
+  takes its gradients, so training matches ``none`` at the cost of a second forward (its
+  collectives included).
+* ``auto``: ``fused`` where :class:`~interlace.ops.moe.MoERS`'s own ``auto`` runs fused (the
+  CPU emulation; on GPUs only with ``moe_rs.AUTO_FUSED_ON_GPU``), for bfloat16 / float16
+  weights, sequence parallel and outside ``torch.compile`` tracing; else ``none``.
+
+The router is plain torch in every strategy. The expert weights are stored as the fused
+ops read them, and the ``none`` path reads the same tensors.
 """
 
 from __future__ import annotations
 
-import importlib.util
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import InterlaceValueError
+from ..errors import InterlaceTypeError, InterlaceValueError
 from ..ops import autograd as _ops
 from ..ops import library as _library
+from ..ops.moe import AGMoE, MoERS
+from ..ops.moe import moe_rs as _moe_rs
 from ..runtime import Group
 from .linear import copy_to_parallel, shard, sync_sequence_parallel_grads
 
+#: weight dtypes the fused MoE ops take
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
-def _moe_ops_available() -> bool:
-    return importlib.util.find_spec("interlace.ops.moe") is not None
+
+@dataclass
+class _FusedContexts:
+    """The block's two fused op contexts, sized for ``ag.max_m`` tokens per rank."""
+
+    ag: AGMoE
+    rs: MoERS
+
+    def close(self) -> None:
+        self.ag.close()
+        self.rs.close()
+
+
+class _FusedExperts(torch.autograd.Function):
+    """The experts of a sequence-parallel block by AGMoE + MoERS on this rank's tokens;
+    the backward recomputes the block's ``none`` path (``MoEBlock._torch_experts``) under
+    autograd on the saved tensors and returns its gradients."""
+
+    @staticmethod
+    def forward(ctx, block, x, weights, index, gate_up, down):
+        ctx.block = block
+        ctx.save_for_backward(x, weights, index, gate_up, down)
+        fused = block._fused_contexts(x.shape[0])
+        h, routing = fused.ag(x, index, weights, gate_up)
+        return fused.rs(h, routing, down)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weights, index, gate_up, down = ctx.saved_tensors
+        _, nx, nw, _, ngu, nd = ctx.needs_input_grad
+        leaves = [
+            t.detach().requires_grad_(n)
+            for t, n in zip((x, weights, gate_up, down), (nx, nw, ngu, nd))
+        ]
+        wanted = [t for t in leaves if t.requires_grad]
+        with torch.enable_grad():
+            y = ctx.block._torch_experts(leaves[0], leaves[1], index, leaves[2], leaves[3])
+        grads = iter(torch.autograd.grad(y, wanted, dy, allow_unused=True))
+        gx, gw, ggu, gd = (next(grads) if t.requires_grad else None for t in leaves)
+        return None, gx, gw, None, ggu, gd
 
 
 class MoEBlock(nn.Module):
     """``num_experts`` gated MLPs (``hidden_size`` -> ``intermediate_size``), ``top_k`` per
     token from a softmax router (weights renormalised over the top k when ``normalize``).
-    ``x``: ``[..., H]``, this rank's tokens (sequence parallel) or all of them."""
+    ``x``: ``[..., H]``, this rank's tokens (sequence parallel) or all of them.
+
+    Parameters: ``router [E, H]`` (replicated), ``gate_up [E, H, 2 * I / W]`` (this rank's
+    gate columns, then its up columns) and ``down [E, I / W, H]``: the layouts of
+    :class:`~interlace.ops.moe.AGMoE` / :class:`~interlace.ops.moe.MoERS`
+    (:meth:`shard_gate_up` / :meth:`shard_down` cut them from full ``nn.Linear``-layout
+    tensors).
+
+    ``strategy``: ``none``, ``fused`` or ``auto`` (see the module docstring). ``fused``
+    needs ``sequence_parallel`` (the fused ops take each rank's own tokens; without it
+    ``fused`` raises at construction and ``auto`` runs ``none``) and bfloat16 / float16
+    weights (a float32 block raises on its first call). The fused path builds its own two
+    op contexts on its first call, sized to the next power of two of the tokens per rank,
+    and reuses them; they are rebuilt (at least twice as large) when a call has more
+    tokens, and after a failed call. :meth:`close` frees them (collective: call it on every
+    rank; a later fused call builds new ones).
+    ``last_strategy``: what the last call ran."""
 
     STRATEGIES = ("auto", "none", "fused")
 
@@ -43,11 +117,10 @@ class MoEBlock(nn.Module):
             raise InterlaceValueError(
                 f"MoEBlock: strategy must be one of {self.STRATEGIES}, got {strategy!r}"
             )
-        if strategy == "fused" and not _moe_ops_available():
-            raise InterlaceValueError("MoEBlock: strategy 'fused' needs interlace.ops.moe")
-        if strategy == "fused":
+        if strategy == "fused" and not sequence_parallel:
             raise InterlaceValueError(
-                "MoEBlock: strategy 'fused' is not wired to interlace.ops.moe yet; use 'none'"
+                "MoEBlock: strategy 'fused' needs sequence_parallel=True (the fused MoE ops "
+                "take each rank's own tokens); use 'none' or 'auto' without it"
             )
         w = group.world_size
         if intermediate_size % w:
@@ -59,11 +132,13 @@ class MoEBlock(nn.Module):
         self.num_experts, self.top_k, self.act = int(num_experts), int(top_k), act
         self.normalize, self.strategy = bool(normalize), strategy
         self.sequence_parallel = bool(sequence_parallel)
+        self.last_strategy: str | None = None
+        self._fused: _FusedContexts | None = None
         kw = dict(dtype=dtype, device=group.device if device is None else device)
         i_loc = self.intermediate_size // w
         self.router = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * i_loc, hidden_size, **kw))
-        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, i_loc, **kw))
+        self.gate_up = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * i_loc, **kw))
+        self.down = nn.Parameter(torch.empty(num_experts, i_loc, hidden_size, **kw))
         for p in (self.router, self.gate_up, self.down):
             nn.init.normal_(p, std=hidden_size**-0.5)
         self.gate_up._interlace_tp = self.down._interlace_tp = True
@@ -71,13 +146,17 @@ class MoEBlock(nn.Module):
             sync_sequence_parallel_grads([self.router], group)
 
     def shard_gate_up(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full ``[E, 2 * I, H]`` (gate rows, then up rows) tensor."""
+        """This rank's slice of a full ``[E, 2 * I, H]`` (gate rows, then up rows) tensor
+        (a weight or its gradient), in ``gate_up``'s layout ``[E, H, 2 * I / W]``."""
         i = self.intermediate_size
-        return shard(full, self.group.rank, self.group.world_size, 1, [i, i])
+        part = shard(full, self.group.rank, self.group.world_size, 1, [i, i])
+        return part.transpose(1, 2).contiguous()
 
     def shard_down(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full ``[E, H, I]`` tensor."""
-        return shard(full, self.group.rank, self.group.world_size, 2)
+        """This rank's slice of a full ``[E, H, I]`` tensor, in ``down``'s layout
+        ``[E, I / W, H]``."""
+        part = shard(full, self.group.rank, self.group.world_size, 2)
+        return part.transpose(1, 2).contiguous()
 
     @classmethod
     def from_weights(cls, router, gate_up, down, top_k: int, group: Group, **kw):
@@ -108,6 +187,58 @@ class MoEBlock(nn.Module):
         kw.setdefault("normalize", bool(getattr(moe, "norm_topk_prob", True)))
         return cls.from_weights(moe.gate.weight, gate_up, down, top_k, group, **kw)
 
+    def close(self) -> None:
+        """Free the fused path's op contexts (collective: call on every rank). Idempotent;
+        the block stays usable (a later fused call builds new contexts)."""
+        if self._fused is not None:
+            fused, self._fused = self._fused, None
+            fused.close()
+
+    def _fused_contexts(self, m: int) -> _FusedContexts:
+        """The AGMoE / MoERS pair for ``m`` tokens per rank in the weights' dtype, built on
+        first use and rebuilt when outgrown (at least twice as large) or after a failed
+        call (a context that saw a fault refuses every later call); every rank reaches the
+        same decision, since sequence-parallel shards have the same rows everywhere."""
+        dtype, old = self.gate_up.dtype, self._fused
+        if old is not None and (old.ag.failed or old.rs.failed):
+            self.close()
+            old = None
+        if old is not None and old.ag.max_m >= m and old.ag.dtype == dtype:
+            return old
+        cap = 1 << max(0, m - 1).bit_length()
+        if old is not None and old.ag.dtype == dtype:
+            cap = max(cap, 2 * old.ag.max_m)
+        self.close()
+        w = self.group.world_size
+        sizes = dict(
+            max_tokens=cap * w, hidden=self.hidden_size, inter=self.intermediate_size // w,
+            experts=self.num_experts, topk=self.top_k, dtype=dtype, strategy="fused",
+        )  # fmt: skip
+        ag = AGMoE(self.group, **sizes)
+        try:
+            rs = MoERS(self.group, **sizes)
+        except BaseException:
+            ag.close()
+            raise
+        self._fused = _FusedContexts(ag, rs)
+        return self._fused
+
+    def _use_fused(self, rows: int) -> bool:
+        if self.strategy == "none" or not self.sequence_parallel or rows == 0:
+            return False
+        half = self.gate_up.dtype in FUSED_DTYPES
+        if self.strategy == "fused":
+            if not half:
+                raise InterlaceTypeError(
+                    f"MoEBlock: strategy 'fused' needs {FUSED_DTYPES} weights, got "
+                    f"{self.gate_up.dtype}"
+                )
+            return True
+        on_gpu = self.group.backend == "cuda"
+        return (
+            half and (_moe_rs.AUTO_FUSED_ON_GPU or not on_gpu) and not torch.compiler.is_compiling()
+        )
+
     def _route(self, x):
         logits = F.linear(x, self.router)
         probs = torch.softmax(logits.float(), dim=-1)
@@ -116,37 +247,50 @@ class MoEBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, index
 
-    def _experts(self, x, weights, index):
+    def _experts(self, x, weights, index, gate_up, down):
         """This rank's slice of every expert on tokens ``x`` [T, H]: the partial sums."""
         out = torch.zeros_like(x)
         for e in range(self.num_experts):
             token, slot = torch.where(index == e)
             if token.numel() == 0:
                 continue
-            gate, up = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down[e]) * weights[token, slot, None]
+            gate, up = (x[token] @ gate_up[e]).chunk(2, dim=-1)
+            y = ((self.act(gate) * up) @ down[e]) * weights[token, slot, None]
             out = out.index_add(0, token, y.to(out.dtype))
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
+    def _torch_experts(self, x, weights, index, gate_up, down):
+        """The ``none`` path of a sequence-parallel block after the router, on this rank's
+        tokens ``x [m, H]``: gather every rank's tokens and routing, run this rank's expert
+        slices, reduce-scatter the partial sums (``[m, H]``)."""
         if self.group.world_size == 1:
-            return self._experts(x2, *self._route(x2)).view(shape)
+            return self._experts(x, weights, index, gate_up, down)
         h = self.handle
-        if not self.sequence_parallel:
-            weights, index = self._route(x2)
-            weights = copy_to_parallel(weights, self.group)
-            partial = self._experts(copy_to_parallel(x2, self.group), weights, index)
-            return _ops.all_reduce(partial, h).view(shape)
-        weights, index = self._route(x2)
-        xs = _ops.all_gather(x2, h)
+        xs = _ops.all_gather(x, h)
         ws = _ops.all_gather(weights, h)
         # the indices travel bit for bit as float32 words
         index = _ops.all_gather(index.to(torch.int32).view(torch.float32), h)
         index = index.view(torch.int32).long()
-        partial = self._experts(xs, ws, index)
-        return _ops.reduce_scatter(partial, h).view(shape)
+        return _ops.reduce_scatter(self._experts(xs, ws, index, gate_up, down), h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        weights, index = self._route(x2)
+        if self._use_fused(x2.shape[0]):
+            self.last_strategy = "fused"
+            y = _FusedExperts.apply(
+                self, x2.contiguous(), weights.contiguous(), index.contiguous(), self.gate_up,
+                self.down,
+            )  # fmt: skip
+            return y.view(shape)
+        self.last_strategy = "none"
+        if self.sequence_parallel or self.group.world_size == 1:
+            return self._torch_experts(x2, weights, index, self.gate_up, self.down).view(shape)
+        weights = copy_to_parallel(weights, self.group)
+        x2 = copy_to_parallel(x2, self.group)
+        partial = self._experts(x2, weights, index, self.gate_up, self.down)
+        return _ops.all_reduce(partial, self.handle).view(shape)
 
 
 __all__ = ["MoEBlock"]

@@ -182,32 +182,45 @@ def _moe_ref(x, router, gate_up, down, top_k):
     return out
 
 
-def _moe_body(group):
+def _moe_body(group, strategy):
+    """Both layouts with ``none``; ``fused`` (sequence parallel only) twice on one block:
+    its contexts are reused. Seven tokens: the sequence shards are zero-padded."""
     w, dev = group.world_size, group.device
-    e, h, i, k, b, s = 4, 16, 8 * w, 2, 1, 6
+    e, h, i, k, b, s = 4, 16, 8 * w, 2, 1, 7
     router = seeded(1, e, h, scale=0.5)
     gate_up = seeded(2, e, 2 * i, h, scale=0.3)
     down = seeded(3, e, h, i, scale=0.3)
-    for sp in (True, False):
-        block = inn.MoEBlock.from_weights(router, gate_up, down, k, group, sequence_parallel=sp)
-        x = seeded(4, b, s, h, device=dev)
-        g = seeded(5, b, s, h, device=dev)
-        out, dx = _run_sp(group, block, x, g, sp)
-        params = [leaf(t.float()) for t in (router, gate_up, down)]
-        xr = leaf(x.float())
-        ref = _moe_ref(xr.view(-1, h), *params, k).view(b, s, h)
-        ref.backward(g.float())
-        _close(out, ref, "out")
-        _close(dx, xr.grad, "dx")
-        _close(block.router.grad, params[0].grad, "block.router.grad")
-        _close(block.gate_up.grad, block.shard_gate_up(params[1].grad), "block.gate_up.grad")
-        _close(block.down.grad, block.shard_down(params[2].grad), "block.down.grad")
+    modes = (True,) if strategy == "fused" else (True, False)
+    for sp in modes:
+        block = inn.MoEBlock.from_weights(router, gate_up, down, k, group, strategy=strategy,
+                                          sequence_parallel=sp)  # fmt: skip
+        contexts = None
+        for call in range(2 if strategy == "fused" else 1):
+            x = seeded(4 + call, b, s, h, device=dev)
+            g = seeded(6 + call, b, s, h, device=dev)
+            block.zero_grad()
+            out, dx = _run_sp(group, block, x, g, sp)
+            assert block.last_strategy == strategy
+            if strategy == "fused":
+                assert contexts is None or block._fused is contexts
+                contexts = block._fused
+            params = [leaf(t.float()) for t in (router, gate_up, down)]
+            xr = leaf(x.float())
+            ref = _moe_ref(xr.view(-1, h), *params, k).view(b, s, h)
+            ref.backward(g.float())
+            _close(out, ref, "out")
+            _close(dx, xr.grad, "dx")
+            _close(block.router.grad, params[0].grad, "block.router.grad")
+            _close(block.gate_up.grad, block.shard_gate_up(params[1].grad), "block.gate_up.grad")
+            _close(block.down.grad, block.shard_down(params[2].grad), "block.down.grad")
+        block.close()
     return True
 
 
+@pytest.mark.parametrize("strategy", ["none", "fused"])
 @pytest.mark.parametrize("world", worlds(cpu=(2,), gpu=(2,)), indirect=True)
-def test_moe_block(world):
-    world.run(_moe_body)
+def test_moe_block(world, strategy):
+    world.run(_moe_body, strategy)
 
 
 def _bad_layers_body(group):
@@ -219,8 +232,10 @@ def _bad_layers_body(group):
                  strategy="ring")  # fmt: skip
     expect_error(InterlaceTypeError, "Group", inn.RowParallelLinear, 8, 8, "group")
     expect_error(InterlaceValueError, "heads", inn.ParallelAttention, 16, w + 1, 1, 4, group)
-    expect_error(InterlaceValueError, "interlace.ops.moe", inn.MoEBlock, 8, 4 * w, 4, 2, group,
-                 strategy="fused")  # fmt: skip
+    expect_error(InterlaceValueError, "sequence_parallel", inn.MoEBlock, 8, 4 * w, 4, 2, group,
+                 strategy="fused", sequence_parallel=False)  # fmt: skip
+    moe = inn.MoEBlock(8, 4 * w, 4, 2, group, strategy="fused")  # float32: no fused kernels
+    expect_error(InterlaceTypeError, "bfloat16", moe, torch.zeros(1, 2, 8, device=group.device))
     row = inn.RowParallelLinear(4 * w, 8, group, dtype=torch.bfloat16)
     expect_error(InterlaceValueError, "rows", row, torch.zeros(w + 1, 4, dtype=torch.bfloat16,
                                                              device=group.device))  # fmt: skip
