@@ -36,7 +36,14 @@ from ..errors import (
 )
 from ..language.primitives import barrier_kernel
 from ..runtime import ErrorWord, Group, SignalPad, default_max_spins, graphs
-from ..runtime.signals import CALL_WORDS, CAUSE_CHECK, MAX_CALL_FIELDS, field_value, hash_text
+from ..runtime.signals import (
+    CALL_WORDS,
+    CAUSE_CHECK,
+    CAUSE_MISMATCH,
+    MAX_CALL_FIELDS,
+    field_value,
+    hash_text,
+)
 from ..runtime.symmetric import check_group
 from . import _trace
 from ._launch import PreparedLaunch
@@ -322,9 +329,31 @@ class OpContext:
         any rank recorded raises now, on every rank. On ``cuda`` it raises at the next
         call or ``check()``."""
         self.error.in_call = False
-        if self.group.backend == "cpu" and self.error.fault_pending():
+        if self.group.backend == "cpu":
+            self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        """``cpu`` backend, after device work of this call has run: raise a fault recorded
+        since the call began, except a mismatch between later calls of peers that ran
+        ahead (:meth:`_later_mismatch`), which this rank raises at its next call, the one
+        in which those peers raise it."""
+        if self.error.fault_pending():
             self._raise_recorded_check()
-            self._fail()
+            if not self._later_mismatch():
+                self._fail()
+
+    def _later_mismatch(self) -> bool:
+        """The group's fault is a call mismatch this rank's current call is not part of:
+        its own waits all completed, and neither fingerprint the failed barrier compared
+        (the record's ``seen`` and ``expected``) is this call's. Peers that finished this
+        call and went on to the next one found it there."""
+        host = getattr(self, "_call_host", None)
+        if host is None or self.error._state.value != 0:
+            return False
+        record = self.error.group_record()
+        if record is None or record[2] != CAUSE_MISMATCH:
+            return False
+        return host[0] not in (record[4], record[5])
 
     def _init_eager_graphs(self, eager_graphs: bool | None, collectives: bool = False) -> None:
         """``eager_graphs``: replay eager calls from CUDA graphs (:meth:`_enqueue`). None

@@ -5,7 +5,16 @@ Every op takes plain tensors, ints and strings: the process group is an integer 
 :func:`register_group`, and the op's context (its symmetric buffers, signals and plans) is
 looked up in a module-level cache keyed by (op, handle, dtype, strategy, n, k): built on
 the first call and rebuilt with twice the rows when a call needs more. Every call is
-collective, so every rank builds and rebuilds the same contexts in the same order::
+collective, so every rank builds and rebuilds the same contexts in the same order.
+
+A cached context that failed (a ``CrossRankError`` in one of its calls, after which it
+refuses calls) or was closed is closed and rebuilt at its next call, so one failed step
+does not poison the process. The decision rests on the context's own failed state, which
+a cross-rank fault sets on every rank at the same call on the ``cpu`` backend (every rank
+raises at the end of the failing call). On a GPU each rank raises at its next call on the
+context or at ``check()``, which need not be the same call on every rank: after catching
+such an error, call :func:`check` on every rank before the next step, so that every rank
+marks the same contexts failed and rebuilds them at the same call::
 
     h = interlace.ops.library.register_group(group)
     c = torch.ops.interlace.ag_gemm(a_shard, b, None, h, "auto")   # all_gather(a) @ b
@@ -43,7 +52,7 @@ import weakref
 
 import torch
 
-from ..errors import InterlaceTypeError, InterlaceValueError
+from ..errors import InterlaceError, InterlaceTypeError, InterlaceValueError
 from ..runtime import Group, fork, join, use_stream
 from .ag_gemm import AGGemm
 from .collectives import AllGather, AllReduce, ReduceScatter
@@ -92,16 +101,37 @@ def _capacity(rows: int, multiple: int) -> int:
     return -(-cap // multiple) * multiple
 
 
+def _unusable(ctx) -> bool:
+    """``ctx`` refuses calls: closed, or failed in an earlier call (itself, or the
+    ``signal_reorder`` context a GEMM+RS / GEMM+AR runs through)."""
+    inner = getattr(ctx, "_signal_reorder", None)
+    return any(c is not None and (c._closed or c.failed) for c in (ctx, inner))
+
+
+def _cached(key: tuple):
+    """The cached context under ``key``, or None. A failed or closed one is closed and
+    dropped from the cache, and returned closed: the caller builds a fresh one of (at
+    least) its capacity (see the module docstring)."""
+    ctx = _contexts.get(key)
+    if ctx is not None and _unusable(ctx):
+        del _contexts[key]
+        ctx.close()
+    return ctx
+
+
 def _gemm_context(cls, group: Group, handle: int, strategy: str, rows: int, n: int, k: int, dtype):
     """The cached ``cls`` context (AGGemm: ``rows`` gathered rows; GemmRS / GemmAR: ``rows``
-    input rows) able to run a call of this size; rebuilt larger when it is not."""
+    input rows) able to run a call of this size; rebuilt larger when it is not, and rebuilt
+    (as large) when it failed."""
     key = (cls.op_name, handle, dtype, strategy, n, k)
-    ctx = _contexts.get(key)
-    if ctx is not None and ctx.max_m >= rows:
+    ctx = _cached(key)
+    if ctx is not None and not ctx._closed and ctx.max_m >= rows:
         return ctx
     w = group.world_size
-    cap = max(_capacity(rows, w), 2 * ctx.max_m if ctx is not None else 0)
-    if ctx is not None:
+    if ctx is None or ctx._closed:  # new, or rebuilt after a failure: as large as it was
+        cap = max(_capacity(rows, w), ctx.max_m if ctx is not None else 0)
+    else:
+        cap = max(_capacity(rows, w), 2 * ctx.max_m)
         ctx.close()  # collective: every rank outgrows it on the same call
     ctx = _contexts[key] = cls(group, max_m=cap, n=n, k=k, dtype=dtype, strategy=strategy)
     return ctx
@@ -111,11 +141,13 @@ def _collective_context(cls, group: Group, handle: int, method: str, numel: int,
     """The cached collective context of capacity ``numel`` (per-rank input for all-gather
     and all-reduce, per-rank output for reduce-scatter), rebuilt larger when needed."""
     key = (cls.op_name, handle, dtype, method, 0, 0)
-    ctx = _contexts.get(key)
-    if ctx is not None and ctx.max_numel >= numel:
+    ctx = _cached(key)
+    if ctx is not None and not ctx._closed and ctx.max_numel >= numel:
         return ctx
-    cap = max(_capacity(numel, 1), 2 * ctx.max_numel if ctx is not None else 0)
-    if ctx is not None:
+    if ctx is None or ctx._closed:  # new, or rebuilt after a failure: as large as it was
+        cap = max(_capacity(numel, 1), ctx.max_numel if ctx is not None else 0)
+    else:
+        cap = max(_capacity(numel, 1), 2 * ctx.max_numel)
         ctx.close()
     kw = {} if method == "default" else {"method": method}
     ctx = _contexts[key] = cls(group, max_numel=cap, dtype=dtype, **kw)
@@ -125,6 +157,34 @@ def _collective_context(cls, group: Group, handle: int, method: str, numel: int,
 def contexts() -> dict[tuple, object]:
     """The cached contexts (a copy of the cache), for inspection."""
     return dict(_contexts)
+
+
+def check(group: Group | None = None) -> None:
+    """Wait for the device and for every rank (collective: call on every rank), then
+    ``check()`` every cached context (of ``group``, or all): a context that a fault touched
+    is marked failed on every rank alike (after the host barrier every rank's kernels have
+    finished, so every rank reads the same fault record) and is rebuilt at its next call.
+    Raises the first such context's error, after checking all of them."""
+    handle = None if group is None else _handles.get(group.uid)
+    cached = [(k, c) for k, c in _contexts.items() if handle is None or k[1] == handle]
+    groups = {k[1]: _groups[k[1]] for k, _ in cached}
+    for g in groups.values():
+        if g.backend == "cuda":
+            torch.cuda.synchronize(g.device)
+        g.host_barrier()
+    first = None
+    for _, ctx in cached:
+        if _unusable(ctx):
+            continue
+        try:
+            ctx.check()
+            inner = getattr(ctx, "_signal_reorder", None)
+            if inner is not None:
+                inner.check()
+        except InterlaceError as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def clear_cache(group: Group | None = None) -> None:
@@ -535,6 +595,7 @@ __all__ = [
     "ag_gemm_backward",
     "all_gather",
     "all_reduce",
+    "check",
     "clear_cache",
     "contexts",
     "contiguous_b",

@@ -44,6 +44,16 @@ The GEMM runs ``SMs - comm_sms`` programs so that the wait kernels and the colle
 kernels find free SMs while it runs (the GEMM itself never waits, so it always finishes).
 On the ``cpu`` backend there are no streams: the GEMM runs, then each group's wait and
 collective, in order.
+
+Mismatched calls (ranks passing different ``M``, ``n``, ``k`` or partitions): on the ``cpu``
+backend the context has a signal pad after all (a small one, ``/dev/shm`` being there
+anyway): every call fingerprints ``M, N, K, partition`` (``OpContext._begin_call``) and runs
+a device barrier that carries it before the first collective, so ranks that called
+differently raise ``CallMismatchError`` on every rank, naming the field, and no collective
+runs. On a GPU the context has no signal pad (the strategy needs no symmetric memory and
+works across nodes), and the only way to compare the ranks' calls before the collectives
+would be a host synchronisation per call: calls are not checked there, and a mismatch is
+NCCL's to detect (its own timeout), as for the ``none`` strategy.
 """
 
 from __future__ import annotations
@@ -57,7 +67,7 @@ from ..errors import InterlaceTypeError, InterlaceValueError, WaitTimeoutError
 from ..kernels.rmsnorm import reorder_rows_kernel
 from ..kernels.signal_gemm import MAP_COLS, signal_gemm_kernel
 from ..language.primitives import wait_kernel
-from ..runtime import ErrorWord, Group, default_max_spins, fork, join, use_stream
+from ..runtime import ErrorWord, Group, SignalPad, default_max_spins, fork, join, use_stream
 from . import segment_gemm as _gemm
 from ._context import OpContext, cdiv, sm_count
 from ._launch import install_scratch_allocator, launch
@@ -296,7 +306,9 @@ class SignalReorderGemm(OpContext):
     ``eps``: RMSNorm epsilon; ``comm_group``: the torch process group the collectives run
     on (default: the group's own), e.g. an NCCL group built with ``config.max_ctas`` below
     ``comm_sms`` so that every NCCL CTA finds a free SM beside the GEMM. Every call is
-    collective: all ranks call with the same shapes and partition."""
+    collective: all ranks call with the same shapes and partition; on the ``cpu`` backend a
+    call that differs raises ``CallMismatchError`` on every rank, on a GPU it is not checked
+    (see the module docstring)."""
 
     op_name = "signal_reorder"
     collective = "all_reduce"
@@ -331,9 +343,19 @@ class SignalReorderGemm(OpContext):
                 f"{self.op_name}: comm_group has {dist.get_world_size(self.comm_group)} ranks, "
                 f"the group {w}"
             )
-        self.pad = _Counters()
         self.error = ErrorWord(group)
         self._closed, self._buffers = False, []
+        # Call checks where a barrier's outcome is known on the host at once (cpu backend):
+        # a pad whose first region stands for the counters (so that a timed-out counter
+        # wait, which records the counter's index, is named) and a barrier region.
+        self._checks_calls = group.backend == "cpu"
+        if self._checks_calls:
+            self.pad = SignalPad(group, {"wave-group counter": MAX_GROUPS, "barrier": w})
+            self.error.attach(self.pad, self.op_name)
+            self._barriers: dict = {}
+            self._init_calls()
+        else:
+            self.pad = _Counters()
         dev = group.device
         self.counters = torch.zeros(MAX_GROUPS, dtype=torch.int32, device=dev)
         # Capacity for any tile config (blocks of at most _PAD rows and columns).
@@ -490,6 +512,8 @@ class SignalReorderGemm(OpContext):
         if out is None:
             out = torch.empty(shape, dtype=self.dtype, device=self.group.device)
         plan = self.plan(m, n, partition)
+        if self._checks_calls:
+            self._check_peers(m, n, plan.partition)
         if len(plan.groups) == 1:
             self._sequential(a, b, bias, out, norm_weight)
         else:
@@ -503,6 +527,14 @@ class SignalReorderGemm(OpContext):
         self.last_partition = plan.partition
         self._end()
         return out
+
+    def _check_peers(self, m: int, n: int, partition: tuple[int, ...]) -> None:
+        """Fingerprint the call and run a device barrier that carries it (cpu backend: it
+        has run when this returns), so that ranks that called with other shapes or
+        partitions raise ``CallMismatchError`` on every rank before any collective."""
+        self._begin_call(M=m, N=n, K=self.k, groups=len(partition), partition=str(partition))
+        self._barrier()
+        self._raise_pending()
 
     def _overlapped(self, plan: Plan, a, b, bias, out, norm_weight) -> None:
         # Fork before the GEMM: the comm stream waits for the inputs, not for the GEMM.

@@ -27,6 +27,7 @@ from interlace.errors import (
     PeerAbortError,
     WaitTimeoutError,
 )
+from interlace.ops import library
 from interlace.ops.attention import FlashDecode, SPAttention
 from interlace.ops.ep import EPAllToAll, EPLowLatency, EPMoE
 from interlace.ops.moe import AGMoE, MoERS
@@ -37,6 +38,8 @@ from tests.conftest import GPU_SIZES
 PARAMS = [pytest.param(("cpu", w), id=f"cpu{w}") for w in (2, 3)] + [
     pytest.param(("cuda", w), id=f"cuda{w}", marks=pytest.mark.gpu) for w in GPU_SIZES
 ]
+#: The CPU emulation only: the ops whose call checks exist on the CPU backend alone.
+CPU_PARAMS = PARAMS[:2]
 #: A bound no mismatch or abort may come near: they are detected, not timed out.
 LONG_BOUND_US = 60_000_000
 #: The bound of the timeout tests.
@@ -130,6 +133,130 @@ def test_mismatched_calls_raise_on_every_rank(world, op, strategy, field):
     assert len({msg.split(" (raised on")[0] for _, msg, *_ in results}) == 1, results
     assert "rank 0 with" in results[0][1], results[0][1]
     assert all(r[3] == ["refused", "closed"] for r in results), results
+
+
+def _ring_mismatch_body(group, op, transport, field):
+    """A P2PRing call whose ``field`` differs on the last rank."""
+    w, r = group.world_size, group.rank
+    ctx = interlace.P2PRing(group, torch.bfloat16, transport=transport, max_spins=LONG_BOUND_US)
+    odd = r == w - 1
+    k, n = 8, 16
+    if op == "gemm_rs":
+        m = 4 * w if (odd and field == "M") else 2 * w
+        x, wt = _rand(group, m, k, seed=r), _rand(group, k, n, seed=9)
+        call = lambda: ctx.gemm_rs(x, wt)  # noqa: E731
+    elif op == "ag_gemm":
+        kk = k + 2 if (odd and field == "K") else k
+        x, wt = _rand(group, 2, kk, seed=r), _rand(group, kk, n, seed=9)
+        call = lambda: ctx.ag_gemm(x, wt)  # noqa: E731
+    else:  # attn_a2a: another sequence length
+        s = 4 * w if (odd and field == "S") else 2 * w
+        q = _rand(group, 1, 2, s, 8, seed=r)
+        call = lambda: ctx.attn_a2a(q, q, q)  # noqa: E731
+    out = _outcome(ctx, call)
+    group.host_barrier()
+    return (*out, _after_failure(ctx, call))
+
+
+@pytest.mark.parametrize("world", PARAMS, indirect=True)
+@pytest.mark.parametrize(
+    "op, transport, field",
+    [("gemm_rs", "p2p", "M"), ("gemm_rs", "symm", "M"), ("ag_gemm", "p2p", "K"),
+     ("attn_a2a", "symm", "S")],
+)  # fmt: skip
+def test_p2p_ring_mismatches_raise_on_every_rank(world, op, transport, field):
+    """P2PRing fingerprints its calls and checks them at a barrier before any message
+    moves: a different M, K or sequence length on one rank raises CallMismatchError on
+    every rank (none returns), naming the field, at once. (On a GPU the ``p2p`` transport
+    runs over NCCL without a check: see the P2PRing docstring.)"""
+    if world.backend == "cuda" and transport == "p2p" and not world.share_device:
+        pytest.skip("p2p over NCCL does not check calls (NCCL's own timeout)")
+    results = world.run(_ring_mismatch_body, op, transport, field)
+    _check(results, CallMismatchError, LONG_BOUND_US / 2e6, ("p2p_ring", f"{field} = "))
+    assert len({msg.split(" (raised on")[0] for _, msg, *_ in results}) == 1, results
+    assert all(r[3] == ["refused", "closed"] for r in results), results
+
+
+def _signal_reorder_mismatch_body(group, op, field):
+    """A signal_reorder call whose ``field`` (M or the partition) differs on the last
+    rank."""
+    w, r = group.world_size, group.rank
+    cls = {"gemm_rs": interlace.SignalReorderGemmRS, "gemm_ar": interlace.SignalReorderGemmAR}
+    ctx = cls[op](group, max_m=40 * w, n=40, k=24, max_spins=LONG_BOUND_US)
+    odd = r == w - 1
+    m = 40 * w if field == "partition" else (8 * w if odd else 4 * w)  # several waves
+    a, b = _rand(group, m, 24, seed=r), _rand(group, 24, 40, seed=9)
+    partition = None
+    if field == "partition":
+        waves = ctx.waves(m)
+        assert waves >= 2, waves
+        partition = [waves] if odd else [1] * waves
+    call = lambda: ctx(a, b, partition=partition)  # noqa: E731
+    out = _outcome(ctx, call)
+    group.host_barrier()
+    return (*out, _after_failure(ctx, call))
+
+
+@pytest.mark.parametrize("world", CPU_PARAMS, indirect=True)
+@pytest.mark.parametrize("op, field", [("gemm_rs", "M"), ("gemm_ar", "partition")])
+def test_signal_reorder_mismatches_raise_on_every_rank(world, op, field):
+    """signal_reorder on the CPU backend checks its calls at a barrier before the first
+    collective: another M or partition on one rank raises CallMismatchError on every rank,
+    naming the field. (On a GPU it has no signal pad and does not check: documented.)"""
+    results = world.run(_signal_reorder_mismatch_body, op, field)
+    _check(results, CallMismatchError, LONG_BOUND_US / 2e6, (op, f"{field} = "))
+    assert all(r[3] == ["refused", "closed"] for r in results), results
+
+
+# --------------------------------------------------------------------------------------
+# the custom ops' cached contexts are rebuilt after a fault
+# --------------------------------------------------------------------------------------
+
+
+def _library_rebuild_body(group):
+    """A GEMM+RS call through the custom op with another M on the last rank fails on every
+    rank; the cached context is then failed on every rank, and the next correct call
+    rebuilds it and returns the right result on every rank."""
+    w, r = group.world_size, group.rank
+    h = library.register_group(group)
+    n, k = 24, 12  # a cache key no other test uses
+    key = ("gemm_rs", h, torch.bfloat16, "fused", n, k)
+    m = 2 * w
+
+    def inputs(rows, seed):
+        a = [_rand(group, rows, k, seed=seed + q) for q in range(w)]
+        b = [_rand(group, k, n, seed=seed + 50 + q) for q in range(w)]
+        return a, b
+
+    def run(a, b):
+        y = torch.ops.interlace.gemm_rs(a[r], b[r], None, h, "fused")
+        ref = sum(a[q].float() @ b[q].float() for q in range(w))
+        rows = ref[r * (y.shape[0]) : (r + 1) * y.shape[0]]
+        return float((y.float() - rows).norm() / rows.norm())
+
+    errs = [run(*inputs(2 * m, 0))]  # builds the context, large enough for both calls below
+    first = library.contexts()[key]
+    a, b = inputs(2 * m if r == w - 1 else m, 100)
+    try:
+        run(a, b)
+        raised = "returned"
+    except CrossRankError as e:
+        raised = type(e).__name__
+    failed = first.failed  # recorded on every rank, at the same call
+    library.check(group)  # collective; a context already failed is left to be rebuilt
+    errs.append(run(*inputs(m, 200)))  # rebuilt, then correct
+    rebuilt = library.contexts()[key]
+    errs.append(run(*inputs(2 * m, 300)))
+    library.clear_cache(group)
+    return raised, failed, rebuilt is not first, first._closed, max(errs)
+
+
+@pytest.mark.parametrize("world", CPU_PARAMS, indirect=True)
+def test_library_rebuilds_a_failed_context(world):
+    results = world.run(_library_rebuild_body)
+    for raised, failed, rebuilt, closed, err in results:
+        assert (raised, failed, rebuilt, closed) == ("CallMismatchError", True, True, True)
+        assert err < 1e-2, results
 
 
 # --------------------------------------------------------------------------------------

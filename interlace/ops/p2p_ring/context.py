@@ -15,6 +15,17 @@ runs under the compute of step ``i + 1`` and the last step computes only:
 
 Rows are split into ``W`` equal slices: a row count (sequence length for attention) not
 divisible by the world size raises ``InterlaceValueError``.
+
+Every call fingerprints what its peers depend on (which op, shapes, schedule, chunks;
+``OpContext._begin_call``) and starts with a device barrier that carries the fingerprint,
+so that ranks that called differently raise ``CallMismatchError`` on every rank, naming the
+field, before any message moves. On the ``cpu`` backend (and any gloo group) the host
+checks the barrier before issuing a transfer, so every rank raises in that call. On a GPU
+the ``symm`` transport's barrier (which also keeps a peer from overwriting data still being
+read) records the mismatch; it is raised by the next call or ``check()``, as for the other
+ops. The ``p2p`` transport over NCCL runs no barrier (a host check there would need a
+device synchronisation per call): a mismatch in its calls is NCCL's to detect (its own
+timeout). ``compute_only`` moves nothing and checks nothing.
 """
 
 from __future__ import annotations
@@ -25,11 +36,14 @@ import torch.nn.functional as F
 
 from ...errors import InterlaceValueError
 from ...runtime import Group, symm_empty
+from ...runtime.signals import hash_text
 from .._context import OpContext
 from .plans import all_to_all_plan, gather_plan, reduce_plan, resolve_schedule
 from .transport import TRANSPORTS
 
 MAX_CHUNKS = 16
+#: The ops of a ``P2PRing``: the ``call`` field of their fingerprints.
+CALLS = ("ag_gemm", "gemm_rs", "attn_rs", "attn_a2a")
 
 
 def chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
@@ -103,6 +117,11 @@ class P2PRing(OpContext):
         pg = group.process_group
         self._global = [dist.get_global_rank(pg, p) for p in range(self.world_size)]
         self._symm = None
+        # The host checks the call-start barrier where it runs synchronously (the cpu
+        # backend, gloo groups); symm needs the barrier anyway; p2p over NCCL runs none.
+        self._checks_calls = transport == "symm" or (transport == "p2p" and not group.nccl)
+        for name in (*CALLS, *self.SCHEDULES):
+            hash_text(name)  # so a peer's op and schedule read back as their names
 
     # ------------------------------------------------------------------ helpers
     def global_rank(self, peer: int) -> int:
@@ -115,6 +134,8 @@ class P2PRing(OpContext):
                 # Peers may still read or write the old buffer: settle everything first.
                 if self.group.backend == "cuda":
                     torch.cuda.synchronize(self.group.device)
+                    if self.error.fault_pending():  # e.g. only this rank grows: a mismatch
+                        self._fail()
                 self.group.host_barrier()
                 self._buffers.remove(self._symm)
                 self._symm.close()
@@ -155,6 +176,18 @@ class P2PRing(OpContext):
                 f"{self.op_name}: {name} has shape {tuple(w.shape)}, expected {rows} rows"
             )
 
+    def _start(self, **fields) -> None:
+        """Begin a call's communication: fingerprint it (``fields``: what the peers depend
+        on), then run the device barrier that carries the fingerprint (see the module
+        docstring). Where the barrier has already run when it returns (cpu backend), a
+        fault it found raises here, on every rank, before any message moves."""
+        self._begin_call(**fields)
+        if not self._checks_calls:
+            return
+        self._barrier()  # every peer is in this call and done with the previous one's data
+        if self.group.backend == "cpu":
+            self._raise_pending()
+
     # ------------------------------------------------------------------ ops
     def ag_gemm(self, x, w=None, *, out=None, return_gathered=False, schedule=None, chunks=None):
         """``all_gather(x) @ w``: ``x`` [R, K] (this rank's rows), ``w`` [K, N] -> [W*R, N].
@@ -176,6 +209,8 @@ class P2PRing(OpContext):
             out = self._check_out(out, shape)
             if out is None:
                 out = torch.empty(shape, dtype=self.dtype, device=x.device)
+        N = 0 if w is None else w.shape[1]
+        self._start(call="ag_gemm", M=W * R, N=N, K=K, schedule=sched, chunks=m)
         bounds = chunk_bounds(R, m)
         m = len(bounds)
         plan = gather_plan(sched, r, W)
@@ -231,10 +266,13 @@ class P2PRing(OpContext):
         if out is None:
             out = torch.empty((R, N), dtype=self.dtype, device=x.device)
 
+        sched, m = self._config("reduce", schedule, chunks, 2)
+        self._start(call="gemm_rs", M=x.shape[0], N=N, K=x.shape[1], schedule=sched, chunks=m)
+
         def partial(lo, hi, acc, dst):
             return _mm(x[lo:hi], w, acc, dst)
 
-        self._reduce(partial, R, N, out, *self._config("reduce", schedule, chunks, 2))
+        self._reduce(partial, R, N, out, sched, m)
         self._end()
         return out
 
@@ -262,9 +300,11 @@ class P2PRing(OpContext):
 
         # One slice per step by default: attention dominates the step, so the separate add
         # costs less than halving the query slices (2 x H200: 1.5-2% faster than chunks=2).
-        self._reduce(
-            partial, L, B * H, out.view(L, B * H), *self._config("reduce", schedule, chunks, 1)
+        sched, m = self._config("reduce", schedule, chunks, 1)
+        self._start(
+            call="attn_rs", B=B, h=h, S=S, d=d, H=H, causal=bool(causal), schedule=sched, chunks=m
         )
+        self._reduce(partial, L, B * H, out.view(L, B * H), sched, m)
         self._end()
         return out
 
@@ -281,6 +321,7 @@ class P2PRing(OpContext):
             out = torch.empty((L, B, W * h, d), dtype=self.dtype, device=q.device)
         placed = out.view(L, B, W, h, d)
         sched, _ = self._config("all_to_all", schedule, None, 1)
+        self._start(call="attn_a2a", B=B, h=h, S=S, d=d, causal=bool(causal), schedule=sched)
         plan = all_to_all_plan(sched, r, W)
         shape, n = (L, B, h, d), L * B * h * d
         t = TRANSPORTS[self.transport](self, (W - 1) * n)

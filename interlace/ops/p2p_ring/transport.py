@@ -13,8 +13,9 @@ message lands.
   A bounded one-warp wait kernel consumes each signal: on the compute stream right before
   the compute that reads the message (it then runs between two GEMMs instead of holding an
   SM during one), or, for a slice forwarded on (ring all-gather), on a second comm stream
-  with an event the send and the compute wait on. A device barrier at the start of a call
-  makes sure every peer is done with the previous call's data.
+  with an event the send and the compute wait on. The context's device barrier at the
+  start of every call (``P2PRing._start``, which also checks the call fingerprints) makes
+  sure every peer is done with the previous call's data.
 * ``compute_only``: nothing moves; the same sliced compute runs on stale buffers. For
   measuring how much communication a call exposes; its results are wrong.
 """
@@ -142,7 +143,7 @@ class SymmTransport(Transport):
         self.buffer = ring.symmetric_buffer(numel)
         self.local = self.buffer.local[:numel]
         self.arrival = ring.pad.offset("arrival")
-        ring._barrier()  # every peer is done with the previous call's buffer
+        # (every peer is done with the previous call's buffer: the call-start barrier)
         self.send_stream = fork(self.group, 0)
         self.wait_stream = fork(self.group, 1)
         self._events: dict[int, object] = {}
