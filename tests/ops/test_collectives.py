@@ -216,13 +216,17 @@ def test_bad_inputs_raise_on_every_rank(world):
 
 def _one_rank_misbehaves_body(group):
     """Rank 0 passes a bad shape (and raises before launching); the others enter the op and
-    must get a WaitTimeoutError naming the rank and the signal instead of hanging."""
+    must get a WaitTimeoutError naming the rank and the signal instead of hanging. Rank 0's
+    bad call comes first (a host barrier orders it): called later, it would find the
+    peers' recorded timeout and raise that instead, as every call of a failed group does."""
     ctx = interlace.AllGather(group, max_numel=16, dtype=torch.float32, max_spins=2000)
     x = torch.randn(4, device=group.device)
     try:
         if group.rank == 0:
             with pytest.raises(InterlaceValueError):
                 ctx(torch.randn(17, device=group.device))
+        group.host_barrier()
+        if group.rank == 0:
             return "value-error"
         with pytest.raises(WaitTimeoutError) as info:
             ctx(x)
