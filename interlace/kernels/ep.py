@@ -137,6 +137,22 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def quantise_e4m3(v, R: tl.constexpr, C: tl.constexpr):
+    """``v [R, C]`` (``C`` a multiple of 128) quantised to e4m3 with one fp32 scale per
+    128 consecutive values of a row, ``amax / 448``: returns the codes as raw bytes
+    (uint8 ``[R, C]``: data then moves as bytes; the interpreter would convert fp8 values
+    on every load and store) and the scales ``[R, C / 128]``. The divisions are IEEE
+    (Triton's ``/`` on fp32 is approximate on a GPU), so scales and codes are those of
+    ``(x / (amax / 448)).to(float8_e4m3fn)``."""
+    NG: tl.constexpr = C // FP8_GROUP
+    g = tl.reshape(v.to(tl.float32), [R, NG, FP8_GROUP])
+    amax = tl.max(tl.abs(g), axis=2)
+    s = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full([R, NG], 448.0, tl.float32))
+    q = _round_e4m3(tl.math.div_rn(g, tl.broadcast_to(s[:, :, None], [R, NG, FP8_GROUP])))
+    return tl.reshape(q, [R, C]).to(tl.float8e4nv).to(tl.uint8, bitcast=True), s
+
+
+@triton.jit
 def ep_route_kernel(
     topk_idx, topk_w, n_tok, route_idx, idx_tab, route_w, w_tab, route_n, n_tab, sig_tab,
     ROUTE_OFF, err, rank, world, n_experts, K, T_MAX, max_spins,
@@ -198,17 +214,7 @@ def ep_send_kernel(
             v = tl.load(x + rows64[:, None] * H + hc[None, :], mask=rmask[:, None] & hm[None, :])
             if FP8:
                 NG: tl.constexpr = BH // FP8_GROUP
-                g = tl.reshape(v.to(tl.float32), [BT, NG, FP8_GROUP])
-                amax = tl.max(tl.abs(g), axis=2)
-                # IEEE divisions (Triton's ``/`` on fp32 is approximate on a GPU): the
-                # scales and codes are those of ``(x / (amax / 448)).to(float8_e4m3fn)``
-                s = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full([BT, NG], 448.0, tl.float32))
-                q = _round_e4m3(
-                    tl.math.div_rn(g, tl.broadcast_to(s[:, :, None], [BT, NG, FP8_GROUP]))
-                )
-                # raw e4m3 bytes: the data then moves as uint8 (the interpreter would
-                # convert fp8 values on every load and store)
-                v = tl.reshape(q, [BT, BH]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+                v, s = quantise_e4m3(v, BT, BH)
                 gc = h0 // FP8_GROUP + tl.arange(0, NG)
                 gm = gc < H // FP8_GROUP
             for i in range(world):

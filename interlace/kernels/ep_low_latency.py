@@ -25,14 +25,18 @@ Count words (rows per (expert, source); ``-1 - n`` marks a source that passed an
 out of range) and meta words always carry the epoch in their high half.
 
 Buffers (``W`` ranks, ``T`` = max tokens per rank, ``E_LOC`` local experts, ``KP`` top-k
-padded to a power of two, ``HW`` = hidden / 2 words of two 16-bit values):
+padded to a power of two, ``HW`` = hidden / 2 words of two 16-bit values; a dispatch
+message is ``RW = QW + SW`` 4-byte words: ``QW`` words of values, ``HW``, or hidden / 4
+words of four e4m3 bytes with FP8, then ``SW`` words of fp32 scales, hidden / 128 with
+FP8, else none):
 
 * dispatch, symmetric: ``d_count [2, E_LOC, W]``, ``d_meta [2, E_LOC, W, T]``,
-  ``d_data [2, E_LOC, W, T, HW]``: segment ``(e, s)`` on rank ``d`` holds source ``s``'s
+  ``d_data [2, E_LOC, W, T, RW]``: segment ``(e, s)`` on rank ``d`` holds source ``s``'s
   rows for ``d``'s local expert ``e``, packed in token order; meta = ``t * KP + k``
   (``k`` the first slot of the token naming the expert: a token reaches an expert once).
-* dispatch, local outputs: ``recv [E_LOC, W * T, HW]`` (expert ``e``'s rows packed by
-  source, then token), ``recv_src [E_LOC, W * T]`` = ``(s * T + t) * KP + k``, ``layout
+* dispatch, local outputs: ``recv [E_LOC, W * T, QW]`` (expert ``e``'s rows packed by
+  source, then token), with FP8 ``recv_scale [E_LOC, W * T, SW]``, ``recv_src [E_LOC,
+  W * T]`` = ``(s * T + t) * KP + k``, ``layout
   [E_LOC, W, 2]`` (first row and rows of each source), ``counts [E_LOC]``, and the home
   routing ``home_idx [T, KP]`` / ``home_w [T, KP]`` (kept for combine).
 * combine, symmetric: ``c_arrive [W]`` (peer ``s`` started combine ``epoch``),
@@ -55,6 +59,7 @@ from ..language.primitives import (
     wait_deadline,
     wait_stop,
 )
+from .ep import FP8_GROUP, quantise_e4m3
 
 LOW32 = tl.constexpr(0xFFFFFFFF)
 
@@ -147,6 +152,30 @@ def _publish(ptr, word, FLAG_IN_DATA: tl.constexpr):
 
 
 @triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _pack_bytes(q, N: tl.constexpr):
+    """uint8 ``q [N]`` as ``N / 4`` int32 words, the first byte lowest (little endian, so
+    the words stored are the bytes in order)."""
+    b = tl.reshape(q.to(tl.int32), [N // 4, 4])
+    shift = tl.arange(0, 4) * 8
+    return tl.reduce(b << shift[None, :], 1, _or)
+
+
+@triton.jit
+def _store_words(ptr, v, mask, epoch, FLAG_IN_DATA: tl.constexpr):
+    """Store int32 payload words ``v`` into a message: as ``(epoch, payload)`` int64 words
+    (flag in data) or plain int32 words at the same word index."""
+    if FLAG_IN_DATA:
+        tl.store(ptr, _word(v, epoch), mask=mask)
+    else:
+        tl.store(ptr.to(tl.pointer_type(tl.int32)), v, mask=mask)
+
+
+@triton.jit
 def _nth_set(flags, rows, i):
     """Index of the ``i``-th set entry of ``flags`` (0/1, 1-D) and its position."""
     pos = tl.cumsum(flags, 0) - 1
@@ -168,16 +197,19 @@ def _finish(epochs, which, epoch):
 def ll_dispatch_kernel(
     x, n_tok, topk_idx, topk_w, home_idx, home_w,
     d_count, count_tab, d_meta, meta_tab, d_data, data_tab,
-    recv, recv_src, layout, counts, epochs, err, rank, world, n_experts, K, T, HW,
-    BAD_SLOT, SLOT_BASE, max_spins,
+    recv, recv_scale, recv_src, layout, counts, epochs, err, rank, world, n_experts, K, T,
+    H, QW, SW, BAD_SLOT, SLOT_BASE, max_spins,
     E_LOC: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr, BW: tl.constexpr,
-    FLAG_IN_DATA: tl.constexpr,
+    BQ: tl.constexpr, FLAG_IN_DATA: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """Send: program ``p`` handles global experts ``p, p + G, ...``: the tokens naming the
     expert (each once), in token order, go to the expert's rank, segment ``(e, rank)``;
-    the count word first, then each row and its meta word. Receive: program ``p``
-    handles segments ``(e, s)``: it reads the count words of sources up to ``s`` (the
-    segment's first row in ``recv``), then copies each row as it lands."""
+    the count word first, then each row and its meta word. ``FP8``: each row is
+    quantised on the way, ``BQ`` values at a time, by ``kernels.ep.quantise_e4m3`` (again
+    for each expert the token goes to), into a message of e4m3 bytes then its scales. Receive:
+    program ``p`` handles segments ``(e, s)``: it reads the count words of sources up to
+    ``s`` (the segment's first row in ``recv``), then copies each row as it lands
+    (``FP8``: the scale words into ``recv_scale``)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     epoch = tl.load(epochs) + 1
@@ -197,6 +229,7 @@ def ll_dispatch_kernel(
         tl.store(home_w + rows[:, None] * KP + cols[None, :], w, mask=rows[:, None] < T)
     wc = tl.arange(0, BW)
     x32 = x.to(tl.pointer_type(tl.int32))
+    RW = QW + SW
     # ---------------------------------------------------------------- send
     for e in range(pid, n_experts, G):
         d = e // E_LOC
@@ -209,22 +242,35 @@ def ll_dispatch_kernel(
         c_word = _word(tl.where(bad, -1 - cnt, cnt), epoch)
         tl.store(peer_ptr_aligned(d_count, count_tab, rank, d) + seg, c_word)
         meta = peer_ptr_aligned(d_meta, meta_tab, rank, d) + tl.cast(seg, tl.int64) * T
-        data = peer_ptr_aligned(d_data, data_tab, rank, d) + tl.cast(seg, tl.int64) * T * HW
+        data = peer_ptr_aligned(d_data, data_tab, rank, d) + tl.cast(seg, tl.int64) * T * RW
         for i in range(cnt):
             t = _nth_set(hit, rows, i)
             k = tl.sum(tl.where(rows == t, kf, 0))
-            row_src = x32 + tl.cast(t, tl.int64) * HW
-            row_dst = data + tl.cast(i, tl.int64) * HW
-            for w0 in range(0, HW, BW):
-                wm = w0 + wc < HW
-                v = tl.load(row_src + w0 + wc, mask=wm)
-                if FLAG_IN_DATA:
-                    tl.store(row_dst + w0 + wc, _word(v, epoch), mask=wm)
-                else:
-                    tl.store(row_dst.to(tl.pointer_type(tl.int32)) + w0 + wc, v, mask=wm)
+            row_dst = data + tl.cast(i, tl.int64) * RW
+            if FP8:
+                qc = tl.arange(0, BQ)
+                qwc = tl.arange(0, BQ // 4)
+                gc = tl.arange(0, BQ // FP8_GROUP)
+                row_src = x + tl.cast(t, tl.int64) * H
+                for h0 in range(0, H, BQ):
+                    v = tl.load(row_src + h0 + qc, mask=h0 + qc < H, other=0.0)
+                    q, sc = quantise_e4m3(tl.reshape(v, [1, BQ]), 1, BQ)
+                    words = _pack_bytes(tl.reshape(q, [BQ]), BQ)
+                    at = h0 // 4 + qwc
+                    _store_words(row_dst + at, words, at < QW, epoch, FLAG_IN_DATA)
+                    sw = tl.reshape(sc, [BQ // FP8_GROUP]).to(tl.int32, bitcast=True)
+                    g = h0 // FP8_GROUP + gc
+                    _store_words(row_dst + QW + g, sw, g < SW, epoch, FLAG_IN_DATA)
+            else:
+                row_src = x32 + tl.cast(t, tl.int64) * QW
+                for w0 in range(0, QW, BW):
+                    wm = w0 + wc < QW
+                    v = tl.load(row_src + w0 + wc, mask=wm)
+                    _store_words(row_dst + w0 + wc, v, wm, epoch, FLAG_IN_DATA)
             _publish(meta + i, _word(t * KP + k, epoch), FLAG_IN_DATA)
     # ---------------------------------------------------------------- receive
     recv32 = recv.to(tl.pointer_type(tl.int32))
+    rs32 = recv_scale.to(tl.pointer_type(tl.int32))
     for j in range(pid, E_LOC * world, G):
         el = j // world
         s = j % world
@@ -244,7 +290,7 @@ def ll_dispatch_kernel(
         if s == world - 1:
             tl.store(counts + el, first + cnt)
         meta = d_meta + tl.cast(seg, tl.int64) * T
-        data = d_data + tl.cast(seg, tl.int64) * T * HW
+        data = d_data + tl.cast(seg, tl.int64) * T * RW
         for i in range(cnt):
             if FLAG_IN_DATA:
                 mw = _poll_word(meta + i, epoch, err, rank, SLOT_BASE + s, max_spins)
@@ -253,17 +299,21 @@ def ll_dispatch_kernel(
             info = _payload(mw)
             row = el * world * T + first + i
             tl.store(recv_src + row, (s * T + info // KP) * KP + info % KP)
-            row_src = data + tl.cast(i, tl.int64) * HW
-            row_dst = recv32 + tl.cast(row, tl.int64) * HW
-            for w0 in range(0, HW, BW):
-                wm = w0 + wc < HW
+            row_src = data + tl.cast(i, tl.int64) * RW
+            row_dst = recv32 + tl.cast(row, tl.int64) * QW
+            for w0 in range(0, RW, BW):
+                c = w0 + wc
+                wm = c < RW
                 if FLAG_IN_DATA:
                     v = _payload(
-                        _poll_row(row_src + w0 + wc, wm, epoch, err, rank, SLOT_BASE + s, max_spins)
+                        _poll_row(row_src + c, wm, epoch, err, rank, SLOT_BASE + s, max_spins)
                     )
                 else:
-                    v = tl.load(row_src.to(tl.pointer_type(tl.int32)) + w0 + wc, mask=wm)
-                tl.store(row_dst + w0 + wc, v, mask=wm)
+                    v = tl.load(row_src.to(tl.pointer_type(tl.int32)) + c, mask=wm)
+                tl.store(row_dst + c, v, mask=c < QW)
+                if FP8:
+                    sm = (c >= QW) & wm
+                    tl.store(rs32 + tl.cast(row, tl.int64) * SW + (c - QW), v, mask=sm)
     _finish(epochs, 0, epoch)
 
 

@@ -18,6 +18,17 @@ protocols, ``protocol=``:
 
 ``"auto"`` (the default) picks :data:`DEFAULT_PROTOCOL`, the one measured faster.
 
+``fp8=True`` (as DeepEP's low-latency dispatch): the sender quantises each token's row
+to e4m3 with one float32 scale per 128 values (``amax / 448``; the quantiser of
+:class:`~interlace.ops.ep.dispatch.EPAllToAll`'s FP8 mode, ``kernels.ep.quantise_e4m3``)
+and sends the codes and the scales in one message (``hidden / 4 + hidden / 128`` 4-byte
+words instead of ``hidden / 2``); the handle's ``recv_x`` is then ``float8_e4m3fn`` and
+``recv_scale [local experts, W * max_tokens, hidden / 128]`` holds the scales, the names
+of ``EPAllToAll``'s FP8 mode. ``hidden`` must be a multiple of 128. Both protocols carry
+it: the message is 4-byte words either way, so flag-in-data pairs each word (four codes
+or one scale) with the epoch as it does a word of two 16-bit values. Combine stays in
+``dtype``: ``expert_out`` is a ``dtype`` tensor shaped as ``recv_x``.
+
 The output is laid out per local expert with a fixed stride of ``W * max_tokens`` rows
 (expert ``e``'s rows are ``recv_x[e, :expert_counts[e]]``, by source rank, then token),
 so rows land where they belong without waiting for other experts' counts: the input of a
@@ -26,7 +37,7 @@ once; combine adds that row with the sum of those slots' weights. Epochs are cou
 the device, so calls can be captured in a CUDA graph and replayed; eager calls replay
 from CUDA graphs (``eager_graphs``). Ranks call dispatch and combine in the same order;
 a handle is valid until the next dispatch. ``max_tokens`` is at most 256; the dtype is
-bfloat16 or float16; ``hidden`` is even.
+bfloat16 or float16; ``hidden`` is even (a multiple of 128 with ``fp8``).
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ from ...kernels.ep_low_latency import ll_combine_kernel, ll_dispatch_kernel
 from ...runtime import symm_empty
 from .._context import OpContext, sm_count
 from .._launch import launch
+from .dispatch import FP8_GROUP
 from .layout import EPCallChecks, check_routing_args, next_pow2
 
 #: The arrival protocol ``protocol="auto"`` uses: one flag per token measured faster than
@@ -59,6 +71,8 @@ class EPLowLatencyHandle:
 
     * ``recv_x [local experts, W * max_tokens, hidden]``: expert ``e``'s rows are
       ``recv_x[e, :expert_counts[e]]``, by source rank, then by the token's index there.
+      FP8 dispatch: e4m3 values, with ``recv_scale [local experts, W * max_tokens,
+      hidden / 128]`` (fp32, one per 128 values; ``None`` otherwise).
     * ``expert_counts`` int32 ``[local experts]``, on the device.
     * ``layout`` int32 ``[local experts, W, 2]``: first row and rows of each source rank.
     * ``src_info`` int32 ``[local experts, W * max_tokens]``: ``(source * max_tokens +
@@ -67,6 +81,7 @@ class EPLowLatencyHandle:
     The views alias the context's buffers: valid until the next dispatch."""
 
     recv_x: torch.Tensor
+    recv_scale: torch.Tensor | None
     expert_counts: torch.Tensor
     layout: torch.Tensor
     src_info: torch.Tensor
@@ -76,14 +91,16 @@ class EPLowLatencyHandle:
 
 class EPLowLatency(EPCallChecks, OpContext):
     """See the module docstring. ``experts`` is the global expert count, a multiple of
-    the world size; rank ``r`` holds experts ``r * E/W .. (r + 1) * E/W - 1``."""
+    the world size; rank ``r`` holds experts ``r * E/W .. (r + 1) * E/W - 1``. ``fp8``:
+    dispatch sends e4m3 values with one fp32 scale per 128 (``hidden`` a multiple of
+    128); combine stays in ``dtype``."""
 
     op_name = "ep_low_latency"
 
     def __init__(
         self, group, max_tokens: int, hidden: int, experts: int, topk: int,
-        dtype: torch.dtype = torch.bfloat16, protocol: str = "auto", max_spins=None,
-        eager_graphs: bool | None = None,
+        dtype: torch.dtype = torch.bfloat16, protocol: str = "auto", fp8: bool = False,
+        max_spins=None, eager_graphs: bool | None = None,
     ):  # fmt: skip
         w = group.world_size
         max_tokens, hidden, experts, topk = int(max_tokens), int(hidden), int(experts), int(topk)
@@ -94,6 +111,10 @@ class EPLowLatency(EPCallChecks, OpContext):
             )
         if hidden < 2 or hidden % 2:
             raise InterlaceValueError(f"{op}: hidden must be even and positive, got {hidden}")
+        if fp8 and hidden % FP8_GROUP:
+            raise InterlaceValueError(
+                f"{op}: fp8 dispatch needs hidden a multiple of {FP8_GROUP}, got {hidden}"
+            )
         if experts < 1 or experts % w:
             raise InterlaceValueError(
                 f"{op}: experts = {experts} must be a positive multiple of the world size {w}"
@@ -112,23 +133,34 @@ class EPLowLatency(EPCallChecks, OpContext):
         regions = {"count": w, "combine": 16, "arrive": w, "bad_index": 1}
         super().__init__(group, dtype, max_tokens * hidden, regions, max_spins)
         self.max_tokens, self.hidden, self.experts, self.topk = max_tokens, hidden, experts, topk
-        self.protocol = protocol
+        self.protocol, self.fp8 = protocol, bool(fp8)
         self.flag_in_data = protocol == "flag_in_data"
         self.kp = max(2, next_pow2(topk))
-        self.hw = hidden // 2  # 4-byte words of a row
+        self.hw = hidden // 2  # 4-byte words of a row (combine; dispatch without fp8)
+        # dispatch message: QW words of values (four e4m3 codes each with fp8), SW of scales
+        self.qw = hidden // 4 if self.fp8 else self.hw
+        self.sw = hidden // FP8_GROUP if self.fp8 else 0
         t, e, kp, hw, dev = max_tokens, self.e_loc, self.kp, self.hw, group.device
         word = torch.int64 if self.flag_in_data else torch.int32
         # receive buffers start zeroed: epoch 0 is never a call's
         self.d_count = self._track(_zeros((2, e, w), group))
         self.d_meta = self._track(_zeros((2, e, w, t), group))
-        self.d_data = self._track(symm_empty((2, e, w, t, hw), word, group))
+        self.d_data = self._track(symm_empty((2, e, w, t, self.qw + self.sw), word, group))
         self.c_arrive = self._track(_zeros((w,), group))
         self.c_meta = self._track(_zeros((2, kp, t), group))
         self.c_data = self._track(symm_empty((2, kp, t, hw), word, group))
         if self.flag_in_data:
             self.d_data.local.zero_()
             self.c_data.local.zero_()
-        self.recv_x = torch.empty(e, w * t, hidden, dtype=dtype, device=dev)
+        # fp8: raw e4m3 bytes, exposed as a float8_e4m3fn view (as EPAllToAll)
+        self._recv = torch.empty(
+            e, w * t, hidden, dtype=torch.uint8 if self.fp8 else dtype, device=dev
+        )
+        self.recv_x = self._recv.view(torch.float8_e4m3fn) if self.fp8 else self._recv
+        self.recv_scale = (
+            torch.empty(e, w * t, self.sw, dtype=torch.float32, device=dev) if self.fp8 else None
+        )
+        self._stub = torch.zeros(1, hidden, dtype=dtype, device=dev)  # placeholder operand
         self.recv_src = torch.zeros(e, w * t, dtype=torch.int32, device=dev)
         self.layout = torch.zeros(e, w, 2, dtype=torch.int32, device=dev)
         self.expert_counts = torch.zeros(e, dtype=torch.int32, device=dev)
@@ -140,6 +172,9 @@ class EPLowLatency(EPCallChecks, OpContext):
         # before it receives; on a GPU every program is resident at once (<= one per SM)
         self.programs = max(1, min(sms, max(experts, e * w, t))) if sms else 1
         self.block_words = min(1024 if sms else 64, next_pow2(hw))
+        # fp8: values quantised per chunk (a multiple of 128; the interpreter's ragged
+        # last chunk is exercised by hidden 384)
+        self.block_values = min(1024 if sms else 256, next_pow2(hidden))
         self._calls = 0
         self._dispatched = None
         self._init_eager_graphs(eager_graphs)
@@ -160,26 +195,29 @@ class EPLowLatency(EPCallChecks, OpContext):
         self._fingerprint()
         n = x.shape[0]
         if n == 0:  # placeholders the kernel never reads
-            x, topk_idx, topk_weights = self.recv_x[0, :1], self.home_idx, self.home_w
+            x, topk_idx, topk_weights = self._stub, self.home_idx, self.home_w
         run = lambda: self._dispatch(n, x, topk_idx, topk_weights)  # noqa: E731
         self._enqueue(f"dispatch{n == 0}", run, x, topk_idx, topk_weights)
         self._calls += 1
         self._dispatched = (self._calls, n)
         self._end()
         return EPLowLatencyHandle(
-            self.recv_x, self.expert_counts, self.layout, self.recv_src, n, self._calls
-        )
+            self.recv_x, self.recv_scale, self.expert_counts, self.layout, self.recv_src, n,
+            self._calls,
+        )  # fmt: skip
 
     def _dispatch(self, n, x, topk_idx, topk_weights) -> None:
+        scale = self.recv_scale if self.fp8 else self.recv_src  # placeholder without fp8
         launch(
             ll_dispatch_kernel, self.programs, x, n, topk_idx, topk_weights, self.home_idx,
             self.home_w, self.d_count.local, self.d_count.ptrs, self.d_meta.local,
-            self.d_meta.ptrs, self.d_data.local, self.d_data.ptrs, self.recv_x, self.recv_src,
-            self.layout, self.expert_counts, self.epochs, self.error.address, self.rank,
-            self.world_size, self.experts, self.topk, self.max_tokens, self.hw,
-            self.pad.offset("bad_index"), self.pad.offset("count"), self.max_spins,
-            E_LOC=self.e_loc, KP=self.kp, TP=max(2, next_pow2(self.max_tokens)),
-            BW=self.block_words, FLAG_IN_DATA=self.flag_in_data, num_warps=4,
+            self.d_meta.ptrs, self.d_data.local, self.d_data.ptrs, self._recv, scale,
+            self.recv_src, self.layout, self.expert_counts, self.epochs, self.error.address,
+            self.rank, self.world_size, self.experts, self.topk, self.max_tokens, self.hidden,
+            self.qw, self.sw, self.pad.offset("bad_index"), self.pad.offset("count"),
+            self.max_spins, E_LOC=self.e_loc, KP=self.kp, TP=max(2, next_pow2(self.max_tokens)),
+            BW=self.block_words, BQ=self.block_values, FLAG_IN_DATA=self.flag_in_data,
+            FP8=self.fp8, num_warps=4,
         )  # fmt: skip
 
     def combine(self, expert_out: torch.Tensor, handle: EPLowLatencyHandle, out=None):
@@ -212,7 +250,7 @@ class EPLowLatency(EPCallChecks, OpContext):
                     f"{op}: out must be a contiguous [{n}, {self.hidden}] tensor"
                 )
         self._fingerprint()
-        dst = out if n else self.recv_x[0, :1]  # placeholder, never written
+        dst = out if n else self._stub  # placeholder, never written
         run = lambda: self._combine(n, expert_out, dst)  # noqa: E731
         self._enqueue(f"combine{n == 0}", run, expert_out, dst)
         self._end()
@@ -233,7 +271,7 @@ class EPLowLatency(EPCallChecks, OpContext):
         return (
             f"EPLowLatency(world={self.world_size}, max_tokens={self.max_tokens}, hidden="
             f"{self.hidden}, experts={self.experts}, topk={self.topk}, protocol="
-            f"{self.protocol!r})"
+            f"{self.protocol!r}, fp8={self.fp8})"
         )
 
 
