@@ -14,10 +14,14 @@
 #   STRATEGIES: the dense strategies (default: all but signal_reorder, which has its own
 #     suite, plus auto without graph-backed eager calls).
 #   SAVE_CACHE=1 packs Triton's cache (.triton_cache/) into $OUT for a later fresh machine.
+#   PACK=1 writes everything into one archive, $OUT/gpu-suite.tgz (for a device call that
+#     brings back only a few files), plus $OUT/summary.txt.
 # Extra arguments go to every suite in BENCH, e.g. BENCH=dense ... --models llama3-8b --ms 8192.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
+FINAL_OUT=$OUT
+if [ -n "${PACK:-}" ]; then OUT=$(mktemp -d); fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # Multicast / NVLS stays off on these machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -64,7 +68,7 @@ for suite in $BENCH; do
     if [ "$suite" = dense ]; then
         extra=(--strategies "${STRATEGIES:-auto,auto:eager_graphs=0,fused,ce_fused,ce_scatter,ring,sm_pull,none}")
     fi
-    timeout -k 10 "$BENCH_TIMEOUT" python3 -m interlace bench "$suite" --out "$OUT" "${extra[@]}" "$@" \
+    timeout -s INT -k 20 "$BENCH_TIMEOUT" python3 -m interlace bench "$suite" --out "$OUT" "${extra[@]}" "$@" \
         > "$OUT/bench-$suite.log" 2>&1
     rcs[$suite]=$?
 done
@@ -73,18 +77,27 @@ if [ -n "${SAVE_CACHE:-}" ]; then
     tar -C "$TRITON_CACHE_DIR" -czf - . | split -b 15m - "$OUT/triton-cache.tgz."
 fi
 
-echo "== machine"; head -5 "$OUT/machine.txt"
-echo "== GPU tests (rc=$test_rc)"; grep -E "^(####|FAILED|ERROR)|passed|failed|error|Interrupted" "$OUT/gpu_tests.log" | tail -60
-for suite in $BENCH; do
-    [ "$suite" = none ] && continue
-    echo "== bench $suite (rc=${rcs[$suite]})"
-    # the lines a suite prints per check, then its table to the end (the tail on a crash)
-    grep -E "^(shared GPU|shared-GPU|note |dense:|error)" "$OUT/bench-$suite.log" | head -40
-    if grep -qE "^ *(interlace |fused kernels|host time|gemm_ar signal_reorder)|┏" "$OUT/bench-$suite.log"; then
-        sed -n '/^ *\(interlace \|fused kernels\|host time\|gemm_ar signal_reorder\)/,$p' "$OUT/bench-$suite.log" | tail -80
-    else
-        tail -25 "$OUT/bench-$suite.log"
-    fi
-done
-if [ "$GPUS" -le 1 ]; then echo "cross-GPU overlap needs two or more GPUs"; fi
+summary() {
+    echo "== machine"; head -5 "$OUT/machine.txt"
+    echo "== GPU tests (rc=$test_rc)"; grep -E "^(####|FAILED|ERROR)|passed|failed|error|Interrupted" "$OUT/gpu_tests.log" | tail -60
+    for suite in $BENCH; do
+        [ "$suite" = none ] && continue
+        echo "== bench $suite (rc=${rcs[$suite]})"
+        # the lines a suite prints per check, then its table to the end (the tail on a crash)
+        grep -E "^(shared GPU|shared-GPU|note |dense:|error)" "$OUT/bench-$suite.log" | head -40
+        if grep -qE "^ *(interlace |fused kernels|host time|gemm_ar signal_reorder)|┏" "$OUT/bench-$suite.log"; then
+            sed -n '/^ *\(interlace \|fused kernels\|host time\|gemm_ar signal_reorder\)/,$p' "$OUT/bench-$suite.log" | tail -80
+        else
+            tail -25 "$OUT/bench-$suite.log"
+        fi
+    done
+    if [ "$GPUS" -le 1 ]; then echo "cross-GPU overlap needs two or more GPUs"; fi
+}
+if [ -n "${PACK:-}" ]; then
+    summary | tee "$OUT/summary.txt"
+    tar -C "$OUT" -czf "$FINAL_OUT/gpu-suite.tgz" .
+    cp "$OUT/summary.txt" "$FINAL_OUT/"
+else
+    summary
+fi
 true
