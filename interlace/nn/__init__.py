@@ -7,6 +7,12 @@ for transformers-style decoders.
 """
 
 from .attention import ParallelAttention
+from .context_attention import (
+    ContextParallelAttention,
+    sequence_positions,
+    shard_sequence,
+    unshard_sequence,
+)
 from .linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -22,6 +28,7 @@ from .parallelize import decoder_layers, parallelize
 
 __all__ = [
     "ColumnParallelLinear",
+    "ContextParallelAttention",
     "MoEBlock",
     "ParallelAttention",
     "ParallelMLP",
@@ -31,6 +38,9 @@ __all__ = [
     "gather_from_sequence",
     "parallelize",
     "scatter_to_sequence",
+    "sequence_positions",
     "shard",
+    "shard_sequence",
     "sync_sequence_parallel_grads",
+    "unshard_sequence",
 ]
