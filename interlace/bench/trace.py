@@ -1,11 +1,18 @@
 """Timeline traces of the overlapped ops, and what tracing costs.
 
-``python -m interlace trace OP --shape M,N,K [--world-size W]`` (OP: ag_gemm, gemm_rs,
-gemm_ar; ``M, N, K`` the GEMM each rank runs, as in the results files) runs W ranks (on
-their own GPUs, sharing one GPU where there are fewer, or in the CPU emulation with
-``--cpu`` or without GPUs), warms the op up, records ``--calls`` calls and writes
+``python -m interlace trace OP --shape ... [--world-size W]`` runs W ranks (on their own
+GPUs, sharing one GPU where there are fewer, or in the CPU emulation with ``--cpu`` or
+without GPUs), warms the op up, records ``--calls`` calls and writes
 ``<out>/<name>.json`` (Chrome / Perfetto), ``<name>.png`` and ``<name>-summary.json``,
-then prints the summary.
+then prints the summary. OP and its ``--shape`` fields:
+
+* ``ag_gemm``, ``gemm_rs``, ``gemm_ar``: ``M,N,K``, the GEMM each rank runs, as in the
+  results files (``M`` the gathered rows);
+* ``ag_moe``: ``tokens,hidden,inter,experts,topk``: gathered tokens (``tokens / W`` per
+  rank), hidden size, this rank's intermediate columns, experts, experts per token
+  (random routing, SwiGLU);
+* ``sp_attention``: ``batch,heads,S,d[,kv_heads]``: the forward over a sequence of ``S``
+  tokens (``S / W`` per rank; ``--causal``: the zigzag layout), ``d`` 64 or 128.
 
 ``python -m interlace bench trace [--quick]``: on a GPU, the overhead of tracing: the
 per-rank kernel of AG+GEMM ``fused`` and GEMM+RS ``ce_fused`` as rank 0 of 4 with its
@@ -23,24 +30,90 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 DEFAULT_OUT = "benchmarks/results"
-OPS = {"ag_gemm": "AGGemm", "gemm_rs": "GemmRS", "gemm_ar": "GemmAR"}
+OPS = {
+    "ag_gemm": "AGGemm", "gemm_rs": "GemmRS", "gemm_ar": "GemmAR", "ag_moe": "AGMoE",
+    "sp_attention": "SPAttention",
+}  # fmt: skip
 
 
-# ---------------------------------------------------------------------- one traced call
-def trace_body(group, op, strategy, m, n, k, calls, warmup, prefix, label, meta):
-    """On every rank: build ``op``'s context for the per-rank GEMM ``(m, n, k)``, make
-    ``warmup`` untraced calls, record ``calls`` calls; rank 0 writes the trace files at
-    ``prefix``. Returns (rank 0) the summary and what was written."""
+@dataclass(frozen=True)
+class ShapeSpec:
+    """An op's ``--shape`` fields: their names (the last ``optional`` may be left out), the
+    one that is split over the ranks (a multiple of W, of 2 W where ``--causal``), and the
+    defaults for a world of ``w`` ranks."""
+
+    fields: tuple[str, ...]
+    split: str
+    cpu: Callable[[int], tuple[int, ...]]
+    gpu: Callable[[int], tuple[int, ...]]
+    optional: int = 0
+
+
+_GEMM = ShapeSpec(("M", "N", "K"), "M", lambda w: (w * 37, 40, 32), lambda w: (4096, 3584, 4096))
+SHAPES = {
+    "ag_gemm": _GEMM, "gemm_rs": _GEMM, "gemm_ar": _GEMM,
+    "ag_moe": ShapeSpec(
+        ("tokens", "hidden", "inter", "experts", "topk"), "tokens",
+        lambda w: (w * 11, 32, 16, 4, 2), lambda w: (w * 2048, 2048, 384, 32, 2),
+    ),
+    "sp_attention": ShapeSpec(
+        ("batch", "heads", "S", "d", "kv_heads"), "S",
+        lambda w: (1, 2, w * 20, 64, 1), lambda w: (1, 32, w * 4096, 128, 8), optional=1,
+    ),
+}  # fmt: skip
+
+
+def parse_shape(op: str, text: str) -> tuple[int, ...]:
+    """``--shape`` of ``op`` (``SHAPES``) as integers; optional fields left out take
+    their defaults (``sp_attention``: ``kv_heads = heads``)."""
+    spec = SHAPES[op]
+    try:
+        vals = tuple(int(x) for x in text.split(","))
+    except ValueError as e:
+        want = ",".join(spec.fields)
+        raise SystemExit(f"trace {op}: --shape must be {want}, got {text!r}") from e
+    lo, hi = len(spec.fields) - spec.optional, len(spec.fields)
+    if not lo <= len(vals) <= hi or min(vals) <= 0:
+        raise SystemExit(f"trace {op}: --shape must be {','.join(spec.fields)} (positive; the "
+                         f"last {spec.optional} optional), got {text!r}")  # fmt: skip
+    if op == "sp_attention" and len(vals) == 4:
+        vals = (*vals, vals[1])
+    return vals
+
+
+def _op_call(group, op, strategy, shape, causal):
+    """``(ctx, call)``: ``op``'s context on ``group`` for ``shape`` and a call on fresh
+    random inputs (``call()`` runs it)."""
     import torch
 
     import interlace
 
-    from ..trace import summarize
-
     w, dev, dtype = group.world_size, group.device, torch.bfloat16
     torch.manual_seed(100 + group.rank)
+    if op == "ag_moe":
+        tokens, hidden, inter, experts, topk = shape
+        m = tokens // w
+        ctx = interlace.AGMoE(group, max_tokens=tokens, hidden=hidden, inter=inter,
+                              experts=experts, topk=topk, strategy=strategy)  # fmt: skip
+        x = torch.randn(m, hidden, device=dev).to(dtype)
+        ids = torch.rand(m, experts, device=dev).argsort(dim=1)[:, :topk].contiguous()
+        weights = torch.softmax(torch.randn(m, topk, device=dev), dim=-1)
+        wg = (torch.randn(experts, hidden, 2 * inter, device=dev) / math.sqrt(hidden)).to(dtype)
+        return ctx, lambda: ctx(x, ids, weights, wg)
+    if op == "sp_attention":
+        batch, heads, s, d, kv_heads = shape
+        s_loc = s // w
+        ctx = interlace.ops.attention.SPAttention(
+            group, heads, kv_heads, d, max_tokens=batch * s_loc, strategy=strategy
+        )
+        q = torch.randn(batch, heads, s_loc, d, device=dev).to(dtype)
+        k, v = (torch.randn(batch, kv_heads, s_loc, d, device=dev).to(dtype) for _ in "kv")
+        return ctx, lambda: ctx(q, k, v, causal=causal)
+    m, n, k = shape
     if op == "ag_gemm":
         ctx = interlace.AGGemm(group, max_m=m, n=n, k=k, strategy=strategy)
         a = torch.randn(m // w, k, device=dev).to(dtype)
@@ -49,20 +122,35 @@ def trace_body(group, op, strategy, m, n, k, calls, warmup, prefix, label, meta)
         ctx = cls(group, max_m=m, n=n, k=k, strategy=strategy)
         a = torch.randn(m, k, device=dev).to(dtype)
     b = (torch.randn(k, n, device=dev) / math.sqrt(k)).to(dtype)
+    return ctx, lambda: ctx(a, b)
+
+
+# ---------------------------------------------------------------------- one traced call
+def trace_body(group, op, strategy, shape, calls, warmup, prefix, label, meta, causal=False):
+    """On every rank: build ``op``'s context for ``shape`` (``SHAPES``), make ``warmup``
+    untraced calls, record ``calls`` calls; rank 0 writes the trace files at ``prefix``.
+    Returns (rank 0) the summary and what was written."""
+    import torch
+
+    import interlace
+
+    from ..trace import summarize
+
+    ctx, call = _op_call(group, op, strategy, shape, causal)
     try:
         for _ in range(warmup):
-            ctx(a, b)
+            call()
         if group.backend == "cuda":
             torch.cuda.synchronize()
         group.host_barrier()
         with interlace.trace.record(group, label=label, meta=meta) as rec:
             for _ in range(calls):
-                ctx(a, b)
+                call()
         if group.backend == "cuda":
             torch.cuda.synchronize()
         ctx.check()
         trace = rec.trace()
-        ran = ctx.last_strategy
+        ran = getattr(ctx, "last_strategy", None) or strategy
     finally:
         ctx.close()
     if group.rank != 0:
@@ -74,9 +162,9 @@ def trace_body(group, op, strategy, m, n, k, calls, warmup, prefix, label, meta)
 
 
 def run_trace(op, strategy, shape, world, calls=1, warmup=2, out=DEFAULT_OUT, cpu=False,
-              name=None, timeout=600):  # fmt: skip
-    """Trace ``op`` on ``world`` ranks (see the module docstring); returns rank 0's
-    ``{"paths", "summary"}``."""
+              name=None, timeout=600, causal=False):  # fmt: skip
+    """Trace ``op`` on ``world`` ranks (see the module docstring; ``shape``: its
+    ``SHAPES`` fields); returns rank 0's ``{"paths", "summary"}``."""
     import torch
 
     from ..testing import World
@@ -85,23 +173,29 @@ def run_trace(op, strategy, shape, world, calls=1, warmup=2, out=DEFAULT_OUT, cp
     gpus = 0 if cpu else torch.cuda.device_count()
     backend = "cuda" if gpus else "cpu"
     share = backend == "cuda" and gpus < world
-    m, n, k = shape
-    if m % world:
-        raise SystemExit(f"trace: M = {m} must be a multiple of the world size {world}")
+    spec = SHAPES[op]
+    fields = dict(zip(spec.fields, shape))
+    unit = 2 * world if causal and op == "sp_attention" else world
+    if fields[spec.split] % unit:
+        twice = "2 x " if unit != world else ""
+        raise SystemExit(f"trace: {spec.split} = {fields[spec.split]} must be a multiple of "
+                         f"{unit} ({twice}the world size {world})")  # fmt: skip
     device = torch.cuda.get_device_name(0) if gpus else "cpu"
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower().replace("nvidia", "")).strip("-")
     where = "shared" if share else backend
+    dims = "x".join(str(x) for x in shape) + ("-causal" if causal else "")
     name = name or (
-        f"{datetime.date.today().isoformat()}-{slug}-w{world}-{where}-trace-{op}-{strategy}-"
-        f"{m}x{n}x{k}"
+        f"{datetime.date.today().isoformat()}-{slug}-w{world}-{where}-trace-{op}-{strategy}-{dims}"
     )
-    meta = dict(op=op, strategy=strategy, M=m, N=n, K=k, device=device, world=world,
+    meta = dict(op=op, strategy=strategy, **fields, device=device, world=world,
                 shared_gpu=share, backend=backend, calls=calls)  # fmt: skip
+    if op == "sp_attention":
+        meta["causal"] = causal
     with World(world, backend, timeout=timeout, share_device=share) as ranks:
         res = ranks.run(
-            trace_body, op, strategy, m, n, k, calls, warmup, os.path.join(out, name),
-            f"{op} {strategy} {m}x{n}x{k} W={world}" + (" (one GPU shared)" if share else ""),
-            meta,
+            trace_body, op, strategy, shape, calls, warmup, os.path.join(out, name),
+            f"{op} {strategy} {dims} W={world}" + (" (one GPU shared)" if share else ""),
+            meta, causal,
         )[0]  # fmt: skip
     print(format_summary(res["summary"]))
     for what, path in res["paths"].items():
@@ -264,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m interlace trace", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("op", nargs="?", choices=list(OPS), help="trace this op (else: the benchmark)")
-    p.add_argument("--shape", type=_shape, default=None, help="M,N,K of each rank's GEMM")
+    p.add_argument("--shape", default=None,
+                   help="the op's shape: M,N,K (ag_gemm, gemm_rs, gemm_ar); "
+                        "tokens,hidden,inter,experts,topk (ag_moe); batch,heads,S,d[,kv_heads] "
+                        "(sp_attention); see above")  # fmt: skip
+    p.add_argument("--causal", action="store_true", help="sp_attention: causal (zigzag)")
     p.add_argument("--strategy", default="fused")
     p.add_argument("--world-size", type=int, default=None, help="ranks (default: GPUs, >= 2)")
     p.add_argument("--calls", type=int, default=1, help="traced calls")
@@ -282,10 +380,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     world = args.world_size or max(2, 0 if args.cpu else torch.cuda.device_count())
-    shape = args.shape or ((world * 37, 40, 32) if args.cpu or not torch.cuda.is_available()
-                           else (4096, 3584, 4096))  # fmt: skip
+    spec = SHAPES[args.op]
+    if args.shape is not None:
+        shape = parse_shape(args.op, args.shape)
+    elif args.cpu or not torch.cuda.is_available():
+        shape = spec.cpu(world)
+    else:
+        shape = spec.gpu(world)
     run_trace(args.op, args.strategy, shape, world, calls=args.calls, warmup=args.warmup,
-              out=args.out, cpu=args.cpu, name=args.name)  # fmt: skip
+              out=args.out, cpu=args.cpu, name=args.name, causal=args.causal)  # fmt: skip
     return 0
 
 

@@ -34,6 +34,14 @@ import triton
 import triton.language as tl
 
 from ..language.primitives import INTERPRETED, guard_coord, notify, peer_ptr_aligned, wait
+from ..language.trace import (
+    EV_END,
+    EV_START,
+    EV_TILE_END,
+    EV_WAIT_BEGIN,
+    EV_WAIT_END,
+    trace_event,
+)  # fmt: skip
 
 LOG2E = 1.4426950408889634
 
@@ -229,18 +237,36 @@ def _exit_clear(sig, arrival, rank, err, max_spins, WORLD: tl.constexpr):
 
 
 @triton.jit
+def trace_step(TRACE: tl.constexpr, tbuf, KIND: tl.constexpr, j, a, b):
+    """``language.trace.trace_event`` for a ``(query blocks, batch x heads)`` grid: the
+    buffer holds one block of that layout per column ``program_id(1)`` (header and
+    ``num_programs(0)`` programs each, ``1 + stride * num_programs(0)`` rows); ``j``: the
+    program's step (its ``j``-th tile slots). Compiles to nothing unless ``TRACE``."""
+    if TRACE:
+        rows = 1 + tl.load(tbuf) * tl.num_programs(0)
+        col = tbuf + tl.program_id(1).to(tl.int64) * rows * 4
+        trace_event(TRACE, col, KIND, j * tl.num_programs(0) + tl.program_id(0), a, b)
+
+
+@triton.jit
 def sp_attn_fwd_kernel(
     q, k, v, k_all, v_all, o, lse, seg, cu, sig, err, rank, max_spins, arrival,
     qk_scale, S_loc, half,
     H, HKV, D: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     VARLEN: tl.constexpr, WAIT: tl.constexpr, CLEAR: tl.constexpr, WS: tl.constexpr = False,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """One program per (query block, batch x head), heaviest query blocks first (later
     positions see more keys under the causal mask). Runs the local chunk, then each
     peer's as its flag lands (``WAIT``; without it the gathered buffer must already hold
     every chunk). ``CLEAR``: the last program zeroes the arrival flags (``_exit_clear``).
-    Writes ``o`` and the base-2 log-sum-exp ``lse`` [batch x heads, S_loc] (float32)."""
+    Writes ``o`` and the base-2 log-sum-exp ``lse`` [batch x heads, S_loc] (float32).
+
+    Traced: program start / end; step ``t`` (0: the local chunk, then the peers' in
+    arrival order) records its wait (begin: chunk's rank, step; end: chunk's rank, the
+    guarded row) and its end (chunk's rank, query block)."""
+    trace_step(TRACE, tbuf, EV_START, 0, 0, 0)
     n_mb = tl.num_programs(0)
     pid_m = n_mb - 1 - tl.program_id(0)
     bh = tl.program_id(1)
@@ -273,6 +299,7 @@ def sp_attn_fwd_kernel(
         acc, l_i, m_i, qb, k_desc, v_desc, kv_row, rank, qmin, qmax, q_pos, S_loc, half,
         seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, WS,
     )  # fmt: skip
+    trace_step(TRACE, tbuf, EV_TILE_END, 0, rank, pid_m)
     if WORLD > 1:
         kp_desc = tl.make_tensor_descriptor(
             k_all, shape=[WORLD * BKV, S_loc, D], strides=[S_loc * D, D, 1],
@@ -283,17 +310,21 @@ def sp_attn_fwd_kernel(
             block_shape=[1, BLOCK_N, D],
         )  # fmt: skip
         for t in range(1, WORLD):
+            trace_step(TRACE, tbuf, EV_WAIT_BEGIN, t, (rank + WORLD - t) % WORLD, t)
             c, row = _peer_chunk(t, rank, sig, arrival, err, max_spins, BKV, kv_row, WORLD, WAIT)
+            trace_step(TRACE, tbuf, EV_WAIT_END, t, c, row)
             acc, l_i, m_i = _fwd_chunk(
                 acc, l_i, m_i, qb, kp_desc, vp_desc, row, c, qmin, qmax, q_pos, S_loc, half,
                 seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, WS,
             )  # fmt: skip
+            trace_step(TRACE, tbuf, EV_TILE_END, t, c, pid_m)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     o_desc.store([bh, m0, 0], out.to(o.dtype.element_ty).reshape(1, BLOCK_M, D))
     tl.store(lse + bh * S_loc + q_idx, m_i + tl.math.log2(l_safe), mask=q_idx < S_loc)
     if CLEAR:
         _exit_clear(sig, arrival, rank, err, max_spins, WORLD)
+    trace_step(TRACE, tbuf, EV_END, 0, 0, 0)
 
 
 # ---------------------------------------------------------------------------- backward

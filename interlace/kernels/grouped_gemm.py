@@ -55,6 +55,16 @@ from ..language.primitives import (
     wait,
     wait_inline,
 )
+from ..language.trace import (
+    EV_END,
+    EV_FINAL_BEGIN,
+    EV_FINAL_END,
+    EV_START,
+    EV_TILE_END,
+    EV_WAIT_BEGIN,
+    EV_WAIT_END,
+    trace_event,
+)  # fmt: skip
 
 #: tile table columns: first row, expert, first and last arrival position read
 TILE_ROW0 = tl.constexpr(0)
@@ -248,6 +258,7 @@ def moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WORLD: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, REDUCE: tl.constexpr,
     WAIT: tl.constexpr, USE_TMA: tl.constexpr, EXIT_CLEAR: tl.constexpr,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """See the module docstring. ``a``: gathered tokens ``[WORLD * m_loc, K]`` (``GATHER``)
     or ``h [rows, K]``; ``w``: ``[E, K, N_W]``; ``out``: ``[rows, N]`` (gather mode);
@@ -256,9 +267,14 @@ def moe_gemm_kernel(
     flags ``flag0 + p`` of the positions they read; ``EXIT_CLEAR``: the last program waits
     for every position's flag (none may land after the clear) and zeroes ``clear_count``
     slots from ``clear_first``, ``done_slot`` among them. ``REDUCE``: the last program
-    raises ``contrib_slot`` on every rank once all programs are done."""
+    raises ``contrib_slot`` on every rank once all programs are done.
+
+    Traced (``language.trace``): program start / end, each tile's wait (begin: first and
+    last arrival position read; end: last position, token), each tile's main-loop end (row
+    tile, expert) and the last program's exit waits (final begin / end)."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
+    trace_event(TRACE, tbuf, EV_START, 0, 0, 0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     n_tiles = tl.load(tile_count) * tiles_n
     b_desc = None
@@ -285,9 +301,11 @@ def moe_gemm_kernel(
                 hi = tl.load(info + TILE_LAST)
                 needed = (hi >= lo).to(tl.int32)
                 count = tl.maximum(hi - lo + 1, 1)
+                trace_event(TRACE, tbuf, EV_WAIT_BEGIN, g, lo, hi)
                 token = wait_inline(
                     sig + flag0 + lo, 1, needed, err, rank, flag0 + lo, max_spins, count
                 )
+                trace_event(TRACE, tbuf, EV_WAIT_END, g, hi, token)
             src = tok // m_loc
             own = src == rank
             a_rows = tl.where(own, x_own + (tok - src * m_loc).to(tl.int64) * K,
@@ -309,6 +327,7 @@ def moe_gemm_kernel(
                     w, b_desc, w_row + kk, UP + col, K - kk, N_W, USE_TMA, BLOCK_K, BLOCK_N
                 )
                 acc_up = _dot(a_t, u_t, acc_up)
+        trace_event(TRACE, tbuf, EV_TILE_END, g, q, e)
         cols = col + tl.arange(0, BLOCK_N)
         if REDUCE:
             # weighted rows into this rank's accumulator, row = global token: the
@@ -336,9 +355,12 @@ def moe_gemm_kernel(
                 notify(signal_base(sig_table, peer) + contrib_slot, 1, ADD=True)
     if EXIT_CLEAR:
         if pid == n_prog - 1:
+            trace_event(TRACE, tbuf, EV_FINAL_BEGIN, 0, 0, 0)
             for p in tl.static_range(1, WORLD):
                 wait(sig + flag0 + p, 1, err, rank, flag0 + p, max_spins)
+            trace_event(TRACE, tbuf, EV_FINAL_END, 0, 0, 0)
         last_program_clears(sig, done_slot, clear_first, clear_count)
+    trace_event(TRACE, tbuf, EV_END, 0, 0, 0)
 
 
 @triton.jit(

@@ -1,5 +1,7 @@
 """Where the ops meet the timeline trace (``interlace.trace``): the recorders in force in
-this process, the traced launch of the segment GEMM, and traced copies and stream spans.
+this process, the traced launch of the segment GEMM, trace buffers for the other traced
+kernels (the grouped GEMM of ``AGMoE``, the attention forward of ``SPAttention``), and
+traced copies and stream spans.
 
 The trace layer sits above the ops, so the ops only see a recorder through the small
 interface it implements (``kernel_buffer``, ``stream_begin``, ``stream_end``); with no
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InterlaceValueError
 from ..runtime import streams
 from ..runtime.symmetric import _open_buffers
 from ._launch import install_scratch_allocator
@@ -32,6 +35,18 @@ def sink():
         return None
     return ACTIVE[-1]
 
+
+#: How the trace decodes a launch's buffer (``info["layout"]``): ``segments``: the segment
+#: GEMM (``info["seg"]``: its segment table; the default); ``tiles``: a persistent kernel
+#: whose program ``p`` runs tiles ``p, p + grid, ...`` each after at most one wait (the
+#: grouped GEMM); ``steps``: a ``(grid_m, columns)`` grid whose buffer holds one block of
+#: ``grid_m`` programs per column, each program's ``j``-th tile slots its step ``j`` (the
+#: attention forward: one step per K/V chunk).
+LAYOUTS = ("segments", "tiles", "steps")
+
+#: the kernels' names in traces (beside the segment GEMM's, ``_KERNEL_NAMES``)
+GROUPED_GEMM = "moe_gemm"
+ATTENTION_FWD = "sp_attn_fwd"
 
 #: the segment GEMM's flags that name what a launch is (first match)
 _KERNEL_NAMES = (
@@ -58,14 +73,29 @@ def launch_gemm(prepared, operands) -> bool:
     bound = (cdiv(m, kwargs["BLOCK_M"]) + n_seg) * tiles_n
     name = next((nm for flag, nm in _KERNEL_NAMES if kwargs.get(flag)), "gemm")
     info = dict(
-        kernel=name, seg=value["seg"], n_seg=n_seg, seg_first=int(value["seg_first"]), M=m,
-        N=n, K=int(value["K"]), rank=int(value["rank"]), grid=grid,
-        block_m=kwargs["BLOCK_M"], block_n=kwargs["BLOCK_N"], one_loop=bool(kwargs["ONE_LOOP"]),
+        kernel=name, layout="segments", seg=value["seg"], n_seg=n_seg,
+        seg_first=int(value["seg_first"]), M=m, N=n, K=int(value["K"]),
+        rank=int(value["rank"]), grid=grid, block_m=kwargs["BLOCK_M"],
+        block_n=kwargs["BLOCK_N"], one_loop=bool(kwargs["ONE_LOOP"]),
     )  # fmt: skip
     tbuf = rec.kernel_buffer(grid, cdiv(bound, grid), info)
     install_scratch_allocator()
     kernel[(grid,)](*args, **kwargs, TRACE=True, tbuf=tbuf)
     return True
+
+
+def buffer(grid: int, tiles_per_program: int, info: dict, columns: int = 1):
+    """A zeroed trace buffer from the recorder in force for a launch of ``grid`` programs
+    (per column, ``columns`` of them: layout ``steps``) of at most ``tiles_per_program``
+    tiles (steps) each; ``info`` (``kernel``, ``layout``, ...) says how to decode it. None
+    where no recorder is in force: launch untraced."""
+    rec = sink()
+    if rec is None:
+        return None
+    if info.get("layout") not in LAYOUTS:
+        got = info.get("layout")
+        raise InterlaceValueError(f"trace layout must be one of {LAYOUTS}, got {got!r}")
+    return rec.kernel_buffer(grid, tiles_per_program, dict(info, columns=columns), columns)
 
 
 def _rank_of(t: torch.Tensor):
@@ -80,9 +110,12 @@ def _rank_of(t: torch.Tensor):
     return None
 
 
-def copy_and_signal(dst, src, signal=None, index: int = 0, value: int = 1, stream=None) -> None:
+def copy_and_signal(
+    dst, src, signal=None, index: int = 0, value: int = 1, stream=None, what: str | None = None
+) -> None:
     """``runtime.copy_and_signal``, recorded as a ``copy`` span on its stream (and the
-    signal it writes at the span's end) when a recorder is in force."""
+    signal it writes at the span's end) when a recorder is in force; ``what``: what the
+    copy carries (kept in the span's args)."""
     rec = sink()
     if rec is None:
         streams.copy_and_signal(dst, src, signal, index, value, stream=stream)
@@ -92,6 +125,7 @@ def copy_and_signal(dst, src, signal=None, index: int = 0, value: int = 1, strea
     rec.stream_end(
         token, "copy", peer=_rank_of(dst), bytes=src.numel() * src.element_size(),
         signal_slot=index if signal is not None else None,
+        **({} if what is None else dict(what=what)),
     )  # fmt: skip
 
 

@@ -2,12 +2,15 @@
 of the kernels' event buffers; Chrome / Perfetto export.
 
 Tracks per rank (Chrome ``tid``): one per program of the traced kernels (``program p``:
-its launches' programs ``p`` in time order), one per stream that ran traced transfers,
-and ``exposed communication`` (computed, see ``summary``). Span categories: ``program``
-(a program's whole run), ``compute`` (a tile: from the program's previous event to the
-tile's main-loop end), ``wait`` (a wait on a chunk, the entry barrier, the final waits),
-``copy`` and ``chunk_wait`` (stream work), ``exposed``; instants: ``notify`` (a program
-released a counter), ``signal`` (a stream wrote a peer's flag, at its copy's end).
+its launches' programs ``p`` in time order; a 2-D grid's programs numbered column by
+column), one per stream that ran traced transfers, and ``exposed communication``
+(computed, see ``summary``). Span categories: ``program`` (a program's whole run),
+``compute`` (a tile: from the program's previous event to the tile's main-loop end),
+``wait`` (a wait on a chunk, the entry barrier, the final waits), ``copy`` and
+``chunk_wait`` (stream work), ``exposed``; instants: ``notify`` (a program released a
+counter), ``signal`` (a stream wrote a peer's flag, at its copy's end). The grouped GEMM
+(``wait tokens of rank q``, then its tile) and the attention forward (per query block and
+K/V chunk: ``wait chunk of rank q``, then ``block b chunk q``) use the same categories.
 """
 
 from __future__ import annotations
@@ -157,9 +160,23 @@ def _who(kind: int, owner: int, rank: int) -> str:
 
 def decode_launch(info: dict, rows: list, rank: int, shift: int, index: int):
     """Spans and instants of one traced launch (``rows``: its event buffer; ``shift``: ns
-    to subtract to reach rank 0's clock)."""
+    to subtract to reach rank 0's clock), read as its layout (``ops._trace.LAYOUTS``)
+    says: ``steps`` holds one block of programs per grid column."""
+    if info.get("layout") == "steps":
+        per = 1 + rows[0][0] * rows[0][1]
+        spans, instants = [], []
+        for col in range(info["columns"]):
+            s, i = _decode_block(info, rows[col * per : (col + 1) * per], rank, shift, index, col)
+            spans += s
+            instants += i
+        return spans, instants
+    return _decode_block(info, rows, rank, shift, index, 0)
+
+
+def _decode_block(info: dict, rows: list, rank: int, shift: int, index: int, col: int):
+    """Spans and instants of one block of a trace buffer (header, then its programs)."""
     stride, grid, cap = rows[0][0], rows[0][1], rows[0][2]
-    table = info["seg"]
+    layout = info.get("layout", "segments")
     spans, instants = [], []
     name = info["kernel"]
 
@@ -171,49 +188,130 @@ def decode_launch(info: dict, rows: list, rank: int, shift: int, index: int):
         start, end = ev[0], ev[1]
         if not start[1]:
             continue
-        args = dict(launch=index, kernel=name, program=p)
+        tid = col * grid + p  # the program's track: a 2-D grid's programs column by column
+        args = dict(launch=index, kernel=name, program=tid)
+        if layout == "steps":
+            args.update(column=col, block=grid - 1 - p)
         if end[1]:
-            spans.append(Span(rank, p, f"{name} program {p}", "program", t(start), t(end), args))
+            spans.append(Span(rank, tid, f"{name} program {tid}", "program", t(start), t(end),
+                              args))  # fmt: skip
         cursor = t(start)
         if ev[2][1] and ev[3][1]:
-            spans.append(Span(rank, p, "entry barrier", "wait", t(ev[2]), t(ev[3]),
+            spans.append(Span(rank, tid, "entry barrier", "wait", t(ev[2]), t(ev[3]),
                               dict(args, what="entry barrier")))  # fmt: skip
             cursor = t(ev[3])
+        tile_slots = _TILE_DECODERS[layout]
         for j in range(cap):
             wb, we, te, nt = ev[HEADER.value + PER_TILE.value * j :][:4]
             g = j * grid + p
-            if we[1]:
-                s = we[2]
-                waited = not info["one_loop"] or wb[2] != s
-                row = table[s] if 0 <= s < len(table) else None
-                if waited and row is not None and row[SEG_WAIT_COUNT.value] > 0:
-                    kind, owner = row[SEG_KIND.value], row[SEG_OWNER.value]
-                    spans.append(Span(
-                        rank, p, f"wait chunk {s}", "wait", t(wb), t(we),
-                        dict(args, segment=s, tile=g, what=_who(kind, owner, rank),
-                             peer=owner if kind == KIND_STORE.value else -1,
-                             kind=int(kind), rows=[row[SEG_ROW0.value],
-                             row[SEG_ROW0.value] + row[SEG_ROWS.value]], token=we[3]),
-                    ))  # fmt: skip
-                cursor = max(cursor, t(we))
-            if te[1]:
-                s = te[2]
-                spans.append(Span(rank, p, f"tile {g}", "compute", cursor, t(te),
-                                  dict(args, tile=g, segment=s)))  # fmt: skip
-                cursor = t(te)
-            if nt[1]:
-                dest = nt[3]
-                label = "every peer" if dest == -1 else f"rank {dest}"
-                instants.append(Instant(rank, p, f"notify {label}", "notify", t(nt),
-                                        dict(args, segment=nt[2], dest=dest)))  # fmt: skip
+            sp, ins, cursor = tile_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t)
+            spans += sp
+            instants += ins
         if ev[4][1] and ev[5][1]:
-            spans.append(Span(rank, p, "final waits", "wait", t(ev[4]), t(ev[5]),
-                              dict(args, what="peers' broadcasts")))  # fmt: skip
+            what = "peers' broadcasts" if layout == "segments" else "every arrival (exit)"
+            spans.append(Span(rank, tid, "final waits", "wait", t(ev[4]), t(ev[5]),
+                              dict(args, what=what)))  # fmt: skip
     return spans, instants
 
 
+def _segment_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+    """One tile's slots of the segment GEMM (a wait where the program met a segment)."""
+    spans, instants = [], []
+    table = info["seg"]
+    if we[1]:
+        s = we[2]
+        waited = not info["one_loop"] or wb[2] != s
+        row = table[s] if 0 <= s < len(table) else None
+        if waited and row is not None and row[SEG_WAIT_COUNT.value] > 0:
+            kind, owner = row[SEG_KIND.value], row[SEG_OWNER.value]
+            spans.append(Span(
+                rank, tid, f"wait chunk {s}", "wait", t(wb), t(we),
+                dict(args, segment=s, tile=g, what=_who(kind, owner, rank),
+                     peer=owner if kind == KIND_STORE.value else -1,
+                     kind=int(kind), rows=[row[SEG_ROW0.value],
+                     row[SEG_ROW0.value] + row[SEG_ROWS.value]], token=we[3]),
+            ))  # fmt: skip
+        cursor = max(cursor, t(we))
+    if te[1]:
+        s = te[2]
+        spans.append(Span(rank, tid, f"tile {g}", "compute", cursor, t(te),
+                          dict(args, tile=g, segment=s)))  # fmt: skip
+        cursor = t(te)
+    if nt[1]:
+        dest = nt[3]
+        label = "every peer" if dest == -1 else f"rank {dest}"
+        instants.append(Instant(rank, tid, f"notify {label}", "notify", t(nt),
+                                dict(args, segment=nt[2], dest=dest)))  # fmt: skip
+    return spans, instants, cursor
+
+
+def _sources(rank: int, world: int, lo: int, hi: int) -> list[int]:
+    """Source ranks of arrival positions ``lo .. hi`` (position ``p``: rank ``rank + p``)."""
+    return [(rank + p) % world for p in range(lo, hi + 1)]
+
+
+def _tile_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+    """One tile's slots of the grouped GEMM: its wait for the token shards it reads (where
+    it reads a peer's), then its compute."""
+    spans = []
+    world = info["world"]
+    if wb[1] and we[1]:
+        lo, hi = wb[2], wb[3]
+        if hi >= lo:  # the tile reads peers' tokens: arrival positions lo .. hi
+            peers = _sources(rank, world, lo, hi)
+            who = ", ".join(str(q) for q in peers)
+            spans.append(Span(
+                rank, tid, f"wait tokens of rank {who}", "wait", t(wb), t(we),
+                dict(args, tile=g, positions=[lo, hi], peers=peers,
+                     peer=peers[0] if len(peers) == 1 else -1,
+                     what=f"rank {who}'s tokens", token=we[3]),
+            ))  # fmt: skip
+        cursor = max(cursor, t(we))
+    if te[1]:
+        q, e = te[2], te[3]
+        first, last = info["tiles"][q][2:4]
+        spans.append(Span(
+            rank, tid, f"tile {g}", "compute", cursor, t(te),
+            dict(args, tile=g, row_tile=q, expert=e, positions=[first, last],
+                 peers=_sources(rank, world, max(first, 1), last)),
+        ))  # fmt: skip
+        cursor = t(te)
+    return spans, [], cursor
+
+
+def _step_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+    """One step of an attention program: its wait for a peer's K/V chunk (steps after the
+    first), then the chunk's compute; tile ids number (program, step)."""
+    spans = []
+    tile = tid * info["world"] + j
+    if wb[1] and we[1]:
+        c = we[2]
+        spans.append(Span(
+            rank, tid, f"wait chunk of rank {c}", "wait", t(wb), t(we),
+            dict(args, tile=tile, step=j, chunk=c, peer=c, what=f"rank {c}'s K/V"),
+        ))  # fmt: skip
+        cursor = max(cursor, t(we))
+    if te[1]:
+        c = te[2]
+        spans.append(Span(
+            rank, tid, f"block {te[3]} chunk {c}", "compute", cursor, t(te),
+            dict(args, tile=tile, step=j, chunk=c),
+        ))  # fmt: skip
+        cursor = t(te)
+    return spans, [], cursor
+
+
+_TILE_DECODERS = {"segments": _segment_slots, "tiles": _tile_slots, "steps": _step_slots}
+
+
 def _tiles_of(info: dict) -> int:
-    """Tiles of a launch's segments from ``seg_first`` on (every tile a trace must hold)."""
+    """Tiles of a launch (every tile a trace must hold): of its segments from
+    ``seg_first`` on; of the grouped GEMM's tile table; one per (program, step)."""
+    layout = info.get("layout", "segments")
+    if layout == "tiles":
+        return info["tile_count"][0] * -(-info["N"] // info["block_n"])
+    if layout == "steps":
+        return info["grid"] * info["world"]
     tiles_n = -(-info["N"] // info["block_n"])
     return sum(
         -(-row[SEG_ROWS.value] // info["block_m"]) * tiles_n
@@ -254,8 +352,10 @@ def build_trace(everyone: list[dict], label: str = "", meta=None, shared: str | 
             if kind == "copy" and m.get("signal_slot") is not None:
                 instants.append(Instant(r, tid, f"signal rank {peer}", "signal", t1 - shift,
                                         dict(dest=peer, slot=m["signal_slot"])))  # fmt: skip
-    launches = [[dict(kernel=info["kernel"], grid=info["grid"], tiles=_tiles_of(info),
-                      one_loop=info["one_loop"], M=info["M"], N=info["N"], K=info["K"])
+    launches = [[dict(kernel=info["kernel"], layout=info.get("layout", "segments"),
+                      grid=info["grid"], tiles=_tiles_of(info),
+                      one_loop=info.get("one_loop", False),
+                      **{k: info[k] for k in ("M", "N", "K") if k in info})
                  for info, _ in d["launches"]] for d in everyone]  # fmt: skip
     meta = dict(meta or {}, launches=launches)
     trace = Trace(world, spans, instants, tracks, clock, label, meta)

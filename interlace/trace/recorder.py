@@ -2,10 +2,12 @@
 op calls, then ``rec.trace()`` (collective) for the whole world's :class:`Trace`.
 
 While a recorder is in force (``ops._trace.ACTIVE``) every segment-GEMM launch of this
-process is made with ``TRACE`` on into a fresh buffer (``language.trace`` describes its
-layout), every traced copy-engine transfer and chunk wait is bracketed by CUDA events on
-its stream (host clock readings on the CPU backend), and eager calls skip their CUDA-graph
-replays (each call runs its own launches). Calls captured in a CUDA graph are not traced.
+process, and every launch of ``AGMoE``'s grouped GEMM and of ``SPAttention``'s forward
+kernel, is made with ``TRACE`` on into a fresh buffer (``language.trace`` describes its
+layout, ``ops._trace.LAYOUTS`` how each kernel fills it), every traced copy-engine
+transfer and chunk wait is bracketed by CUDA events on its stream (host clock readings on
+the CPU backend), and eager calls skip their CUDA-graph replays (each call runs its own
+launches). Calls captured in a CUDA graph are not traced.
 
 Clocks. Kernel events carry the GPU's global timer (ns); a stream span's CUDA events are
 put on that clock through an anchor taken when recording starts: an event recorded
@@ -69,13 +71,17 @@ class Recorder:
         hooks.ACTIVE.remove(self)
 
     # ------------------------------------------------------------------ the ops' interface
-    def kernel_buffer(self, grid: int, tiles_per_program: int, info: dict) -> torch.Tensor:
+    def kernel_buffer(
+        self, grid: int, tiles_per_program: int, info: dict, columns: int = 1
+    ) -> torch.Tensor:
         """A zeroed trace buffer for a launch of ``grid`` programs of at most
-        ``tiles_per_program`` tiles each (``info``: what decodes it)."""
+        ``tiles_per_program`` tiles each (``info``: what decodes it); ``columns`` such
+        blocks one after the other, each with its header (a 2-D grid, ``ops._trace.LAYOUTS``)."""
         stride = buffer_stride(tiles_per_program)
-        header = torch.tensor([[stride, grid, tiles_per_program, 0]], dtype=torch.int64)
-        buf = torch.zeros(1 + grid * stride, 4, dtype=torch.int64, device=self.group.device)
-        buf[:1].copy_(header)
+        rows = 1 + grid * stride
+        buf = torch.zeros(columns * rows, 4, dtype=torch.int64)
+        buf[::rows] = torch.tensor([stride, grid, tiles_per_program, 0], dtype=torch.int64)
+        buf = buf.to(self.group.device)
         self.launches.append((info, buf))
         return buf
 
@@ -108,9 +114,9 @@ class Recorder:
         if self.cuda:
             torch.cuda.synchronize(self.group.device)
         launches = []
-        for info, buf in self.launches:
-            info = dict(info)
-            info["seg"] = info["seg"].cpu().tolist()
+        for info, buf in self.launches:  # device tables (segments, tile tables) as lists
+            info = {k: v.cpu().tolist() if isinstance(v, torch.Tensor) else v
+                    for k, v in info.items()}  # fmt: skip
             launches.append((info, buf.cpu().tolist()))
         spans = []
         if self.cuda:

@@ -65,7 +65,7 @@ def test_gemm_compiles_for_hopper(mode, tma):
     const = dict(
         BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORLD=4, GATHER=mode != "reduce",
         SWIGLU=mode == "gather_swiglu", REDUCE=mode == "reduce", WAIT=mode != "reduce",
-        USE_TMA=tma, EXIT_CLEAR=mode != "reduce",
+        USE_TMA=tma, EXIT_CLEAR=mode != "reduce", TRACE=False, tbuf=None,
     )  # fmt: skip
     ir = inspect.compile_for_hopper(
         moe_gemm_kernel, _gemm_sig(), const,

@@ -1,9 +1,10 @@
-"""Traces of AG+GEMM and GEMM+RS (``fused``, ``ce_fused``) recorded in the CPU emulation
-(W = 2) and, marked ``gpu``, in a world whose ranks share one GPU (W = 4): the traced
-call is still correct; the trace holds every tile of every program of every launch; each
-wait closes after the copy that feeds it began, and before the tiles that read its chunk
-end; the Chrome JSON is well-formed (ph, ts, dur, pid, tid; one process per rank, named
-tracks); the PNG and the summary are written; calls outside the block are not traced."""
+"""Traces of AG+GEMM and GEMM+RS (``fused``, ``ce_fused``), AGMoE and the SPAttention
+forward recorded in the CPU emulation (W = 2) and, marked ``gpu``, in a world whose ranks
+share one GPU (W = 4): the traced call is still correct; the trace holds every tile of
+every program of every launch (and every program's start and end); each wait closes
+after the copy that feeds it began, and before the tiles that read its chunk end; the
+Chrome JSON is well-formed (ph, ts, dur, pid, tid; one process per rank, named tracks);
+the PNG and the summary are written; calls outside the block are not traced."""
 
 from __future__ import annotations
 
@@ -181,3 +182,135 @@ def test_trace_of_op(world, op, strategy, whole_tiles, tmp_path):
 
 def _backend(group):
     return group.backend
+
+
+# ---------------------------------------------------------------------- AGMoE, SPAttention
+def _record(group, label, run, folder):
+    """``run()`` once untraced (compiles), once recorded: ``(output, trace, paths)``."""
+    run()
+    sync(group)
+    with interlace.trace.record(group, label=label, meta=dict(op=label)) as rec:
+        out = run()
+    sync(group)
+    assert not hooks.ACTIVE
+    trace = rec.trace()
+    launches = len(rec.launches)
+    run()  # outside the block: nothing more is recorded
+    sync(group)
+    assert len(rec.launches) == launches == 1, launches
+    paths = trace.save(os.path.join(folder, f"{label}-r{group.rank}"), quiet=True)
+    return out, trace, paths
+
+
+def _result(group, trace, paths) -> dict:
+    return dict(
+        spans=trace.spans, instants=trace.instants, launches=trace.meta["launches"],
+        paths=paths, summary=interlace.trace.summarize(trace), world=group.world_size,
+        clock=trace.clock,
+    )  # fmt: skip
+
+
+def _moe_trace_body(group, folder):
+    """A traced ``AGMoE`` call (SwiGLU, random top-2 routing, tokens per rank not a multiple
+    of the tile) checked against float32 on the rows in use."""
+    import torch.nn.functional as F
+
+    w, dev, dtype = group.world_size, group.device, torch.bfloat16
+    m, hidden, inter, experts, topk = 11, 32, 16, 4, 2
+    gen = torch.Generator().manual_seed(5 + group.rank)
+    x = rand(gen, m, hidden, dtype=dtype, device=dev)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(m)]).to(dev)
+    wts = torch.softmax(torch.randn(m, topk, generator=gen), -1).to(dev)
+    wg = rand(torch.Generator().manual_seed(9), experts, hidden, 2 * inter, dtype=dtype,
+              device=dev, scale=0.3)  # fmt: skip
+    ctx = interlace.AGMoE(group, max_tokens=w * m, hidden=hidden, inter=inter,
+                          experts=experts, topk=topk, strategy="fused")  # fmt: skip
+    try:
+        (h, routing), trace, paths = _record(group, "ag_moe", lambda: ctx(x, ids, wts, wg), folder)
+        ctx.check()
+    finally:
+        ctx.close()
+    x_all = gathered(x, group).float().cpu()
+    tok = routing.token_ids.cpu().long()
+    offs = routing.offsets.cpu().tolist()
+    rows = [i for i in range(offs[-1]) if tok[i] >= 0]
+    assert len(rows) == w * m * topk
+    expert = [max(e for e in range(experts) if offs[e] <= i) for i in rows]
+    a = torch.stack([x_all[tok[i]] @ wg[e].float().cpu() for i, e in zip(rows, expert)])
+    err = rel_err(h.cpu()[rows], F.silu(a[:, :inter]) * a[:, inter:])
+    assert err < 1e-2, f"traced AGMoE: rel err {err:.2e}"
+    return _result(group, trace, paths)
+
+
+def _attn_trace_body(group, folder):
+    """A traced ``SPAttention`` forward (causal zigzag, GQA 2 / 1, S_loc not a multiple of
+    the block) checked against float32 attention of the whole sequence."""
+    from tests.ops.test_sp_attention import _case
+
+    s_loc = 20
+    (q, k, v, _), refs, _ = _case(group, 21, 1, 2, 1, 64, s_loc, True, 0, torch.bfloat16)
+    ctx = interlace.ops.attention.SPAttention(group, 2, 1, 64, max_tokens=s_loc)
+    try:
+        o, trace, paths = _record(group, "sp_attention", lambda: ctx(q, k, v, causal=True),
+                                  folder)  # fmt: skip
+        ctx.check()
+    finally:
+        ctx.close()
+    err = rel_err(o.cpu(), refs[0])
+    assert err < 1e-2, f"traced SPAttention: rel err {err:.2e}"
+    return _result(group, trace, paths)
+
+
+def _check_new_op(res, kernel, copy_what):
+    """One traced launch per rank whose programs all start and end, every tile (MoE: tile
+    ``g`` on program ``g % grid``; attention: step ``j`` of program ``p`` as tile ``p W +
+    j``) once inside its program's run; every wait ends after the copy of each rank it
+    waits for began on that rank, and before the tile that reads the chunk ends."""
+    clock, world = res["clock"], res["world"]
+    for rank, launches in enumerate(res["launches"]):
+        assert [ln["kernel"] for ln in launches] == [kernel], launches
+        (launch,) = launches
+        mine = [s for s in res["spans"] if s.rank == rank and s.args.get("launch") == 0]
+        programs = {s.tid: s for s in mine if s.cat == "program"}
+        assert sorted(programs) == list(range(launch["grid"])), (rank, sorted(programs))
+        tiles = [s for s in mine if s.cat == "compute"]
+        got = sorted(s.args["tile"] for s in tiles)
+        assert got == list(range(launch["tiles"])) and got, (rank, got, launch)
+        for s in tiles:
+            prog = programs[s.tid]
+            assert prog.t0 <= s.t0 <= s.t1 <= prog.t1, s
+            if kernel == "moe_gemm":
+                assert s.args["tile"] % launch["grid"] == s.tid
+            else:
+                assert s.args["tile"] // world == s.tid
+        waits = [s for s in mine if s.cat == "wait" and "tile" in s.args]
+        assert waits, f"rank {rank}: no wait recorded"
+        by_tile = {(s.tid, s.args["tile"]): s for s in tiles}
+        for w in waits:
+            assert w.t1 >= w.t0
+            use = by_tile[(w.tid, w.args["tile"])]
+            assert use.t0 >= w.t1 and use.t1 >= w.t1, (w, use)
+            peers = w.args["peers"] if kernel == "moe_gemm" else [w.args["chunk"]]
+            assert peers and rank not in peers, w
+            for q in peers:
+                copies = [s for s in res["spans"] if s.rank == q and s.cat == "copy"
+                          and s.args["peer"] == rank
+                          and s.args.get("what", copy_what) == copy_what]  # fmt: skip
+                assert copies, (w, q)
+                tol = (clock["stream_uncertainty_ns"][q] + clock["uncertainty_ns"][q]
+                       + clock["uncertainty_ns"][rank])  # fmt: skip
+                assert w.t1 >= min(s.t0 for s in copies) - tol, (w, copies)
+
+
+@pytest.mark.parametrize("world", WORLDS, indirect=True)
+@pytest.mark.parametrize("op", ["ag_moe", "sp_attention"])
+def test_trace_of_moe_and_attention(world, op, tmp_path):
+    pytest.importorskip("matplotlib", reason="the PNG check needs matplotlib")
+    body = _moe_trace_body if op == "ag_moe" else _attn_trace_body
+    kernel, what = ("moe_gemm", "tokens") if op == "ag_moe" else ("sp_attn_fwd", None)
+    (res, *_) = world.run(body, str(tmp_path))
+    _check_new_op(res, kernel, what)
+    _check_files(res)
+    s = res["summary"]
+    assert s["op"]["comm_ms"] and s["op"]["overlap_ratio"] is not None
+    assert len(s["ranks"][0]["wait_ms_per_program"]) == res["launches"][0][0]["grid"]

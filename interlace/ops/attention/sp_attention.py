@@ -64,9 +64,11 @@ import torch.distributed as dist
 
 from ...errors import InterlaceTypeError, InterlaceValueError
 from ...kernels import attention as K
-from ...runtime import copy_and_signal, fork, join, symm_empty
+from ...runtime import fork, join, symm_empty
+from .. import _trace
 from .._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext, cdiv
 from .._launch import install_scratch_allocator
+from .._trace import copy_and_signal  # recorded as a copy where a recorder is in force
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -182,14 +184,25 @@ def _common(a: KernelArgs, cfg: AttnConfig) -> dict:
 def launch_fwd(a: KernelArgs, q, k, v, k_all, v_all, o, lse, arrival: int, wait: bool,
                clear: bool, cfg: AttnConfig | None = None) -> None:  # fmt: skip
     """The forward kernel: ``o`` and base-2 ``lse`` of this rank's queries against the local
-    K/V and the peers' chunks in ``k_all`` / ``v_all`` ``[W * batch * kv_heads, S_loc, d]``."""
+    K/V and the peers' chunks in ``k_all`` / ``v_all`` ``[W * batch * kv_heads, S_loc, d]``;
+    traced (``TRACE`` on) where a recorder is in force (``interlace.trace.record``)."""
     cfg = cfg or config_of("fwd", a.d, a.backend)
     bh = q.shape[0] * q.shape[1]
     grid = (cdiv(a.s_loc, cfg.block_m), bh)
+    traced = {}
+    if _trace.ACTIVE:  # recorded where a recorder is in force: one step per K/V chunk
+        info = dict(
+            kernel=_trace.ATTENTION_FWD, layout="steps", grid=grid[0] * bh, grid_m=grid[0],
+            rank=a.rank, world=a.world, batch_heads=bh, S_loc=a.s_loc, d=a.d,
+            causal=a.causal, block_m=cfg.block_m, block_n=cfg.block_n,
+        )  # fmt: skip
+        tbuf = _trace.buffer(grid[0], a.world, info, columns=bh)
+        if tbuf is not None:
+            traced = dict(TRACE=True, tbuf=tbuf)
     K.sp_attn_fwd_kernel[grid](
         q, k, v, k_all, v_all, o, lse, a.seg, a.cu, a.sig, a.err, a.rank, a.max_spins,
         arrival, a.sm_scale * K.LOG2E, a.s_loc, a.half, WAIT=wait, CLEAR=clear,
-        WS=cfg.warp_specialize and a.backend == "cuda", **_common(a, cfg),
+        WS=cfg.warp_specialize and a.backend == "cuda", **_common(a, cfg), **traced,
     )  # fmt: skip
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels.grouped_gemm import moe_finish_kernel, moe_gemm_kernel
+from .. import _trace
 from .._context import sm_count
 from .._launch import install_scratch_allocator
 from .routing import MoeRouting
@@ -82,12 +83,25 @@ def launch_gemm(
 ):  # fmt: skip
     """One launch of the grouped GEMM on the current stream (see the kernel).
     ``use_tma``: read the weight tiles through a TMA descriptor; None: wherever
-    ``tma_ok`` allows it (False forces the pointer path, which probes compare against)."""
+    ``tma_ok`` allows it (False forces the pointer path, which probes compare against).
+    A gather-mode launch is traced (``TRACE`` on) where a recorder is in force
+    (``interlace.trace.record``)."""
     use_tma = tma_ok(w) if use_tma is None else bool(use_tma) and tma_ok(w)
     if use_tma:
         install_scratch_allocator()
     stand_in = routing.token_ids
     k = w.shape[1]
+    traced = {}
+    if gather and _trace.ACTIVE:  # AGMoE's half: recorded where a recorder is in force
+        tiles = routing.tiles.shape[0] * -(-n // cfg.block_n)  # worst case (device count)
+        info = dict(
+            kernel=_trace.GROUPED_GEMM, layout="tiles", grid=grid, rank=rank, world=world,
+            tiles=routing.tiles, tile_count=routing.tile_count, M=routing.rows, N=n, K=k,
+            block_m=cfg.block_m, block_n=cfg.block_n,
+        )  # fmt: skip
+        tbuf = _trace.buffer(grid, -(-tiles // grid), info)
+        if tbuf is not None:
+            traced = dict(TRACE=True, tbuf=tbuf)
     moe_gemm_kernel[(grid,)](
         a, x_own if x_own is not None else a, w, out if out is not None else a, routing.tiles,
         routing.tile_count, routing.token_ids, routing.weights, routing.m_loc, w.shape[0], k,
@@ -97,6 +111,7 @@ def launch_gemm(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WORLD=world,
         GATHER=gather, SWIGLU=swiglu, REDUCE=reduce, WAIT=wait, USE_TMA=use_tma,
         EXIT_CLEAR=clear is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **traced,
     )  # fmt: skip
 
 

@@ -35,7 +35,8 @@ from __future__ import annotations
 import torch
 
 from ...errors import InterlaceTypeError, InterlaceValueError
-from ...runtime import copy_and_signal, fork, join, symm_empty
+from ...runtime import fork, join, symm_empty
+from .. import _trace
 from .._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext
 from . import _checks
 from ._gemm import MoeGemmConfig, config_for, launch_gemm, programs
@@ -203,13 +204,18 @@ class AGMoE(_MoeContext):
         for i in range(1, wsz):
             peer = (r - i) % wsz
             dst = self.meta.peers[peer][s, r, : 2 * mk]
-            copy_and_signal(dst, meta[r, : 2 * mk], self._u32(peer), meta_flags + i, stream=stream)
+            _trace.copy_and_signal(
+                dst, meta[r, : 2 * mk], self._u32(peer), meta_flags + i, stream=stream,
+                what="routing",
+            )  # fmt: skip
         for i in range(1, wsz):
             peer = (r - i) % wsz
             dst = self.gathered.peers[peer][s].view(-1)[
                 r * m * self.hidden : (r + 1) * m * self.hidden
             ]
-            copy_and_signal(dst, x_flat, self._u32(peer), tok_flags + i, stream=stream)
+            _trace.copy_and_signal(
+                dst, x_flat, self._u32(peer), tok_flags + i, stream=stream, what="tokens"
+            )
         sig, err = self.pad.buffer.local, self.error.address
         routing = launch_routing(
             work, meta, self._meta_stride, rank=r, sig=sig, flag0=meta_flags, err=err,
