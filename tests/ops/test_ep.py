@@ -364,15 +364,23 @@ def _ll_check_call(group, ctx, gen, kind, n):
         got = h.recv_x[e, : counts[e]].cpu()
         assert torch.equal(got, exp), f"{kind}: expert {e} rows differ"
         eo[e, : counts[e]] = (got.float() * _scale_of(torch.tensor(g))).to(ctx.dtype)
+    _check_combine(group, ctx, h, eo, idx, wts, x.float(), kind)
+    return True
+
+
+def _check_combine(group, ctx, h, eo, idx, wts, x_ref, kind):
+    """Combine of the expert rows ``eo`` (each scaled per expert) equals the top-k
+    weighted sum of each token's scaled ``x_ref``; no output row is left unwritten."""
+    n = idx.shape[0]
+    dev = group.device
     out = ctx.combine(eo.to(dev), h, out=nans(n, ctx.hidden, dtype=ctx.dtype, device=dev))
     sync(group)
     sc = _scale_of(idx.clamp_min(0)) * wts * (idx >= 0)
-    ref = (sc[:, :, None] * x.float()[:, None, :]).sum(1)
+    ref = (sc[:, :, None] * x_ref[:, None, :]).sum(1)
     if n:
         assert not out.isnan().any(), kind
         err = rel_err(out.cpu(), ref)
         assert err < TOL, f"{kind}: combine rel err {err:.2e}"
-    return True
 
 
 def _ll_body(group, protocol, topk, e_loc, hidden, kinds, max_tokens=7):
@@ -428,14 +436,7 @@ def _ll_fp8_check_call(group, ctx, gen, kind, n):
             err = rel_err(got, _dequant(eq, es))
             assert err < 1e-2, f"{kind}: expert {e} rows differ, rel err {err:.2e}"
         eo[e, : counts[e]] = (got * _scale_of(torch.tensor(g))).to(ctx.dtype)
-    out = ctx.combine(eo.to(dev), h, out=nans(n, ctx.hidden, dtype=ctx.dtype, device=dev))
-    sync(group)
-    sc = _scale_of(idx.clamp_min(0)) * wts * (idx >= 0)
-    ref = (sc[:, :, None] * _dequant(*_quant(x.float()))[:, None, :]).sum(1)
-    if n:
-        assert not out.isnan().any(), kind
-        err = rel_err(out.cpu(), ref)
-        assert err < TOL, f"{kind}: combine rel err {err:.2e}"
+    _check_combine(group, ctx, h, eo, idx, wts, _dequant(*_quant(x.float())), kind)
     return True
 
 
