@@ -35,6 +35,7 @@ SUITES = {
     "decode": "decode attention",
     "model": "a whole model's layers",
     "trace": "traces of overlapped calls",
+    "soak": "many back-to-back calls of each op: no drift, no memory growth, no fault",
 }
 ONE_GPU_SUITES = ("shared", "kernels", "host")
 MULTI_GPU_SUITES = ("collectives", "dense")

@@ -4,8 +4,11 @@ drift and memory does not grow.
 ``python -m interlace bench soak`` (or ``main([...])``) starts a world of ranks (on a
 machine with one GPU they share it, ``World(share_device=True)``; without a GPU, the CPU
 emulation), and on every rank runs ``--calls`` calls (default 10,000; ``--quick`` 200) of
-AG+GEMM, GEMM+RS, GEMM+AR (``fused``) and the three collectives, each on fixed random
-inputs. Per op it reports:
+AG+GEMM, GEMM+RS, GEMM+AR (``fused``), the three collectives, the MoE pair (``AGMoE`` +
+``MoERS``, ``fused``), EP dispatch + combine (identity experts), ``SPAttention`` (forward,
+causal) and ``FlashDecode``, each on fixed random inputs. The dense ops' reference is
+float32 torch; the newer ops' is their own ``none`` strategy (torch ops and
+torch.distributed) on the same inputs. Per op it reports:
 
 * ``drift``: the largest absolute difference of any call's result from the first call's
   (the ops are deterministic for fixed inputs: anything but 0 is a leak of state between
@@ -32,7 +35,88 @@ import torch
 
 from .records import DEFAULT_OUT
 
-OPS = ("ag_gemm", "gemm_rs", "gemm_ar", "all_gather", "reduce_scatter", "all_reduce")
+OPS = ("ag_gemm", "gemm_rs", "gemm_ar", "all_gather", "reduce_scatter", "all_reduce", "moe",
+       "ep", "sp_attention", "flash_decode")  # fmt: skip
+
+
+class _Pair:
+    """Two contexts soaked as one op (checked and closed together)."""
+
+    def __init__(self, *ctxs):
+        self.ctxs = ctxs
+
+    def check(self) -> None:
+        for c in self.ctxs:
+            c.check()
+
+    def close(self) -> None:
+        for c in self.ctxs:
+            c.close()
+
+
+def _make_new(group, op: str, m: int, n: int, k: int, rand):
+    """(context, call, reference) of the ops whose reference is their ``none`` strategy:
+    ``m`` tokens per rank, hidden ``n``, per-rank intermediate ``k`` (MoE)."""
+    import interlace
+
+    w, dev = group.world_size, group.device
+    gen = torch.Generator().manual_seed(4321 + group.rank)
+    if op == "moe":
+        experts, topk = 8, 2
+        kw = dict(max_tokens=w * m, hidden=n, inter=k, experts=experts, topk=topk)
+        x = rand(m, n)
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(m)])
+        wts = torch.rand(m, topk, generator=gen)
+        ids, wts = ids.to(dev), (wts / wts.sum(1, keepdim=True)).to(dev)
+        w1, w2 = rand(experts, n, 2 * k) * 0.2, rand(experts, k, n) * 0.2
+        ag = interlace.AGMoE(group, strategy="fused", **kw)
+        rs = interlace.MoERS(group, strategy="fused", **kw)
+        with (
+            interlace.AGMoE(group, strategy="none", **kw) as ag0,
+            interlace.MoERS(group, strategy="none", **kw) as rs0,
+        ):
+            h0, routing0 = ag0(x, ids, wts, w1)
+            ref = rs0(h0, routing0, w2).float().cpu()
+
+        def call():
+            h, routing = ag(x, ids, wts, w1)
+            return rs(h, routing, w2)
+
+        return _Pair(ag, rs), call, ref
+    if op == "ep":
+        experts, topk = 2 * w, 2
+        ctx = interlace.EPAllToAll(group, m, n, experts, topk)
+        x = rand(m, n)
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(m)])
+        wts = torch.rand(m, topk, generator=gen).to(dev)
+        ids = ids.to(dev)
+
+        def call():  # identity experts: each token comes back as the sum of its weights
+            h = ctx.dispatch(x, ids, wts)
+            return ctx.combine(h.recv_x, h)
+
+        return ctx, call, (x.float() * wts.sum(1, keepdim=True)).cpu()
+    if op == "sp_attention":
+        heads, kv_heads, d = 4, 2, 64
+        s_loc = 2 * max(1, m // 2)  # the causal zigzag layout: two halves per rank
+        q, kk, v = (
+            rand(1, heads, s_loc, d),
+            rand(1, kv_heads, s_loc, d),
+            rand(1, kv_heads, s_loc, d),
+        )
+        ctx = interlace.SPAttention(group, heads, kv_heads, d, max_tokens=s_loc)
+        with interlace.SPAttention(group, heads, kv_heads, d, max_tokens=s_loc,
+                                   strategy="none") as base:  # fmt: skip
+            ref = base(q, kk, v, causal=True).float().cpu()
+        return ctx, lambda: ctx(q, kk, v, causal=True), ref
+    if op == "flash_decode":
+        batch, heads, kv_heads, d = 2, 4, 2, 64
+        q, kk, v = rand(batch, heads, d), rand(batch, kv_heads, m, d), rand(batch, kv_heads, m, d)
+        ctx = interlace.FlashDecode(group, batch, heads, kv_heads, d, strategy="fused")
+        with interlace.FlashDecode(group, batch, heads, kv_heads, d, strategy="none") as base:
+            ref = base(q, kk, v).float().cpu()
+        return ctx, lambda: ctx(q, kk, v), ref
+    raise ValueError(f"soak: unknown op {op!r}")
 
 
 def _rss_mb() -> float:
@@ -77,6 +161,8 @@ def _make(group, op: str, m: int, n: int, k: int):
         full = sum(x @ b.float().cpu() for x in everyone(a))
         ref = full if op == "gemm_ar" else full[r * m : (r + 1) * m]
         return ctx, lambda: ctx(a, b), ref
+    if op in ("moe", "ep", "sp_attention", "flash_decode"):
+        return _make_new(group, op, m, n, k, rand)
     numel = m * n
     if op == "all_gather":
         ctx = interlace.AllGather(group, max_numel=numel, dtype=dt)
@@ -126,7 +212,9 @@ def soak_body(group, ops, calls: int, m: int, n: int, k: int) -> list[dict]:
         mem1 = torch.cuda.memory_allocated(group.device) if cuda else 0
         ctx.close()
         rows.append({
-            "op": "soak", "variant": op, "strategy": "fused" if "gemm" in op else "default",
+            "op": "soak", "variant": op,
+            "strategy": "default" if op in ("all_gather", "reduce_scatter", "all_reduce")
+            else "fused",
             "calls": calls, "M": m, "N": n, "K": k, "drift": drift, "rel_err": rel,
             "mem_growth_bytes": int(mem1 - mem0), "rss_growth_mb": round(_rss_mb() - rss0, 1),
             "faults": faults, "us_per_call": seconds / max(calls, 1) * 1e6,
