@@ -43,11 +43,12 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     )
 
 
-def _parallel_mlp(mlp: nn.Module, group: Group, strategy: str, sp: bool) -> nn.Module:
+def _parallel_mlp(mlp: nn.Module, group: Group, strategy: str, moe_strategy: str,
+                  sp: bool) -> nn.Module:  # fmt: skip
     if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
         return ParallelMLP.from_module(mlp, group, strategy=strategy, sequence_parallel=sp)
     if hasattr(mlp, "gate") and hasattr(mlp, "experts"):
-        return MoEBlock.from_module(mlp, group, sequence_parallel=sp)
+        return MoEBlock.from_module(mlp, group, strategy=moe_strategy, sequence_parallel=sp)
     raise InterlaceValueError(
         f"parallelize: cannot parallelize the MLP {type(mlp).__name__} (expected gate_proj / "
         "up_proj / down_proj, or a sparse MoE block with gate and experts)"
@@ -81,11 +82,13 @@ def _gather_hook(group: Group):
 
 
 def parallelize(model: nn.Module, group: Group, *, strategy: str = "auto",
+                moe_strategy: str = "auto",
                 sequence_parallel: bool = True) -> nn.Module:  # fmt: skip
     """Make ``model`` tensor-parallel over ``group`` in place and return it (see the module
     docstring). Every rank calls it on a model with the same weights (built from one
     config and seed, or loaded); each keeps its slices. ``strategy`` goes to every fused
-    GEMM (``auto``: interlace picks per call; ``none``: cuBLAS + NCCL)."""
+    GEMM (``auto``: interlace picks per call; ``none``: cuBLAS + NCCL); ``moe_strategy`` to
+    every :class:`MoEBlock` (``auto``, ``fused``, ``none``)."""
     if not isinstance(group, Group):
         raise InterlaceTypeError(
             f"parallelize: group must be an interlace Group, got {type(group)}"
@@ -103,7 +106,7 @@ def parallelize(model: nn.Module, group: Group, *, strategy: str = "auto",
         layer.self_attn = ParallelAttention.from_module(
             attn, group, strategy=strategy, sequence_parallel=sequence_parallel
         )
-        layer.mlp = _parallel_mlp(mlp, group, strategy, sequence_parallel)
+        layer.mlp = _parallel_mlp(mlp, group, strategy, moe_strategy, sequence_parallel)
         if sequence_parallel:
             replicated = [p for p in layer.parameters() if not getattr(p, "_interlace_tp", False)]
             sync_sequence_parallel_grads(replicated, group)

@@ -104,7 +104,8 @@ def _parallelize_body(group, kind, strategy):
         for p in ref.parameters():
             p.copy_(p.to(torch.bfloat16))
     model = copy.deepcopy(ref).to(torch.bfloat16)
-    inn.parallelize(model, group, strategy=strategy)
+    moe = "fused" if kind == "mixtral" else "auto"  # (passed through to every MoEBlock)
+    inn.parallelize(model, group, strategy=strategy, moe_strategy=moe)
     ref = ref.to(group.device)
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
     ids = ids.to(group.device)
@@ -123,6 +124,10 @@ def _parallelize_body(group, kind, strategy):
         if "layers." not in name:
             errors[name] = rel(p.grad, named_ref[name].grad)
     assert len(errors) > 10
+    if kind == "mixtral":
+        blocks = [layer.mlp for layer in layers]
+        assert all(isinstance(b, inn.MoEBlock) for b in blocks)
+        assert all(b.strategy == "fused" and b.last_strategy == "fused" for b in blocks)
     bad = {k: f"{v:.2e}" for k, v in errors.items() if not v < MODEL_TOL}
     assert not bad, f"{kind} W={group.world_size}: {bad}"
     return max(errors.values())
