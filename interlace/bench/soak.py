@@ -33,25 +33,11 @@ import time
 
 import torch
 
+from ..ops._context import ContextSet
 from .records import DEFAULT_OUT
 
 OPS = ("ag_gemm", "gemm_rs", "gemm_ar", "all_gather", "reduce_scatter", "all_reduce", "moe",
        "ep", "sp_attention", "flash_decode")  # fmt: skip
-
-
-class _Pair:
-    """Two contexts soaked as one op (checked and closed together)."""
-
-    def __init__(self, *ctxs):
-        self.ctxs = ctxs
-
-    def check(self) -> None:
-        for c in self.ctxs:
-            c.check()
-
-    def close(self) -> None:
-        for c in self.ctxs:
-            c.close()
 
 
 def _make_new(group, op: str, m: int, n: int, k: int, rand):
@@ -82,7 +68,7 @@ def _make_new(group, op: str, m: int, n: int, k: int, rand):
             h, routing = ag(x, ids, wts, w1)
             return rs(h, routing, w2)
 
-        return _Pair(ag, rs), call, ref
+        return ContextSet(ag, rs), call, ref
     if op == "ep":
         experts, topk = 2 * w, 2
         ctx = interlace.EPAllToAll(group, m, n, experts, topk)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import InterlaceTypeError, InterlaceValueError
+from ..ops._context import KeptContext
 from ..ops.attention.sp_attention import (
     DTYPES,
     HEAD_DIMS,
@@ -167,7 +168,7 @@ class ContextParallelAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias, **kw)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias, **kw)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=o_bias, **kw)
-        self._ctx: SPAttention | None = None
+        self._ctx = KeptContext(self._build_context)  # the SPAttention context
         if sync_grads:
             _sync_grads(self.parameters(), group)
 
@@ -227,31 +228,16 @@ class ContextParallelAttention(nn.Module):
     def close(self) -> None:
         """Free the ``SPAttention`` context (collective: call on every rank). Idempotent;
         a later call builds a new one."""
-        if self._ctx is not None:
-            ctx, self._ctx = self._ctx, None
-            ctx.close()
+        self._ctx.close()
 
-    def _context(self, tokens: int, dtype: torch.dtype) -> SPAttention:
-        """The context for ``tokens = B * s`` per rank, built on first use and rebuilt when
-        outgrown (at least twice as large), for another dtype, or after a failed call (a
-        context that saw a fault refuses every later call). Every rank reaches the same
-        decision: every rank calls with the same shapes."""
-        old = self._ctx
-        if old is not None and old.failed:
-            self.close()
-            old = None
-        if old is not None and old.max_tokens >= tokens and old.dtype == dtype:
-            return old
-        cap = 1 << max(0, tokens - 1).bit_length()
-        if old is not None and old.dtype == dtype:
-            cap = max(cap, 2 * old.max_tokens)
-        self.close()
+    def _build_context(self, cap: int, dtype: torch.dtype) -> SPAttention:
+        """The context for up to ``cap`` tokens (``B * s``) per rank; kept and rebuilt as
+        :class:`KeptContext` says (every rank calls with the same shapes)."""
         strategy = "fused" if self.strategy == "auto" else self.strategy
-        self._ctx = SPAttention(
+        return SPAttention(
             self.group, self.num_heads, self.num_kv_heads, self.head_dim, max_tokens=cap,
             dtype=dtype, strategy=strategy,
         )  # fmt: skip
-        return self._ctx
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
@@ -296,7 +282,7 @@ class ContextParallelAttention(nn.Module):
                 )
             q, k = apply_rotary(q, k, cos.to(q.dtype), sin.to(q.dtype))
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        ctx = self._context(b * s, dtype)
+        ctx = self._ctx.get(b * s, dtype)
         out = ctx(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens, sm_scale=self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, hq * d)), None
 

@@ -27,8 +27,6 @@ ops read them, and the ``none`` path reads the same tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +34,7 @@ from torch import nn
 from ..errors import InterlaceTypeError, InterlaceValueError
 from ..ops import autograd as _ops
 from ..ops import library as _library
+from ..ops._context import ContextSet, KeptContext
 from ..ops.moe import AGMoE, MoERS
 from ..ops.moe import moe_rs as _moe_rs
 from ..runtime import Group
@@ -43,18 +42,6 @@ from .linear import copy_to_parallel, shard, sync_sequence_parallel_grads
 
 #: weight dtypes the fused MoE ops take
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
-
-
-@dataclass
-class _FusedContexts:
-    """The block's two fused op contexts, sized for ``ag.max_m`` tokens per rank."""
-
-    ag: AGMoE
-    rs: MoERS
-
-    def close(self) -> None:
-        self.ag.close()
-        self.rs.close()
 
 
 class _FusedExperts(torch.autograd.Function):
@@ -66,9 +53,9 @@ class _FusedExperts(torch.autograd.Function):
     def forward(ctx, block, x, weights, index, gate_up, down):
         ctx.block = block
         ctx.save_for_backward(x, weights, index, gate_up, down)
-        fused = block._fused_contexts(x.shape[0])
-        h, routing = fused.ag(x, index, weights, gate_up)
-        return fused.rs(h, routing, down)
+        ag, rs = block._fused_contexts(x.shape[0]).contexts
+        h, routing = ag(x, index, weights, gate_up)
+        return rs(h, routing, down)
 
     @staticmethod
     def backward(ctx, dy):
@@ -133,7 +120,7 @@ class MoEBlock(nn.Module):
         self.normalize, self.strategy = bool(normalize), strategy
         self.sequence_parallel = bool(sequence_parallel)
         self.last_strategy: str | None = None
-        self._fused: _FusedContexts | None = None
+        self._fused = KeptContext(self._build_fused)  # the fused path's AGMoE / MoERS
         kw = dict(dtype=dtype, device=group.device if device is None else device)
         i_loc = self.intermediate_size // w
         self.router = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
@@ -190,25 +177,15 @@ class MoEBlock(nn.Module):
     def close(self) -> None:
         """Free the fused path's op contexts (collective: call on every rank). Idempotent;
         the block stays usable (a later fused call builds new contexts)."""
-        if self._fused is not None:
-            fused, self._fused = self._fused, None
-            fused.close()
+        self._fused.close()
 
-    def _fused_contexts(self, m: int) -> _FusedContexts:
-        """The AGMoE / MoERS pair for ``m`` tokens per rank in the weights' dtype, built on
-        first use and rebuilt when outgrown (at least twice as large) or after a failed
-        call (a context that saw a fault refuses every later call); every rank reaches the
-        same decision, since sequence-parallel shards have the same rows everywhere."""
-        dtype, old = self.gate_up.dtype, self._fused
-        if old is not None and (old.ag.failed or old.rs.failed):
-            self.close()
-            old = None
-        if old is not None and old.ag.max_m >= m and old.ag.dtype == dtype:
-            return old
-        cap = 1 << max(0, m - 1).bit_length()
-        if old is not None and old.ag.dtype == dtype:
-            cap = max(cap, 2 * old.ag.max_m)
-        self.close()
+    def _fused_contexts(self, m: int) -> ContextSet:
+        """The AGMoE / MoERS pair for ``m`` tokens per rank in the weights' dtype (kept,
+        and rebuilt when outgrown or after a failed call: :class:`KeptContext`; every rank
+        decides alike, since sequence-parallel shards have the same rows everywhere)."""
+        return self._fused.get(m, self.gate_up.dtype)
+
+    def _build_fused(self, cap: int, dtype: torch.dtype) -> ContextSet:
         w = self.group.world_size
         sizes = dict(
             max_tokens=cap * w, hidden=self.hidden_size, inter=self.intermediate_size // w,
@@ -220,8 +197,7 @@ class MoEBlock(nn.Module):
         except BaseException:
             ag.close()
             raise
-        self._fused = _FusedContexts(ag, rs)
-        return self._fused
+        return ContextSet(ag, rs)
 
     def _use_fused(self, rows: int) -> bool:
         if self.strategy == "none" or not self.sequence_parallel or rows == 0:

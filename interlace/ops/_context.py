@@ -509,3 +509,65 @@ class OpContext:
                 f"{self.op_name}: out has shape {tuple(out.shape)}, expected {tuple(shape)}"
             )
         return out
+
+
+# --------------------------------------------------------------------- contexts kept by callers
+def grown_capacity(need: int, multiple: int = 1) -> int:
+    """The capacity a context is built for when a call needs ``need``: the next power of two
+    at or above it, rounded up to ``multiple``, so that a few growing calls do not each
+    rebuild it."""
+    cap = 1 << max(0, int(need) - 1).bit_length()
+    return -(-cap // multiple) * multiple
+
+
+class ContextSet:
+    """Several op contexts used as one (e.g. the two halves of a MoE layer): ``failed``,
+    ``check()`` and ``close()`` cover them all."""
+
+    def __init__(self, *contexts):
+        self.contexts = contexts
+
+    @property
+    def failed(self) -> bool:
+        return any(c.failed for c in self.contexts)
+
+    def check(self) -> None:
+        for c in self.contexts:
+            c.check()
+
+    def close(self) -> None:
+        for c in self.contexts:
+            c.close()
+
+
+class KeptContext:
+    """An op context (or :class:`ContextSet`) that a layer builds on its first call and
+    keeps: ``get(need, dtype)`` returns it, rebuilt by ``build(capacity, dtype)`` when a call
+    needs more than its capacity (at least twice as large), another dtype, or after a
+    failed call (a context that saw a fault refuses every later call). Every rank reaches
+    the same decision when every rank calls with the same sizes."""
+
+    def __init__(self, build):
+        self._build = build
+        self.current = None
+        self.capacity = 0
+        self.dtype = None
+
+    def get(self, need: int, dtype: torch.dtype):
+        cur = self.current
+        usable = cur is not None and not cur.failed and self.dtype == dtype
+        if usable and self.capacity >= need:
+            return cur
+        cap = grown_capacity(need)
+        if usable:
+            cap = max(cap, 2 * self.capacity)
+        self.close()
+        self.current = self._build(cap, dtype)
+        self.capacity, self.dtype = cap, dtype
+        return self.current
+
+    def close(self) -> None:
+        """Close the kept context (collective: every rank); the next ``get`` builds anew."""
+        if self.current is not None:
+            cur, self.current = self.current, None
+            cur.close()

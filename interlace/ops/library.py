@@ -54,6 +54,7 @@ import torch
 
 from ..errors import InterlaceError, InterlaceTypeError, InterlaceValueError
 from ..runtime import Group, fork, join, use_stream
+from ._context import grown_capacity
 from .ag_gemm import AGGemm
 from .collectives import AllGather, AllReduce, ReduceScatter
 from .gemm_ar import GemmAR
@@ -94,13 +95,6 @@ def group_of(handle: int) -> Group:
 _contexts: dict[tuple, object] = {}
 
 
-def _capacity(rows: int, multiple: int) -> int:
-    """Rows a new context is built for: the next power of two at or above ``rows``, rounded
-    up to ``multiple`` (so a few growing calls do not rebuild each time)."""
-    cap = 1 << max(0, int(rows) - 1).bit_length()
-    return -(-cap // multiple) * multiple
-
-
 def _unusable(ctx) -> bool:
     """``ctx`` refuses calls: closed, or failed in an earlier call (itself, or the
     ``signal_reorder`` context a GEMM+RS / GEMM+AR runs through)."""
@@ -129,9 +123,9 @@ def _gemm_context(cls, group: Group, handle: int, strategy: str, rows: int, n: i
         return ctx
     w = group.world_size
     if ctx is None or ctx._closed:  # new, or rebuilt after a failure: as large as it was
-        cap = max(_capacity(rows, w), ctx.max_m if ctx is not None else 0)
+        cap = max(grown_capacity(rows, w), ctx.max_m if ctx is not None else 0)
     else:
-        cap = max(_capacity(rows, w), 2 * ctx.max_m)
+        cap = max(grown_capacity(rows, w), 2 * ctx.max_m)
         ctx.close()  # collective: every rank outgrows it on the same call
     ctx = _contexts[key] = cls(group, max_m=cap, n=n, k=k, dtype=dtype, strategy=strategy)
     return ctx
@@ -145,9 +139,9 @@ def _collective_context(cls, group: Group, handle: int, method: str, numel: int,
     if ctx is not None and not ctx._closed and ctx.max_numel >= numel:
         return ctx
     if ctx is None or ctx._closed:  # new, or rebuilt after a failure: as large as it was
-        cap = max(_capacity(numel, 1), ctx.max_numel if ctx is not None else 0)
+        cap = max(grown_capacity(numel, 1), ctx.max_numel if ctx is not None else 0)
     else:
-        cap = max(_capacity(numel, 1), 2 * ctx.max_numel)
+        cap = max(grown_capacity(numel, 1), 2 * ctx.max_numel)
         ctx.close()
     kw = {} if method == "default" else {"method": method}
     ctx = _contexts[key] = cls(group, max_numel=cap, dtype=dtype, **kw)

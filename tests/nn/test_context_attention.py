@@ -147,7 +147,7 @@ def _fwd_bwd_body(group, strategy, causal, heads, kv_heads, bias):
         attn.zero_grad()
         for m in ref.values():
             m.zero_grad()
-    assert attn._ctx is not None and attn._ctx.max_tokens >= 2 * 10
+    assert attn._ctx.current is not None and attn._ctx.current.max_tokens >= 2 * 10
     attn.close()
     return True
 

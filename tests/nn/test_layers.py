@@ -202,8 +202,8 @@ def _moe_body(group, strategy):
             out, dx = _run_sp(group, block, x, g, sp)
             assert block.last_strategy == strategy
             if strategy == "fused":
-                assert contexts is None or block._fused is contexts
-                contexts = block._fused
+                assert contexts is None or block._fused.current is contexts
+                contexts = block._fused.current
             params = [leaf(t.float()) for t in (router, gate_up, down)]
             xr = leaf(x.float())
             ref = _moe_ref(xr.view(-1, h), *params, k).view(b, s, h)

@@ -562,52 +562,30 @@ def test_moe_overlap(world):
     world.run(_moe_body, ("random", "skewed", "not_rank0"))
 
 
-def _ll_graph_body(group, protocol):
-    """Low latency under CUDA-graph capture: replays with new tokens and routing written
-    into the captured inputs (epochs advance on the device); hidden 7168, top-8."""
+def _ll_graph_body(group, protocol, fp8):
+    """Low latency under CUDA-graph capture at GPU sizes (hidden 7168, top-8, 128 tokens):
+    eager calls, replays with new tokens and routing written into the captured inputs
+    (epochs advance on the device; FP8: the graph dequantises the received rows for
+    combine), then an eager call with fewer tokens."""
     from interlace.ops.ep import EPLowLatency
 
     gen = torch.Generator().manual_seed(31 + group.rank)
     w, hidden, topk, e_loc, n = group.world_size, 7168, 8, 8, 128
-    ctx = EPLowLatency(group, n, hidden, w * e_loc, topk, protocol=protocol)
+    ctx = EPLowLatency(group, n, hidden, w * e_loc, topk, protocol=protocol, fp8=fp8)
+    check = _ll_fp8_check_call if fp8 else _ll_check_call
     try:
-        for kind in ("random", "skewed"):  # eager calls (replayed from eager graphs)
-            _ll_check_call(group, ctx, gen, kind, n)
-        eo = torch.empty_like(ctx.recv_x)
-        _graph_replays(group, ctx, gen, eo, ("random", "skewed", "not_rank0", "one_expert"))
-        _ll_check_call(group, ctx, gen, "random", n - 5)
-    finally:
-        ctx.close()
-    return True
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("protocol", ["flag_in_data", "token_flag"])
-def test_low_latency_graph(world, protocol):
-    run_on_gpus(world, _ll_graph_body, protocol, why="CUDA graphs need a GPU")
-
-
-def _ll_fp8_graph_body(group, protocol):
-    """FP8 low latency at GPU sizes (hidden 7168, top-8, 128 tokens): eager calls, CUDA-
-    graph replays with new tokens and routing (the graph dequantises the received rows
-    for combine), and an eager call with fewer tokens after them."""
-    from interlace.ops.ep import EPLowLatency
-
-    gen = torch.Generator().manual_seed(37 + group.rank)
-    w, hidden, topk, e_loc, n = group.world_size, 7168, 8, 8, 128
-    ctx = EPLowLatency(group, n, hidden, w * e_loc, topk, protocol=protocol, fp8=True)
-    try:
-        for kind in ("random", "skewed", "one_expert"):
-            _ll_fp8_check_call(group, ctx, gen, kind, n)
+        for kind in ("random", "skewed", "one_expert"):  # eager (replayed from eager graphs)
+            check(group, ctx, gen, kind, n)
         eo = torch.empty(ctx.recv_x.shape, dtype=torch.bfloat16, device=group.device)
         _graph_replays(group, ctx, gen, eo, ("random", "skewed", "not_rank0", "one_expert"))
-        _ll_fp8_check_call(group, ctx, gen, "random", n - 5)
+        check(group, ctx, gen, "random", n - 5)
     finally:
         ctx.close()
     return True
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("protocol", ["flag_in_data", "token_flag"])
-def test_low_latency_fp8_graph(world, protocol):
-    run_on_gpus(world, _ll_fp8_graph_body, protocol, why="CUDA graphs need a GPU")
+def test_low_latency_graph(world, protocol, fp8):
+    run_on_gpus(world, _ll_graph_body, protocol, fp8, why="CUDA graphs need a GPU")
