@@ -110,10 +110,6 @@ def _weights(world, hidden, inter, experts, dtype, device, rank, swiglu=True):
     return w1, w2, w1_loc.contiguous().to(device), w2_loc.contiguous().to(device)
 
 
-def _gather_cpu(t, group):
-    return gathered(t, group)
-
-
 @contextlib.contextmanager
 def _pair(group, strategy="auto", activation="swiglu", **sizes):
     """``(AGMoE, MoERS)`` on ``group`` with the sizes ``sizes`` (``max_tokens``, ``hidden``,
@@ -132,7 +128,7 @@ def _case(group, ag, rs, m, hidden, inter, experts, k, kind, seed, swiglu=True, 
     h, routing = ag(x.to(dev), ids.to(dev).int() if seed % 2 else ids.to(dev), wts.to(dev), w1_loc)
     y = rs(h, routing, w2_loc)
     sync(group)
-    x_all, ids_all, w_all = (_gather_cpu(t, group) for t in (x, ids, wts))
+    x_all, ids_all, w_all = (gathered(t, group) for t in (x, ids, wts))
     if check_h:  # every row in use is act(x[token] @ w1_loc[expert]) of its token
         tok = routing.token_ids.cpu().long()
         used = int(routing.offsets[-1])
@@ -307,7 +303,7 @@ def _graph_body(group, m, hidden, inter, experts, k):
         for kind in ("random", "skewed", "balanced"):
             xi, ii, wi = fill(kind)
             replay(graph, y)
-            x_all, ids_all, w_all = (_gather_cpu(t, group) for t in (xi, ii, wi))
+            x_all, ids_all, w_all = (gathered(t, group) for t in (xi, ii, wi))
             ref = reference(x_all, ids_all, w_all, w1, w2, inter * w)[r * m : (r + 1) * m]
             err = rel_err(y.cpu(), ref)
             assert err < TOL, f"graph replay ({kind}): rel err {err:.2e}"
