@@ -343,6 +343,19 @@ def test_exports():
 # ---------------------------------------------------------------------- low latency
 
 
+def _expected_rows(group, ctx, x, idx):
+    """Per local expert of this rank: every rank's tokens that name it, in (source rank,
+    token) order, from every rank's ``x`` and ``idx`` (gathered)."""
+    dev = group.device
+    xs = [a.cpu() for a in _gather_padded(x.to(dev), ctx.max_tokens, group)]
+    idxs = [a.cpu() for a in _gather_padded(idx.to(dev), ctx.max_tokens, group)]
+    first = group.rank * ctx.e_loc
+    return [
+        torch.cat([xx[(ii == first + e).any(1)] for xx, ii in zip(xs, idxs)])
+        for e in range(ctx.e_loc)
+    ]
+
+
 def _ll_check_call(group, ctx, gen, kind, n):
     """One low-latency dispatch + combine against references from every rank's inputs:
     rows per expert in (source, token) order, each (token, expert) once; combine of rows
@@ -353,13 +366,10 @@ def _ll_check_call(group, ctx, gen, kind, n):
     ctx.recv_x.fill_(float("nan"))
     h = ctx.dispatch(x.to(dev), idx.to(dev), wts.to(dev))
     sync(group)
-    xs = [a.cpu() for a in _gather_padded(x.to(dev), ctx.max_tokens, group)]
-    idxs = [a.cpu() for a in _gather_padded(idx.to(dev), ctx.max_tokens, group)]
     counts = h.expert_counts.cpu().tolist()
     eo = nans(*h.recv_x.shape, dtype=ctx.dtype, device="cpu")
-    for e in range(ctx.e_loc):
+    for e, exp in enumerate(_expected_rows(group, ctx, x, idx)):
         g = r * ctx.e_loc + e
-        exp = torch.cat([xx[(ii == g).any(1)] for xx, ii in zip(xs, idxs)])
         assert counts[e] == exp.shape[0], f"{kind}: expert {e}: {counts[e]} != {exp.shape[0]}"
         got = h.recv_x[e, : counts[e]].cpu()
         assert torch.equal(got, exp), f"{kind}: expert {e} rows differ"
@@ -418,13 +428,11 @@ def _ll_fp8_check_call(group, ctx, gen, kind, n):
     h = ctx.dispatch(x.to(dev), idx.to(dev), wts.to(dev))
     sync(group)
     assert h.recv_x.dtype == torch.float8_e4m3fn and h.recv_scale is ctx.recv_scale
-    xs = [a.cpu() for a in _gather_padded(x.to(dev), ctx.max_tokens, group)]
-    idxs = [a.cpu() for a in _gather_padded(idx.to(dev), ctx.max_tokens, group)]
     counts = h.expert_counts.cpu().tolist()
     eo = nans(*h.recv_x.shape, dtype=ctx.dtype, device="cpu")
-    for e in range(ctx.e_loc):
+    for e, exp in enumerate(_expected_rows(group, ctx, x, idx)):
         g = r * ctx.e_loc + e
-        exp = torch.cat([xx[(ii == g).any(1)] for xx, ii in zip(xs, idxs)]).float()
+        exp = exp.float()
         assert counts[e] == exp.shape[0], f"{kind}: expert {e}: {counts[e]} != {exp.shape[0]}"
         q, sc = h.recv_x[e, : counts[e]].cpu(), h.recv_scale[e, : counts[e]].cpu()
         eq, es = _quant(exp)
