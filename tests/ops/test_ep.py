@@ -343,9 +343,9 @@ def test_exports():
 # ---------------------------------------------------------------------- low latency
 
 
-def _expected_rows(group, ctx, x, idx):
-    """Per local expert of this rank: every rank's tokens that name it, in (source rank,
-    token) order, from every rank's ``x`` and ``idx`` (gathered)."""
+def _ll_rows(group, ctx, x, idx):
+    """Low latency's rows per local expert of this rank: every rank's tokens that name it,
+    each once, in (source rank, token) order, from every rank's ``x`` and ``idx``."""
     dev = group.device
     xs = [a.cpu() for a in _gather_padded(x.to(dev), ctx.max_tokens, group)]
     idxs = [a.cpu() for a in _gather_padded(idx.to(dev), ctx.max_tokens, group)]
@@ -368,7 +368,7 @@ def _ll_check_call(group, ctx, gen, kind, n):
     sync(group)
     counts = h.expert_counts.cpu().tolist()
     eo = nans(*h.recv_x.shape, dtype=ctx.dtype, device="cpu")
-    for e, exp in enumerate(_expected_rows(group, ctx, x, idx)):
+    for e, exp in enumerate(_ll_rows(group, ctx, x, idx)):
         g = r * ctx.e_loc + e
         assert counts[e] == exp.shape[0], f"{kind}: expert {e}: {counts[e]} != {exp.shape[0]}"
         got = h.recv_x[e, : counts[e]].cpu()
@@ -430,7 +430,7 @@ def _ll_fp8_check_call(group, ctx, gen, kind, n):
     assert h.recv_x.dtype == torch.float8_e4m3fn and h.recv_scale is ctx.recv_scale
     counts = h.expert_counts.cpu().tolist()
     eo = nans(*h.recv_x.shape, dtype=ctx.dtype, device="cpu")
-    for e, exp in enumerate(_expected_rows(group, ctx, x, idx)):
+    for e, exp in enumerate(_ll_rows(group, ctx, x, idx)):
         g = r * ctx.e_loc + e
         exp = exp.float()
         assert counts[e] == exp.shape[0], f"{kind}: expert {e}: {counts[e]} != {exp.shape[0]}"
