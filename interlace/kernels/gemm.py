@@ -546,8 +546,9 @@ def _one_loop_scatter(
 
     Counting without a CTA barrier: a tile is counted (``count_tile``: each warp adds 1
     once its stores have landed, so a chunk's counter ends at tiles x ``COUNT_UNIT``)
-    after the next tile's main loop, when its stores are long done; the last one after
-    the loops. Push tiles count in their local slot; reduce tiles in their local slot
+    after the next tile's main loop, when its stores are long done; a program's last push
+    tile before its first reduce tile's wait, its last tile after the loops.
+    Push tiles count in their local slot; reduce tiles in their local slot
     (all-reduce with copy gathers) or, broadcast, in every peer's slot at system scope."""
     pid, n_prog, tiles_n, total = _one_loop_grid(seg, n_seg, N, BLOCK_M, BLOCK_N)
     out_ty = c.dtype.element_ty
@@ -572,6 +573,12 @@ def _one_loop_scatter(
             acc, bias, stage_desc, row, col, N, out_ty, BLOCK_M, BLOCK_N, False, SUBTILE
         )  # fmt: skip
         pend = tl.load(row_of + SEG_NOTIFY)
+    # The last push tile is counted now, not after the next tile's main loop: that tile's
+    # wait is on the peers' copies, which wait on the peers' push counts, which wait the
+    # same way on this rank's copies (a cross-rank deadlock). Its stores may still be in
+    # flight, so the count waits for them: once per program.
+    _count_previous(sig, sig_table, pend, 0, rank, WORLD, False, COUNT_UNIT)
+    pend = 0
     waited = -1  # the last segment this program waited for
     pend_peers = 0  # broadcast: the peers' counter slot of the previous tile (0: none)
     start = _first_tile(lead_tiles, pid, n_prog)

@@ -222,14 +222,13 @@ def test_scatter_split_and_fp16(world, op, strategy):
     world.run(_scatter_body, op, strategy, "fp16", 1, 3)
 
 
-def _ce_fused_one_loop_body(group, op):
+def _ce_fused_one_loop_body(group, op, m_loc=256, n=512, k=384):
     """GEMM+RS / GEMM+AR ``ce_fused`` on shapes whose chunks are whole tile rows: the
     GEMM runs its one-loop mode (push tiles, then reduce tiles, each counted per warp);
     repeated calls, bias and ``out=``, against float32; the plans must have taken it."""
     from interlace.ops.gemm_rs import CeFusedPlan
 
     w, r, dev = group.world_size, group.rank, group.device
-    m_loc, n, k = 256, 512, 384
     cls = {"rs": interlace.GemmRS, "ar": interlace.GemmAR}[op]
     gen = torch.Generator().manual_seed(41 + r)
     b = rand(torch.Generator().manual_seed(4), k, n, dtype=torch.bfloat16, device=dev, scale=0.2)
@@ -259,10 +258,15 @@ def _ce_fused_one_loop_body(group, op):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["rs", "ar"])
 @pytest.mark.parametrize("size", [1, *GPU_SIZES])
-def test_ce_fused_one_loop(op, size):
+@pytest.mark.parametrize("tiles", ["few", "many"])
+def test_ce_fused_one_loop(op, size, tiles):
+    """``few``: fewer tiles than programs. ``many``: more tiles than an H100 or H200 has
+    SMs, so programs run push tiles and then reduce tiles, whose waits need every
+    program's push tiles counted first (on every rank)."""
     from tests.conftest import get_world
 
-    get_world("cuda", size).run(_ce_fused_one_loop_body, op)
+    shape = (256, 512, 384) if tiles == "few" else (2048, 2048, 256)
+    get_world("cuda", size).run(_ce_fused_one_loop_body, op, *shape)
 
 
 @pytest.mark.parametrize("gather", interlace.GemmAR.GATHERS)
