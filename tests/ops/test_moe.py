@@ -198,6 +198,31 @@ def test_moe_matches_reference(world, strategy):
     world.run(_moe_body, strategy, (32, 16, 6, 2, 9), calls)
 
 
+def _mixed_body(group):
+    """The fused first half feeding the ``none`` second half (what ``auto`` picks on GPUs):
+    the padded layout's rows past ``offsets[E]`` hold stale token ids and weights (poisoned
+    here), which the ``none`` reduce must not read."""
+    w = group.world_size
+    hidden, inter, experts, k, m = 32, 16, 6, 2, 7
+    kw = dict(max_tokens=w * 9, hidden=hidden, inter=inter, experts=experts, topk=k)
+    with AGMoE(group, strategy="fused", **kw) as ag, MoERS(group, strategy="none", **kw) as rs:
+
+        def poisoned_rs(h, routing, w2):
+            used = int(routing.offsets[-1])
+            assert routing.layout == "padded" and used < routing.rows
+            routing.token_ids[used:] = 1 << 30
+            routing.weights[used:] = float("nan")
+            h[used:] = float("nan")
+            return rs(h, routing, w2)
+
+        _case(group, ag, poisoned_rs, m, hidden, inter, experts, k, "skewed", seed=3)
+    return True
+
+
+def test_moe_fused_first_half_none_second_half(world):
+    world.run(_mixed_body)
+
+
 def _edge_body(group):
     """E = 1, k = 1 (one expert takes every token); E = 64, k = 8; odd widths (the
     pointer path: rows not 16-byte aligned); no activation."""
@@ -266,6 +291,15 @@ def _bad_body(group):
         assert torch.isfinite(y.float()).all()
         expect_error(InterlaceValueError, "strategy", AGMoE, group, strategy="fast", **kw)
         expect_error(InterlaceValueError, "topk", AGMoE, group, **{**kw, "topk": 5})
+        # ``none`` inside a CUDA-graph capture on a group whose collectives a graph cannot
+        # hold (gloo): a clear error before anything runs, and the contexts stay usable
+        for ctx, args in ((ag, (x, ids, wts, w1)), (rs, (h, routing, w2))):
+            strategy, ctx.strategy = ctx.strategy, "none"
+            ctx._capturing = lambda: True
+            expect_error(InterlaceValueError, "captures only on an NCCL group", ctx, *args)
+            del ctx._capturing
+            ctx.strategy = strategy
+        assert rel_err(rs(*ag(x, ids, wts, w1), w2).cpu(), y.float().cpu()) < TOL
     return True
 
 

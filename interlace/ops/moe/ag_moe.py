@@ -92,6 +92,19 @@ class _MoeContext(AlternatingSets, OpContext):
     def _resolve(self) -> str:
         return "fused" if self.strategy == "auto" else self.strategy
 
+    def _none_capturable(self) -> bool:
+        """``none`` may run now: not in a CUDA-graph capture, or on an NCCL group (a graph
+        captures NCCL's collectives, not gloo's: ranks that share a GPU)."""
+        return not self._capturing() or self.group.nccl
+
+    def _check_capturable(self, strategy: str) -> None:
+        if strategy == "none" and not self._none_capturable():
+            raise InterlaceValueError(
+                f"{self.op_name}: strategy 'none' runs the process group's collectives, "
+                "which a CUDA graph captures only on an NCCL group; capture 'fused' (or "
+                "'auto') on this group"
+            )
+
     def _set_base(self, s: int) -> int:
         return self.pad.offset("moe") + s * self._set_size
 
@@ -172,6 +185,7 @@ class AGMoE(_MoeContext):
         self._begin()
         self._check(x_shard, topk_ids, topk_weights, w)
         strategy = self._resolve()
+        self._check_capturable(strategy)
         self._begin_call(m=x_shard.shape[0], strategy=strategy)
         if strategy == "none":
             h, routing = ag_moe_none(

@@ -82,7 +82,8 @@ def moe_rs_none(group, h, routing: MoeRouting, w_down, out_dtype):
     live = (tok >= 0) & used
     contrib = torch.where(live[:, None], rows * routing.weights[:, None], 0.0)
     full = torch.zeros(world * m, hidden, dtype=torch.float32, device=h.device)
-    full.index_add_(0, tok.clamp(min=0), contrib)
+    # a padded layout's rows past offsets[E] hold whatever the buffer held: index 0 there
+    full.index_add_(0, torch.where(live, tok, 0), contrib)
     if group.nccl:
         mine = torch.empty(m, hidden, dtype=torch.float32, device=h.device)
         dist.reduce_scatter_tensor(mine, full, group=group.process_group)

@@ -133,7 +133,10 @@ class MoERS(_MoeContext):
         if strategy == "auto":
             padded = routing.layout == "padded"
             gpu = self.group.backend == "cuda"
-            strategy = "fused" if padded and (AUTO_FUSED_ON_GPU or not gpu) else "none"
+            # (a captured call on a group whose collectives a graph cannot hold: fused)
+            fused = AUTO_FUSED_ON_GPU or not gpu or not self._none_capturable()
+            strategy = "fused" if padded and fused else "none"
+        self._check_capturable(strategy)
         self._begin_call(m=routing.m_loc, strategy=strategy)
         if strategy == "none":
             y = moe_rs_none(self.group, h, routing, w_down, self.dtype)
