@@ -113,9 +113,13 @@ def _checks_group_first(init):
 
 
 def _reports_aborts(call):
-    """Wrap a context's ``__call__``: an exception that escapes it on this rank after the
-    call has begun on the device (``_begin_call``) is reported to the group, so that its
-    peers' waits stop at once instead of running out of time."""
+    """Wrap a context's call (``__call__`` and the names in ``CALLS``): an exception that
+    escapes it on this rank after the call has begun on the device (``_begin_call``) is
+    reported to the group, so that its peers' waits stop at once instead of running out of
+    time. Where a cross-rank fault is already recorded for the call (ranks that called with
+    different arguments: the host code of the mismatched call may fail on its own first),
+    that fault is raised instead, from the exception, so that every rank names the same
+    cause."""
 
     @functools.wraps(call)
     def wrapped(self, *args, **kwargs):
@@ -123,8 +127,14 @@ def _reports_aborts(call):
             return call(self, *args, **kwargs)
         except CrossRankError:
             raise
-        except BaseException:
-            if self.error.in_call:
+        except BaseException as exc:
+            # (a call being captured in a CUDA graph ran nothing: nothing to report, and
+            # no device sync is allowed)
+            if self.error.in_call and not self._capture:
+                recorded = self._recorded_fault()
+                if recorded is not None:
+                    self._failed = recorded
+                    raise recorded from exc
                 self.error.report()
                 self._failed = self._failed or ContextFailedError(
                     self.op_name, RuntimeError("this rank aborted a call")
@@ -151,9 +161,10 @@ class OpContext:
         init = cls.__dict__.get("__init__")
         if init is not None and not getattr(init, "_checks_group", False):
             cls.__init__ = _checks_group_first(init)
-        call = cls.__dict__.get("__call__")
-        if call is not None and not getattr(call, "_reports_aborts", False):
-            cls.__call__ = _reports_aborts(call)
+        for name in ("__call__", *cls.__dict__.get("CALLS", ())):
+            call = cls.__dict__.get(name)
+            if call is not None and not getattr(call, "_reports_aborts", False):
+                setattr(cls, name, _reports_aborts(call))
 
     def __init__(
         self, group: Group, dtype: torch.dtype, max_numel: int, regions: dict[str, int],
@@ -210,6 +221,19 @@ class OpContext:
         self._raise_recorded_check()
         if self.error.fault_pending() or self.error.group_record() is not None:
             self._fail()
+
+    def _recorded_fault(self) -> BaseException | None:
+        """The cross-rank fault recorded for this context (by this rank's waits or in the
+        group's fault word), after waiting for the device, or None. For the error path of
+        a call; never raises."""
+        try:
+            if self.group.backend == "cuda":
+                torch.cuda.synchronize(self.group.device)  # every wait is bounded in time
+            if self.error.fault_pending() or self.error.group_record() is not None:
+                return self.error.error(self.op_name, self.pad.describe)
+        except Exception:  # noqa: BLE001 - the caller raises its own exception instead
+            return None
+        return None
 
     @property
     def failed(self) -> bool:
@@ -526,6 +550,19 @@ class ContextSet:
 
     def __init__(self, *contexts):
         self.contexts = contexts
+
+    def _recorded_fault(self) -> BaseException | None:
+        """The cross-rank fault recorded for this context (by this rank's waits or in the
+        group's fault word), after waiting for the device, or None. For the error path of
+        a call; never raises."""
+        try:
+            if self.group.backend == "cuda":
+                torch.cuda.synchronize(self.group.device)  # every wait is bounded in time
+            if self.error.fault_pending() or self.error.group_record() is not None:
+                return self.error.error(self.op_name, self.pad.describe)
+        except Exception:  # noqa: BLE001 - the caller raises its own exception instead
+            return None
+        return None
 
     @property
     def failed(self) -> bool:

@@ -332,6 +332,62 @@ def test_a_rank_that_aborts_stops_its_peers_at_once(world):
     assert all(r[3] == ["refused", "closed"] for r in results), results
 
 
+class _HostFails(interlace.ops._context.OpContext):
+    """A context whose one call (``step``, named in ``CALLS``) begins on the device and
+    then fails in its host code, as a call whose peers called differently can."""
+
+    op_name = "host_fails"
+    CALLS = ("step",)
+
+    def __init__(self, group):
+        super().__init__(group, torch.float32, 16, {})
+
+    def step(self, record: int = 0):
+        self._begin()
+        self._begin_call(call="step")
+        if record:  # as a device wait of the call would record it
+            self.error.report(record)
+        raise RuntimeError("host code failed")
+
+
+def _host_failure_body(group):
+    """Rank 0's call fails in its host code. Once with a mismatch recorded for the call
+    (rank 0 raises that, chained to its own exception); once without (rank 0 reports an
+    abort). Every other rank's ``check()`` then raises the recorded fault at once, and rank
+    0's context refuses later calls."""
+    r = group.rank
+    seen = []
+    for record in (signals.CAUSE_MISMATCH, 0):
+        ctx = _HostFails(group)
+        if r == 0:
+            try:
+                ctx.step(record)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                cause = type(e.__cause__).__name__ if e.__cause__ is not None else None
+                seen.append((type(e).__name__, cause, ctx.failed))
+        group.host_barrier()
+        if r != 0:
+            try:
+                ctx.check()
+                seen.append("returned")
+            except CrossRankError as e:
+                seen.append((type(e).__name__, "rank 0" in str(e)))
+        group.host_barrier()
+        ctx.close()
+    return seen
+
+
+@pytest.mark.parametrize("world", PARAMS, indirect=True)
+def test_a_host_failure_raises_the_recorded_fault(world):
+    results = world.run(_host_failure_body)
+    assert results[0] == [
+        ("CallMismatchError", "RuntimeError", True),
+        ("RuntimeError", None, True),
+    ], results[0]
+    for seen in results[1:]:
+        assert seen == [("CallMismatchError", True), ("PeerAbortError", True)], seen
+
+
 def _recovers_after_local_errors_body(group):
     """Bad arguments raised alike on every rank before launch leave the context usable."""
     w = group.world_size

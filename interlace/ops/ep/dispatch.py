@@ -65,6 +65,9 @@ class EPAllToAll(EPCallChecks, OpContext):
     ``fp8``: dispatch sends e4m3 values with one fp32 scale per 128 (``hidden`` a multiple
     of 128); combine stays in ``dtype``."""
 
+    #: the calls whose exceptions are reported to the peers (``OpContext``)
+    CALLS = ("dispatch", "combine")
+
     op_name = "ep_dispatch"
 
     def __init__(

@@ -95,6 +95,9 @@ class EPLowLatency(EPCallChecks, OpContext):
     dispatch sends e4m3 values with one fp32 scale per 128 (``hidden`` a multiple of
     128); combine stays in ``dtype``."""
 
+    #: the calls whose exceptions are reported to the peers (``OpContext``)
+    CALLS = ("dispatch", "combine")
+
     op_name = "ep_low_latency"
 
     def __init__(

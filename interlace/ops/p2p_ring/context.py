@@ -89,6 +89,9 @@ class P2PRing(OpContext):
     are fresh tensors (or ``out=``).
     """
 
+    #: the calls whose exceptions are reported to the peers (``OpContext``)
+    CALLS = ("ag_gemm", "gemm_rs", "attn_rs", "attn_a2a")
+
     op_name = "p2p_ring"
     SCHEDULES = ("auto", "ring", "pairwise")
     TRANSPORTS = ("auto", *TRANSPORTS)
