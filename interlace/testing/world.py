@@ -8,8 +8,9 @@ collectives): the ranks' kernels then time-slice one GPU, so it checks the cross
 protocol (signals, copies, waits) where a machine has one GPU, never speed.
 ``world.run(fn, *args)`` calls ``fn(group, *args)`` on every rank and returns the per-rank
 results; a rank's exception is re-raised here with that rank's traceback. Each run has a
-time limit; a world whose ranks did not all answer is torn down (and restarted by the next
-``run``). ``close()`` removes every /dev/shm file the world made, also after failures.
+time limit; a world whose ranks did not all answer, or in which a body failed on some rank,
+is torn down (and restarted by the next ``run``). ``close()`` removes every /dev/shm file
+the world made, also after failures.
 """
 
 from __future__ import annotations
@@ -210,13 +211,20 @@ class World:
             raise WorldError(f"{what} failed on ranks {sorted(errors)}:{detail}")
 
     def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
-        """Call ``fn(group, *args, **kwargs)`` on every rank; return the results by rank."""
+        """Call ``fn(group, *args, **kwargs)`` on every rank; return the results by rank.
+
+        A body that fails on any rank ends the world (the next ``run`` starts fresh ranks):
+        the failing rank aborted its open contexts, and contexts kept between bodies (the
+        op library's cache) would otherwise fail the next, unrelated body."""
         if not self._procs:
             self._start()
         for box in self._inboxes:
             box.put((fn, args, kwargs))
-        replies = self._collect(getattr(fn, "__name__", "test body"), timeout or self.timeout)
-        self._raise_errors(getattr(fn, "__name__", "test body"), replies)
+        what = getattr(fn, "__name__", "test body")
+        replies = self._collect(what, timeout or self.timeout)
+        if any(status == "error" for status, _ in replies.values()):
+            self.close()
+        self._raise_errors(what, replies)
         return [replies[r][1] for r in range(self.world_size)]
 
     def close(self) -> None:

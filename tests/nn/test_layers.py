@@ -204,7 +204,7 @@ def _moe_body(group, strategy):
             if strategy == "fused":
                 assert contexts is None or block._fused.current is contexts
                 contexts = block._fused.current
-            params = [leaf(t.float()) for t in (router, gate_up, down)]
+            params = [leaf(t.float().to(dev)) for t in (router, gate_up, down)]
             xr = leaf(x.float())
             ref = _moe_ref(xr.view(-1, h), *params, k).view(b, s, h)
             ref.backward(g.float())
