@@ -10,7 +10,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..language.primitives import consume, guard, last_program_clears, notify, remote_base, wait
+from ..language.primitives import (
+    call_flag,
+    consume,
+    consume_call,
+    guard,
+    last_program_clears,
+    notify,
+    remote_base,
+    wait,
+    wait_call,
+)
 
 
 @triton.jit
@@ -35,12 +45,14 @@ def gather_pull_kernel(out, src_table, like, n, rank, world, BLOCK: tl.constexpr
 
 @triton.jit
 def copy_and_consume_kernel(
-    dst, src, n, sig, first, count, skip, err, rank, max_spins, BLOCK: tl.constexpr
-):
+    dst, src, n, sig, first, count, skip, err, rank, max_spins, BLOCK: tl.constexpr,
+    CALL_FLAGS: tl.constexpr = False,
+):  # fmt: skip
     """``dst[:n] = src[:n]`` on SMs while program 0 consumes the local signals ``first ..
-    first + count - 1`` except ``first + skip`` (each must reach 1): an all-gather's own
-    shard copied beside the copy engine's transfers, and the wait for the peers' shards,
-    in one launch."""
+    first + count - 1`` except ``first + skip`` (each must reach 1; ``CALL_FLAGS``: this
+    call's ``call_flag``, and a peer's flag of another call is a mismatch at once): an
+    all-gather's own shard copied beside the copy engine's transfers, and the wait for the
+    peers' shards, in one launch."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     offs0 = tl.arange(0, BLOCK)
@@ -49,9 +61,15 @@ def copy_and_consume_kernel(
         mask = offs < n
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
     if pid == 0:
-        for i in range(count):
-            if i != skip:
-                consume(sig + first + i, 1, err, rank, first + i, max_spins)
+        if CALL_FLAGS:
+            flag = call_flag(err)
+            for i in range(count):
+                if i != skip:
+                    consume_call(sig + first + i, flag, err, rank, first + i, max_spins)
+        else:
+            for i in range(count):
+                if i != skip:
+                    consume(sig + first + i, 1, err, rank, first + i, max_spins)
 
 
 @triton.jit
@@ -91,6 +109,7 @@ def reduce_arrivals_kernel(
     clear_count=0,
     BLOCK: tl.constexpr = 2048,
     CLEAR_AT_END: tl.constexpr = False,
+    CALL_FLAGS: tl.constexpr = False,
 ):
     """Reduce-scatter's reduction: ``out = own + sum of recv[src]`` over the other ranks, in
     fp32, consuming each block as soon as its piece from ``src`` has landed.
@@ -100,7 +119,8 @@ def reduce_arrivals_kernel(
     are ``piece_len`` elements (the last may be shorter); a block waits for every piece it
     touches. ``CLEAR_AT_END``: the last program to finish zeroes the ``clear_count`` slots
     from ``sig_first`` (``done_slot``, its counter, among them), so the flags need no
-    clearing before the next call.
+    clearing before the next call. ``CALL_FLAGS``: the flags hold the sender's
+    ``call_flag``, and one of another call is a mismatch, recorded at once.
     """
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -110,6 +130,9 @@ def reduce_arrivals_kernel(
     # them: it waits once per (piece, source), not once per block.
     confirmed = -1
     token = 0
+    flag = 1
+    if CALL_FLAGS:
+        flag = call_flag(err)
     for b in range(pid, n_blocks, n_prog):
         offs = b * BLOCK + offs0
         mask = offs < n
@@ -121,7 +144,11 @@ def reduce_arrivals_kernel(
                 for i in range(1, world):
                     src = (rank + world - i) % world
                     slot = sig_first + src * n_pieces + piece
-                    token = tl.minimum(token, wait(sig + slot, 1, err, rank, slot, max_spins))
+                    if CALL_FLAGS:
+                        seen = wait_call(sig + slot, flag, err, rank, slot, max_spins)
+                        token = tl.minimum(token, tl.where(seen == flag, 1, 0))
+                    else:
+                        token = tl.minimum(token, wait(sig + slot, 1, err, rank, slot, max_spins))
             confirmed = last
         ok = guard(mask, token, 1)
         acc = tl.load(own + offs, mask=mask).to(tl.float32)

@@ -481,6 +481,28 @@ def count_tile(sig, needed, UNIT: tl.constexpr, SYSTEM: tl.constexpr = False):
 
 
 @triton.jit
+def call_flag(err):
+    """The value a copy of this call raises its flags to (``OpContext.call_flag``): the
+    fingerprint's op-and-arguments part, the same for every call of one kind (so a CUDA
+    graph replays it), non-zero."""
+    return call_fingerprint(err) >> 8
+
+
+@triton.jit
+def wait_call(sig, expected, err, rank, slot, max_spins):
+    """Wait until ``*sig == expected``, a flag a peer's copy raised to its ``call_flag``;
+    any other non-zero value is a peer in a call with other arguments: a mismatch, recorded
+    at once. Returns the token for ``guard``, as ``wait``."""
+    return _spin(sig, expected, 0, err, rank, slot, max_spins, _EQ, CHECK=True)
+
+
+@triton.jit
+def consume_call(sig, expected, err, rank, slot, max_spins):
+    """``consume`` of a flag raised to a peer's ``call_flag`` (see ``wait_call``)."""
+    return _spin(sig, expected, 0, err, rank, slot, max_spins, _CAS, CHECK=True)
+
+
+@triton.jit
 def consume(sig, expected, err, rank, slot, max_spins):
     """Wait until ``*sig == expected``, then reset it to 0 in the same atomic step.
 

@@ -323,6 +323,7 @@ class OpContext:
             self.pad.call_names = tuple(fields)
         base, values, staged = kind
         self._call_seq += 1
+        self.call_flag = base
         fp = base << 8 | (self._call_seq & 0xFF)
         if self.group.backend == "cpu":
             if self._call_written is not key:
@@ -343,6 +344,10 @@ class OpContext:
 
     _capture = False
     eager_graphs = False
+    #: The value this call's copies raise their peers' flags to, where the consumer checks
+    #: it (``primitives.call_flag``): the fingerprint's op-and-arguments part, the same
+    #: for every call of one kind, so that a graph replaying the call writes it right.
+    call_flag = 1
 
     def _capturing(self) -> bool:
         """This call is being captured in a CUDA graph (as noted by ``_begin``)."""

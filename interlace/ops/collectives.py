@@ -19,6 +19,9 @@ The copy-engine methods (``AllGather`` ``ce_push``, ``ReduceScatter`` ``ce_scatt
 no device barrier in an eager call: consecutive calls alternate between two sets of
 receive buffers and flags (``_context.AlternatingSets``; a call captured in a CUDA graph
 uses a third set behind a barrier). The cost is three receive buffers instead of one.
+Their copies raise each arrival flag to the call's ``call_flag`` (its fingerprint's
+op-and-arguments part), which the receiver expects: a peer that called with another
+length or method raises ``CallMismatchError`` on every rank at once.
 """
 
 from __future__ import annotations
@@ -124,7 +127,7 @@ class AllGather(AlternatingSets, OpContext):
         for i in range(1, w):
             peer = (r + i) % w
             dst = self.gathered.peers[peer][s, r * n : (r + 1) * n]
-            copy_and_signal(dst, src, self.pad.buffer.peers[peer], first + r)
+            copy_and_signal(dst, src, self.pad.buffer.peers[peer], first + r, self.call_flag)
         # One launch: my own shard copied by SMs beside the copy engine's pushes, and the
         # w - 1 arrival flags consumed (self-resetting; my own slot is never raised).
         copy_wait = self._arrival_waits.get((s, n))
@@ -135,8 +138,8 @@ class AllGather(AlternatingSets, OpContext):
             )  # fmt: skip
             grid = persistent_grid(self.group, cdiv(n, COPY_BLOCK))[0]
             copy_wait = self._arrival_waits[(s, n)] = PreparedLaunch(
-                copy_and_consume_kernel, grid, args, {"BLOCK": COPY_BLOCK, "num_warps": 8},
-                ("src",),
+                copy_and_consume_kernel, grid, args,
+                {"BLOCK": COPY_BLOCK, "CALL_FLAGS": True, "num_warps": 8}, ("src",),
             )  # fmt: skip
         copy_wait(src)
         return self.gathered.local[s, : w * n]
@@ -254,7 +257,8 @@ class ReduceScatter(AlternatingSets, OpContext):
                     self.pad.buffer.local, first, r, w, self.error.address, self.max_spins,
                     first + self._set_slots - 1, self._set_slots,
                 ),
-                {"BLOCK": REDUCE_BLOCK, "CLEAR_AT_END": True, "num_warps": 8}, ("out", "own"),
+                {"BLOCK": REDUCE_BLOCK, "CLEAR_AT_END": True, "CALL_FLAGS": True, "num_warps": 8},
+                ("out", "own"),
             )  # fmt: skip
             self._plans[(m, s)] = (n_pieces, transfers, reduce)
         return self._plans[(m, s)]
@@ -273,7 +277,7 @@ class ReduceScatter(AlternatingSets, OpContext):
         stream = fork(self.group) if n_pieces > 1 else None
         with use_stream(stream):
             for lo, hi, peer, dst, signal, slot in transfers:
-                copy_and_signal(dst, src[peer, lo:hi], signal, slot)
+                copy_and_signal(dst, src[peer, lo:hi], signal, slot, self.call_flag)
         reduce(out, src[r])
         join(self.group, stream)
 

@@ -97,6 +97,10 @@ def _check(results, cls, bound_s=None, text=()):
 # --------------------------------------------------------------------------------------
 
 
+COLLECTIVES = {"all_gather": interlace.AllGather, "reduce_scatter": interlace.ReduceScatter,
+               "all_reduce": interlace.AllReduce}  # fmt: skip
+
+
 def _mismatch_body(group, op, strategy, field):
     w, r = group.world_size, group.rank
     k, n = 8, 16
@@ -106,6 +110,12 @@ def _mismatch_body(group, op, strategy, field):
         m = 2 if r == 0 else 4  # gathered M = 2w on rank 0, 4w elsewhere
         a, b = _rand(group, m, k, seed=r), _rand(group, k, n, seed=9)
         call = lambda: ctx(a, b)  # noqa: E731
+    elif op in COLLECTIVES:  # ``strategy``: the method; another length on rank 0
+        ctx = COLLECTIVES[op](group, 8 * w, torch.bfloat16, method=strategy,
+                              max_spins=LONG_BOUND_US)  # fmt: skip
+        numel = (2 if r == 0 else 4) * (w if op == "reduce_scatter" else 1)
+        x = _rand(group, numel, seed=r)
+        call = lambda: ctx(x)  # noqa: E731
     else:
         cls = interlace.GemmRS if op == "gemm_rs" else interlace.GemmAR
         ctx = cls(group, max_m=4 * w, n=n, k=k, strategy=strategy, max_spins=LONG_BOUND_US)
@@ -121,8 +131,12 @@ def _mismatch_body(group, op, strategy, field):
 @pytest.mark.parametrize("world", PARAMS, indirect=True)
 @pytest.mark.parametrize(
     "op, strategy, field",
-    [("ag_gemm", "fused", "M"), ("gemm_rs", "fused", "M"), ("gemm_ar", "fused", "N")],
-)
+    [("ag_gemm", "fused", "M"), ("gemm_rs", "fused", "M"), ("gemm_ar", "fused", "N"),
+     ("gemm_rs", "ce_fused", "M"), ("gemm_ar", "ce_fused", "N"), ("gemm_rs", "ce_scatter", "M"),
+     ("gemm_ar", "ce_scatter", "M"), ("all_gather", "ce_push", "numel"),
+     ("all_gather", "sm_pull", "numel"), ("reduce_scatter", "ce_scatter", "numel"),
+     ("all_reduce", "two_shot", "numel")],
+)  # fmt: skip
 def test_mismatched_calls_raise_on_every_rank(world, op, strategy, field):
     """AG+GEMM with another M on rank 0 (silently wrong before), GEMM+RS with another M,
     GEMM+AR with another N: every rank raises CallMismatchError naming the field and the

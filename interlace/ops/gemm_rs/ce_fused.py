@@ -8,7 +8,9 @@ epilogue probe).
 Reduce-scatter: own chunks last. All-reduce: in rounds (:func:`gather_order`), each own
 chunk reduced a round after the peers computed it, its sums sent to every rank by the
 epilogue (``gather="epilogue"``) or the copy engine (``gather="copy"``) while the GEMM goes
-on. Eager calls alternate buffer sets, so they need no barrier."""
+on. Eager calls alternate buffer sets; the comm stream's device barrier before the first
+copy (beside the GEMM) makes ranks that called with other arguments raise
+``CallMismatchError`` at once."""
 
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ from ...language.primitives import wait_kernel
 from ...runtime import fork, join, stream_write_value32, use_stream
 from ...schedule import Schedule
 from .. import segment_gemm
-from .._context import GRAPH_SET
 from .._launch import PreparedLaunch
 from ..segment_gemm import MAX_SPLIT, GemmConfig, Segment, tiles_of
 from .copies import ChunkCopy
@@ -307,6 +308,7 @@ class CeFused:
             for i, step in enumerate(plan.steps)
         ]  # fmt: skip
         if self.group.backend == "cuda" and not self._capturing():
+            self._barrier()  # its first launch too, before any kernel of the call spins
             signals = self.pad.buffer.local.view(torch.uint32)
             for copy in plan.steps[0].copies:
                 if copy.wait is not None:
@@ -326,8 +328,9 @@ class CeFused:
         rows as their copies land); on the comm stream, per finished chunk, a wait for its
         tiles and its copies. All-reduce: ``c`` is the whole symmetric result, this rank's
         rows of which the GEMM reduces; the caller's stream then waits for every peer's
-        rows. Eager calls alternate buffer sets (``AlternatingSets``: no barrier); a
-        captured call's comm stream runs a device barrier before its first copy. (On the
+        rows. Eager calls alternate buffer sets (``AlternatingSets``); the comm stream
+        runs a device barrier before its first copy (a mismatch check; a captured call's
+        one buffer set needs it too). (On the
         interpreter, which runs a launch to completion, the GEMM is cut into steps with
         the copies they release shipped in between.)"""
         m, n = a.shape[0], b.shape[1]
@@ -341,7 +344,10 @@ class CeFused:
         for i, (run, step) in enumerate(zip(runs, plan.steps)):
             run(a, b, c, bias)
             with use_stream(stream):
-                if i == 0 and s == GRAPH_SET:
+                if i == 0:
+                    # every peer is in this call, with these arguments (the barrier
+                    # carries the call's fingerprint), before any chunk moves; overlapped
+                    # with the GEMM. (A captured call also needs it for its one buffer set.)
                     self._barrier()
                 self._ship(step.copies)
         if plan.final is not None:
