@@ -556,19 +556,6 @@ class ContextSet:
     def __init__(self, *contexts):
         self.contexts = contexts
 
-    def _recorded_fault(self) -> BaseException | None:
-        """The cross-rank fault recorded for this context (by this rank's waits or in the
-        group's fault word), after waiting for the device, or None. For the error path of
-        a call; never raises."""
-        try:
-            if self.group.backend == "cuda":
-                torch.cuda.synchronize(self.group.device)  # every wait is bounded in time
-            if self.error.fault_pending() or self.error.group_record() is not None:
-                return self.error.error(self.op_name, self.pad.describe)
-        except Exception:  # noqa: BLE001 - the caller raises its own exception instead
-            return None
-        return None
-
     @property
     def failed(self) -> bool:
         return any(c.failed for c in self.contexts)
