@@ -12,7 +12,12 @@ then prints the summary. OP and its ``--shape`` fields:
   rank), hidden size, this rank's intermediate columns, experts, experts per token
   (random routing, SwiGLU);
 * ``sp_attention``: ``batch,heads,S,d[,kv_heads]``: the forward over a sequence of ``S``
-  tokens (``S / W`` per rank; ``--causal``: the zigzag layout), ``d`` 64 or 128.
+  tokens (``S / W`` per rank; ``--causal``: the zigzag layout), ``d`` 64 or 128;
+* ``moe_rs``: ``tokens,hidden,inter,experts,topk`` as ``ag_moe``: ``MoERS`` on the
+  activations and routing of one untraced ``AGMoE`` call (which ``fused`` needs: the
+  padded routing); only ``MoERS`` is traced;
+* ``flash_decode``: ``batch,heads,L,d[,kv_heads]``: one decode step over a KV cache of
+  ``L`` rows per sequence (``L / W`` per rank), every rank merging.
 
 ``python -m interlace bench trace [--quick]``: on a GPU, the overhead of tracing: the
 per-rank kernel of AG+GEMM ``fused`` and GEMM+RS ``ce_fused`` as rank 0 of 4 with its
@@ -36,7 +41,7 @@ from dataclasses import dataclass
 DEFAULT_OUT = "benchmarks/results"
 OPS = {
     "ag_gemm": "AGGemm", "gemm_rs": "GemmRS", "gemm_ar": "GemmAR", "ag_moe": "AGMoE",
-    "sp_attention": "SPAttention",
+    "sp_attention": "SPAttention", "moe_rs": "MoERS", "flash_decode": "FlashDecode",
 }  # fmt: skip
 
 
@@ -54,22 +59,26 @@ class ShapeSpec:
 
 
 _GEMM = ShapeSpec(("M", "N", "K"), "M", lambda w: (w * 37, 40, 32), lambda w: (4096, 3584, 4096))
+_MOE = ShapeSpec(
+    ("tokens", "hidden", "inter", "experts", "topk"), "tokens",
+    lambda w: (w * 11, 32, 16, 4, 2), lambda w: (w * 2048, 2048, 384, 32, 2),
+)  # fmt: skip
 SHAPES = {
-    "ag_gemm": _GEMM, "gemm_rs": _GEMM, "gemm_ar": _GEMM,
-    "ag_moe": ShapeSpec(
-        ("tokens", "hidden", "inter", "experts", "topk"), "tokens",
-        lambda w: (w * 11, 32, 16, 4, 2), lambda w: (w * 2048, 2048, 384, 32, 2),
-    ),
+    "ag_gemm": _GEMM, "gemm_rs": _GEMM, "gemm_ar": _GEMM, "ag_moe": _MOE, "moe_rs": _MOE,
     "sp_attention": ShapeSpec(
         ("batch", "heads", "S", "d", "kv_heads"), "S",
         lambda w: (1, 2, w * 20, 64, 1), lambda w: (1, 32, w * 4096, 128, 8), optional=1,
+    ),
+    "flash_decode": ShapeSpec(
+        ("batch", "heads", "L", "d", "kv_heads"), "L",
+        lambda w: (1, 4, w * 37, 16, 2), lambda w: (4, 32, w * 32768, 128, 8), optional=1,
     ),
 }  # fmt: skip
 
 
 def parse_shape(op: str, text: str) -> tuple[int, ...]:
     """``--shape`` of ``op`` (``SHAPES``) as integers; optional fields left out take
-    their defaults (``sp_attention``: ``kv_heads = heads``)."""
+    their defaults (``sp_attention``, ``flash_decode``: ``kv_heads = heads``)."""
     spec = SHAPES[op]
     try:
         vals = tuple(int(x) for x in text.split(","))
@@ -80,30 +89,45 @@ def parse_shape(op: str, text: str) -> tuple[int, ...]:
     if not lo <= len(vals) <= hi or min(vals) <= 0:
         raise SystemExit(f"trace {op}: --shape must be {','.join(spec.fields)} (positive; the "
                          f"last {spec.optional} optional), got {text!r}")  # fmt: skip
-    if op == "sp_attention" and len(vals) == 4:
+    if op in ("sp_attention", "flash_decode") and len(vals) == 4:
         vals = (*vals, vals[1])
     return vals
 
 
 def _op_call(group, op, strategy, shape, causal):
     """``(ctx, call)``: ``op``'s context on ``group`` for ``shape`` and a call on fresh
-    random inputs (``call()`` runs it)."""
+    random inputs (``call()`` runs it; ``moe_rs``: ``ctx`` holds ``AGMoE`` too, called
+    once here for the routing)."""
     import torch
 
     import interlace
+    from interlace.ops._context import ContextSet
 
     w, dev, dtype = group.world_size, group.device, torch.bfloat16
     torch.manual_seed(100 + group.rank)
-    if op == "ag_moe":
+    if op in ("ag_moe", "moe_rs"):
         tokens, hidden, inter, experts, topk = shape
         m = tokens // w
-        ctx = interlace.AGMoE(group, max_tokens=tokens, hidden=hidden, inter=inter,
-                              experts=experts, topk=topk, strategy=strategy)  # fmt: skip
+        sizes = dict(max_tokens=tokens, hidden=hidden, inter=inter, experts=experts, topk=topk)
+        first = "none" if op == "moe_rs" and strategy == "none" else strategy
+        ctx = interlace.AGMoE(group, strategy=first, **sizes)
         x = torch.randn(m, hidden, device=dev).to(dtype)
         ids = torch.rand(m, experts, device=dev).argsort(dim=1)[:, :topk].contiguous()
         weights = torch.softmax(torch.randn(m, topk, device=dev), dim=-1)
         wg = (torch.randn(experts, hidden, 2 * inter, device=dev) / math.sqrt(hidden)).to(dtype)
-        return ctx, lambda: ctx(x, ids, weights, wg)
+        if op == "ag_moe":
+            return ctx, lambda: ctx(x, ids, weights, wg)
+        rs = interlace.MoERS(group, strategy=strategy, **sizes)
+        h, routing = ctx(x, ids, weights, wg)
+        wd = (torch.randn(experts, inter, hidden, device=dev) / math.sqrt(inter)).to(dtype)
+        return _Contexts(ContextSet(ctx, rs), rs), lambda: rs(h, routing, wd)
+    if op == "flash_decode":
+        batch, heads, length, d, kv_heads = shape
+        ctx = interlace.FlashDecode(group, batch, heads, kv_heads, d, strategy=strategy)
+        gen = torch.Generator().manual_seed(100)  # the same query on every rank
+        q = torch.randn(batch, heads, d, generator=gen).to(dev, dtype)
+        k, v = (torch.randn(batch, kv_heads, length // w, d, device=dev).to(dtype) for _ in "kv")
+        return ctx, lambda: ctx(q, k, v)
     if op == "sp_attention":
         batch, heads, s, d, kv_heads = shape
         s_loc = s // w
@@ -123,6 +147,24 @@ def _op_call(group, op, strategy, shape, causal):
         a = torch.randn(m, k, device=dev).to(dtype)
     b = (torch.randn(k, n, device=dev) / math.sqrt(k)).to(dtype)
     return ctx, lambda: ctx(a, b)
+
+
+class _Contexts:
+    """Several contexts closed and checked as one (``ContextSet``), with the strategy of
+    the traced one (``last_strategy``)."""
+
+    def __init__(self, contexts, traced):
+        self.contexts, self.traced = contexts, traced
+
+    @property
+    def last_strategy(self):
+        return self.traced.last_strategy
+
+    def check(self) -> None:
+        self.contexts.check()
+
+    def close(self) -> None:
+        self.contexts.close()
 
 
 # ---------------------------------------------------------------------- one traced call
@@ -360,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("op", nargs="?", choices=list(OPS), help="trace this op (else: the benchmark)")
     p.add_argument("--shape", default=None,
                    help="the op's shape: M,N,K (ag_gemm, gemm_rs, gemm_ar); "
-                        "tokens,hidden,inter,experts,topk (ag_moe); batch,heads,S,d[,kv_heads] "
-                        "(sp_attention); see above")  # fmt: skip
+                        "tokens,hidden,inter,experts,topk (ag_moe, moe_rs); "
+                        "batch,heads,S,d[,kv_heads] (sp_attention); batch,heads,L,d[,kv_heads] "
+                        "(flash_decode); see above")  # fmt: skip
     p.add_argument("--causal", action="store_true", help="sp_attention: causal (zigzag)")
     p.add_argument("--strategy", default="fused")
     p.add_argument("--world-size", type=int, default=None, help="ranks (default: GPUs, >= 2)")

@@ -37,6 +37,15 @@ from ..language.primitives import (
     signal_base,
     wait,
 )
+from ..language.trace import (
+    EV_END,
+    EV_NOTIFY,
+    EV_START,
+    EV_TILE_END,
+    EV_WAIT_BEGIN,
+    EV_WAIT_END,
+    trace_event,
+)  # fmt: skip
 
 
 @triton.jit
@@ -70,6 +79,14 @@ def _merged(m, l_sum, acc):
 
 
 @triton.jit
+def trace_at(TRACE: tl.constexpr, tbuf, KIND: tl.constexpr, j, a, b):
+    """``language.trace.trace_event`` in this program's ``j``-th tile slots (tile ``pid + j
+    * programs``). Compiles to nothing unless ``TRACE``."""
+    if TRACE:
+        trace_event(TRACE, tbuf, KIND, tl.program_id(0) + j * tl.num_programs(0), a, b)
+
+
+@triton.jit
 def split_decode_kernel(
     q, k, v, lens, part_o, part_lse, push_o, push_lse, o_table, lse_table, sig_table,
     err, rank, world, owner, max_spins, count_first, epoch_slot, arrive_first, ack_slot,
@@ -79,6 +96,7 @@ def split_decode_kernel(
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LENS: tl.constexpr, ONE_SPLIT: tl.constexpr,
     OWNER_ONLY: tl.constexpr,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """One program per ``(sequence b, kv head, split)``, program id ``group * n_splits +
     split``; see the module docstring. ``lens [B]`` (``HAS_LENS``): each sequence's valid
@@ -86,8 +104,16 @@ def split_decode_kernel(
     times log2(e). ``part_o [B * HQ, n_splits, D]`` and ``part_lse [B * HQ, n_splits]``
     are local float32 scratch (unused with ``ONE_SPLIT``); ``push_o [2, world, max_rows,
     D]`` and ``push_lse [2, world, max_rows]`` the symmetric partial buffers; signal slots
-    ``count_first .. + n_groups`` (arrival counters, left zero) on the local pad."""
+    ``count_first .. + n_groups`` (arrival counters, left zero) on the local pad.
+
+    Traced (``language.trace``; program ``p`` of ``P`` owns tiles ``p``, ``p + P`` and ``p +
+    2 P``): program start / end; the split's end (tile ``p``: split, group); in the group's
+    last program the combine's end (tile ``p + P``, several splits only) and, as tile ``p +
+    2 P``, the wait for the owner's acknowledgement (``OWNER_ONLY``; begin: ack slot, epoch
+    - 2; end: the same), the end of the pushes and, in the launch's last program,
+    the arrival flags raised (notify: epoch, the rank flagged, -1 = every rank)."""
     pid = tl.program_id(0)
+    trace_event(TRACE, tbuf, EV_START, 0, 0, 0)
     bh = pid // n_splits
     split = pid % n_splits
     b = bh // HKV
@@ -133,6 +159,7 @@ def split_decode_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt)
         m_i = m_new
     o, lse = _merged(m_i, l_i, acc)
+    trace_at(TRACE, tbuf, EV_TILE_END, 0, split, bh)
 
     rows_q = b * (HKV * G) + heads  # this program's rows of [B * HQ]
     last = True
@@ -157,6 +184,7 @@ def split_decode_kernel(
                               other=0.0, cache_modifier=".cg")  # fmt: skip
                 m_c, l_c, acc_c = _merge_step(m_c, l_c, acc_c, lse_j, o_j)
             o, lse = _merged(m_c, l_c, acc_c)
+            trace_at(TRACE, tbuf, EV_TILE_END, 1, n_splits, bh)
 
     if last:  # push this rank's partial of the group to every rank that merges it
         epoch = tl.load(sig + epoch_slot, volatile=True) + 1  # this call's epoch
@@ -166,7 +194,9 @@ def split_decode_kernel(
         lse_at = push_lse + row0 + rows_q
         if OWNER_ONLY:
             if owner != rank:  # the owner must be done with this parity's older call
+                trace_at(TRACE, tbuf, EV_WAIT_BEGIN, 2, ack_slot, epoch - 2)
                 wait(sig + ack_slot, epoch - 2, err, rank, ack_slot, max_spins)
+                trace_at(TRACE, tbuf, EV_WAIT_END, 2, ack_slot, epoch - 2)
             tl.store(peer_ptr_aligned(o_at, o_table, rank, owner), o, mask=gmask[:, None])
             tl.store(peer_ptr_aligned(lse_at, lse_table, rank, owner), lse, mask=gmask)
         else:
@@ -174,6 +204,7 @@ def split_decode_kernel(
                 dest = (rank + i) % world
                 tl.store(peer_ptr_aligned(o_at, o_table, rank, dest), o, mask=gmask[:, None])
                 tl.store(peer_ptr_aligned(lse_at, lse_table, rank, dest), lse, mask=gmask)
+        trace_at(TRACE, tbuf, EV_TILE_END, 2, n_splits, bh)
         tl.debug_barrier()
         done = tl.atomic_add(sig + count_first + n_groups, 1, sem="acq_rel", scope="sys")
         if done == n_groups - 1:  # the launch's last group: publish the epoch
@@ -181,10 +212,13 @@ def split_decode_kernel(
             tl.atomic_xchg(sig + epoch_slot, epoch, sem="relaxed", scope="gpu")
             if OWNER_ONLY:
                 notify(signal_base(sig_table, owner) + arrive_first + rank, epoch)
+                trace_at(TRACE, tbuf, EV_NOTIFY, 2, epoch, owner)
             else:
                 for i in range(world):
                     dest = (rank + i) % world
                     notify(signal_base(sig_table, dest) + arrive_first + rank, epoch)
+                trace_at(TRACE, tbuf, EV_NOTIFY, 2, epoch, -1)
+    trace_event(TRACE, tbuf, EV_END, 0, 0, 0)
 
 
 @triton.jit
@@ -192,14 +226,22 @@ def merge_kernel(
     push_o, push_lse, out, sig_table, err, rank, world, max_spins, epoch_slot,
     arrive_first, ack_slot, done_slot, n_rows, max_rows, stride_ob, stride_oh,
     HQ: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, ACK: tl.constexpr,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """Each program merges ``BLOCK_R`` rows of ``[B * HQ]``: for every source rank (its
     own first, then rank-rotated) it waits until ``arrive[src]`` reaches this call's
     epoch (read from the local pad, where this rank's decode kernel just bumped it), then
     folds in that rank's partial by log-sum-exp; writes ``out [B, HQ, D]`` (strides
     ``stride_ob, stride_oh``, unit along ``D``). With ``ACK`` (one owner merges) the last
-    program to finish writes the epoch into every other rank's ``ack`` word."""
+    program to finish writes the epoch into every other rank's ``ack`` word.
+
+    Traced (``language.trace``; step ``i`` of program ``p`` of ``P`` is tile ``p + i P``):
+    program start / end; per source rank (step ``i``) the wait for its flag (begin: source,
+    epoch; end: source, token) and the end of its fold (source, program); with ``ACK`` the
+    acknowledgements written (a notify in the first step's slots: epoch, -1 = every other
+    rank)."""
     pid = tl.program_id(0)
+    trace_event(TRACE, tbuf, EV_START, 0, 0, 0)
     sig = signal_base(sig_table, rank)
     epoch = tl.load(sig + epoch_slot, volatile=True)
     parity = epoch % 2
@@ -213,14 +255,17 @@ def merge_kernel(
         src = (rank + i) % world
         token = epoch
         if src != rank:
+            trace_at(TRACE, tbuf, EV_WAIT_BEGIN, i, src, epoch)
             token = wait(sig + arrive_first + src, epoch, err, rank, arrive_first + src,
                          max_spins)  # fmt: skip
+            trace_at(TRACE, tbuf, EV_WAIT_END, i, src, token)
         mask = guard(rmask, token, epoch)
         row0 = (parity * world + src) * max_rows
         lse_j = tl.load(push_lse + row0 + rows, mask=mask, other=float("-inf"))
         o_j = tl.load(push_o + (row0 + rows)[:, None].to(tl.int64) * D + offs_d[None, :],
                       mask=mask[:, None], other=0.0)  # fmt: skip
         m, l_sum, acc = _merge_step(m, l_sum, acc, lse_j, o_j)
+        trace_at(TRACE, tbuf, EV_TILE_END, i, src, pid)
     o, _ = _merged(m, l_sum, acc)
     dst = out + (rows // HQ)[:, None] * stride_ob + (rows % HQ)[:, None] * stride_oh
     tl.store(dst + offs_d[None, :], o.to(out.dtype.element_ty), mask=rmask[:, None])
@@ -232,3 +277,5 @@ def merge_kernel(
             for i in range(1, world):
                 src = (rank + i) % world
                 notify(signal_base(sig_table, src) + ack_slot, epoch)
+            trace_at(TRACE, tbuf, EV_NOTIFY, 0, epoch, -1)
+    trace_event(TRACE, tbuf, EV_END, 0, 0, 0)

@@ -59,6 +59,7 @@ from ..language.trace import (
     EV_END,
     EV_FINAL_BEGIN,
     EV_FINAL_END,
+    EV_NOTIFY,
     EV_START,
     EV_TILE_END,
     EV_WAIT_BEGIN,
@@ -271,7 +272,9 @@ def moe_gemm_kernel(
 
     Traced (``language.trace``): program start / end, each tile's wait (begin: first and
     last arrival position read; end: last position, token), each tile's main-loop end (row
-    tile, expert) and the last program's exit waits (final begin / end)."""
+    tile, expert) and the last program's exit waits (final begin / end); ``REDUCE``: the
+    last program's raise of every owner's counter (a notify in its first tile's slots:
+    counter slot, -1 = every rank)."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     trace_event(TRACE, tbuf, EV_START, 0, 0, 0)
@@ -353,6 +356,7 @@ def moe_gemm_kernel(
             for i in tl.static_range(WORLD):
                 peer = (rank + i) % WORLD
                 notify(signal_base(sig_table, peer) + contrib_slot, 1, ADD=True)
+            trace_event(TRACE, tbuf, EV_NOTIFY, pid, contrib_slot, -1)
     if EXIT_CLEAR:
         if pid == n_prog - 1:
             trace_event(TRACE, tbuf, EV_FINAL_BEGIN, 0, 0, 0)
@@ -369,6 +373,7 @@ def moe_gemm_kernel(
 def moe_finish_kernel(
     acc_table, set_off, y, m_loc, N, sig, contrib_slot, done_slot, err, rank, max_spins,
     WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """The owner's end of the reduce-scatter. Once every rank has contributed (counter
     ``contrib_slot`` reaches ``WORLD``): ``y[t] = sum over ranks r of acc_r[rank * m_loc +
@@ -376,8 +381,15 @@ def moe_finish_kernel(
     (``acc_table[r]`` + ``set_off`` float32 elements, ``[WORLD * m_loc, N]``); each block
     read is zeroed on its rank for the next call (only this owner reads those rows). Ranks
     are read in rotated order, this rank first, so that owners spread over the links. The
-    last program zeroes the counter and ``done_slot`` (the next slot)."""
+    last program zeroes the counter and ``done_slot`` (the next slot).
+
+    Traced (``language.trace``): program start / end, the wait for the contributions in
+    the program's first tile's slots (begin: counter slot, ``WORLD``; end: counter slot,
+    token) and each tile's end (row tile, column tile)."""
+    trace_event(TRACE, tbuf, EV_START, 0, 0, 0)
+    trace_event(TRACE, tbuf, EV_WAIT_BEGIN, tl.program_id(0), contrib_slot, WORLD)
     token = wait(sig + contrib_slot, WORLD, err, rank, contrib_slot, max_spins)
+    trace_event(TRACE, tbuf, EV_WAIT_END, tl.program_id(0), contrib_slot, token)
     tiles_n = tl.cdiv(N, BLOCK_N)
     n_tiles = tl.cdiv(m_loc, BLOCK_M) * tiles_n
     r = tl.arange(0, BLOCK_M)
@@ -403,4 +415,6 @@ def moe_finish_kernel(
             tl.store(src, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), mask=ok)
         out = y + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(out, total.to(y.dtype.element_ty), mask=inside)
+        trace_event(TRACE, tbuf, EV_TILE_END, g, g // tiles_n, g % tiles_n)
     last_program_clears(sig, done_slot, contrib_slot, 2)
+    trace_event(TRACE, tbuf, EV_END, 0, 0, 0)

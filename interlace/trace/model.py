@@ -9,8 +9,12 @@ column), one per stream that ran traced transfers, and ``exposed communication``
 ``wait`` (a wait on a chunk, the entry barrier, the final waits), ``copy`` and
 ``chunk_wait`` (stream work), ``exposed``; instants: ``notify`` (a program released a
 counter), ``signal`` (a stream wrote a peer's flag, at its copy's end). The grouped GEMM
-(``wait tokens of rank q``, then its tile) and the attention forward (per query block and
-K/V chunk: ``wait chunk of rank q``, then ``block b chunk q``) use the same categories.
+(``wait tokens of rank q``, then its tile; reduce mode: its tiles, then ``notify every
+rank``), ``MoERS``'s finish (``wait contributions of every rank``, then its tiles), the
+attention forward (per query block and K/V chunk: ``wait chunk of rank q``, then ``block b
+chunk q``), the split decode (``split s (seq b, kv head h)``, ``combine (...)``, ``push
+(...)``: a ``copy`` span, the SM stores into the merging ranks) and the decode merge
+(``wait partials of rank q``, then ``merge rank q``) use the same categories.
 """
 
 from __future__ import annotations
@@ -200,7 +204,7 @@ def _decode_block(info: dict, rows: list, rank: int, shift: int, index: int, col
             spans.append(Span(rank, tid, "entry barrier", "wait", t(ev[2]), t(ev[3]),
                               dict(args, what="entry barrier")))  # fmt: skip
             cursor = t(ev[3])
-        tile_slots = _TILE_DECODERS[layout]
+        tile_slots = _TILE_DECODERS[info.get("slots", layout)]
         for j in range(cap):
             wb, we, te, nt = ev[HEADER.value + PER_TILE.value * j :][:4]
             g = j * grid + p
@@ -252,8 +256,10 @@ def _sources(rank: int, world: int, lo: int, hi: int) -> list[int]:
 
 def _tile_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
     """One tile's slots of the grouped GEMM: its wait for the token shards it reads (where
-    it reads a peer's), then its compute."""
-    spans = []
+    it reads a peer's), then its compute. Reduce mode (``MoERS``): no waits; a tile's rows
+    belong to the tokens of ``owners``, and the last program's raise of every owner's
+    contribution counter is a notify (in its first tile's slots)."""
+    spans, instants = [], []
     world = info["world"]
     if wb[1] and we[1]:
         lo, hi = wb[2], wb[3]
@@ -270,13 +276,116 @@ def _tile_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
     if te[1]:
         q, e = te[2], te[3]
         first, last = info["tiles"][q][2:4]
+        if info.get("mode") == "reduce":  # rows added into this rank's accumulator
+            who = dict(owners=_sources(rank, world, first, last))
+        else:  # rows gathered from these peers' token shards
+            who = dict(peers=_sources(rank, world, max(first, 1), last))
         spans.append(Span(
             rank, tid, f"tile {g}", "compute", cursor, t(te),
-            dict(args, tile=g, row_tile=q, expert=e, positions=[first, last],
-                 peers=_sources(rank, world, max(first, 1), last)),
+            dict(args, tile=g, row_tile=q, expert=e, positions=[first, last], **who),
+        ))  # fmt: skip
+        cursor = t(te)
+    if nt[1]:
+        what = dict(args, slot=nt[2], dest=nt[3], what="contributions")
+        instants.append(Instant(rank, tid, "notify every rank", "notify", t(nt), what))
+    return spans, instants, cursor
+
+
+def _finish_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+    """One tile of ``MoERS``'s finish kernel: the program's wait for every rank's
+    contribution (in its first tile's slots), then the tile's sum of every rank's
+    accumulator rows of this rank's tokens (peer reads)."""
+    spans = []
+    world = info["world"]
+    if wb[1] and we[1]:
+        spans.append(Span(
+            rank, tid, "wait contributions of every rank", "wait", t(wb), t(we),
+            dict(args, tile=g, peer=-1, peers=[q for q in range(world) if q != rank],
+                 what="every rank's contributions", slot=wb[2], token=we[3]),
+        ))  # fmt: skip
+        cursor = max(cursor, t(we))
+    if te[1]:
+        rt, ct = te[2], te[3]
+        bm, bn = info["block_m"], info["block_n"]
+        spans.append(Span(
+            rank, tid, f"tile {g}", "compute", cursor, t(te),
+            dict(args, tile=g, rows=[rt * bm, min(info["M"], (rt + 1) * bm)],
+                 cols=[ct * bn, min(info["N"], (ct + 1) * bn)], peers=list(range(world))),
         ))  # fmt: skip
         cursor = t(te)
     return spans, [], cursor
+
+
+#: the split-decode kernel's tile slots of a program: its split, the combine, the push
+_DECODE_STEPS = ("split", "combine", "push")
+
+
+def _split_decode_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+    """One of a split-decode program's three tiles: its split (``split s (seq b, kv head
+    h)``); in the group's last program the combine of the splits and the push of the
+    group's partial into the merging ranks (SM stores into their memory: a ``copy`` span,
+    after a wait for the owner's acknowledgement in the one-owner mode; the owner's own,
+    a ``store``); the launch's last program's arrival flags (a notify)."""
+    spans, instants = [], []
+    world, owner = info["world"], info["owner"]
+    if wb[1] and we[1]:
+        spans.append(Span(
+            rank, tid, f"wait ack of rank {owner}", "wait", t(wb), t(we),
+            dict(args, tile=g, step="push", peer=owner, peers=[owner], ack_at_least=wb[3],
+                 what=f"rank {owner}'s merge of this buffer parity"),
+        ))  # fmt: skip
+        cursor = max(cursor, t(we))
+    if te[1]:
+        bh, hkv = te[3], info["kv_heads"]
+        where = f"seq {bh // hkv}, kv head {bh % hkv}"
+        step = _DECODE_STEPS[j]
+        name = f"split {te[2]} ({where})" if j == 0 else f"{step} ({where})"
+        extra = dict(split=te[2]) if j == 0 else {}
+        cat = "compute"
+        if step == "push":
+            dests = list(range(world)) if owner is None else [owner]
+            peers = [q for q in dests if q != rank]
+            if peers:  # (the owner's push stays in its own memory: a store)
+                nbytes = info["group_heads"] * (info["head_dim"] + 1) * 4 * len(peers)
+                extra = dict(peer=peers[0] if len(peers) == 1 else -1, peers=peers, bytes=nbytes)
+                cat = "copy"
+            else:
+                name = f"store ({where})"
+        spans.append(Span(rank, tid, name, cat, cursor, t(te),
+                          dict(args, tile=g, step=step, seq=bh // hkv, kv_head=bh % hkv,
+                               **extra)))  # fmt: skip
+        cursor = t(te)
+    if nt[1]:
+        dest = nt[3]
+        label = "every rank" if dest == -1 else f"rank {dest}"
+        instants.append(Instant(rank, tid, f"notify {label}", "notify", t(nt),
+                                dict(args, dest=dest, epoch=nt[2], what="partials")))  # fmt: skip
+    return spans, instants, cursor
+
+
+def _merge_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+    """Step ``j`` of a decode-merge program: its wait for the partials of the step's
+    source rank (its own, step 0, is not waited for), then their merge; the last
+    program's acknowledgements in the one-owner mode (a notify)."""
+    spans, instants = [], []
+    block = tid * info["block_r"], min(info["rows"], (tid + 1) * info["block_r"])
+    if wb[1] and we[1]:
+        src = we[2]
+        spans.append(Span(
+            rank, tid, f"wait partials of rank {src}", "wait", t(wb), t(we),
+            dict(args, tile=g, step=j, peer=src, peers=[src], epoch=wb[3], token=we[3],
+                 what=f"rank {src}'s partials"),
+        ))  # fmt: skip
+        cursor = max(cursor, t(we))
+    if te[1]:
+        src = te[2]
+        spans.append(Span(rank, tid, f"merge rank {src}", "compute", cursor, t(te),
+                          dict(args, tile=g, step=j, src=src, rows=list(block))))  # fmt: skip
+        cursor = t(te)
+    if nt[1]:
+        what = dict(args, dest=-1, epoch=nt[2], what="acknowledgement")
+        instants.append(Instant(rank, tid, "notify every rank", "notify", t(nt), what))
+    return spans, instants, cursor
 
 
 def _step_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
@@ -301,12 +410,19 @@ def _step_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
     return spans, [], cursor
 
 
-_TILE_DECODERS = {"segments": _segment_slots, "tiles": _tile_slots, "steps": _step_slots}
+#: how a launch's tile slots read: by ``info["slots"]`` where given, else by its layout
+_TILE_DECODERS = {
+    "segments": _segment_slots, "tiles": _tile_slots, "steps": _step_slots,
+    "finish": _finish_slots, "split_decode": _split_decode_slots, "merge": _merge_slots,
+}  # fmt: skip
 
 
 def _tiles_of(info: dict) -> int:
-    """Tiles of a launch (every tile a trace must hold): of its segments from
-    ``seg_first`` on; of the grouped GEMM's tile table; one per (program, step)."""
+    """Tiles of a launch (every tile a trace must hold): ``n_tiles`` where the launch
+    states it (known on the host); of its segments from ``seg_first`` on; of the grouped
+    GEMM's tile table; one per (program, step)."""
+    if "n_tiles" in info:
+        return info["n_tiles"]
     layout = info.get("layout", "segments")
     if layout == "tiles":
         return info["tile_count"][0] * -(-info["N"] // info["block_n"])

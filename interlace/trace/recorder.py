@@ -2,12 +2,13 @@
 op calls, then ``rec.trace()`` (collective) for the whole world's :class:`Trace`.
 
 While a recorder is in force (``ops._trace.ACTIVE``) every segment-GEMM launch of this
-process, and every launch of ``AGMoE``'s grouped GEMM and of ``SPAttention``'s forward
-kernel, is made with ``TRACE`` on into a fresh buffer (``language.trace`` describes its
-layout, ``ops._trace.LAYOUTS`` how each kernel fills it), every traced copy-engine
-transfer and chunk wait is bracketed by CUDA events on its stream (host clock readings on
-the CPU backend), and eager calls skip their CUDA-graph replays (each call runs its own
-launches). Calls captured in a CUDA graph are not traced.
+process, and every launch of the MoE grouped GEMM (``AGMoE``, ``MoERS``), ``MoERS``'s finish
+kernel, ``SPAttention``'s forward kernel and ``FlashDecode``'s decode and merge kernels, is
+made with ``TRACE`` on into a fresh buffer (``language.trace`` describes its layout,
+``ops._trace.LAYOUTS`` how each kernel fills it, ``model`` how its slots read), every
+traced copy-engine transfer and chunk wait is bracketed by CUDA events on its stream (host
+clock readings on the CPU backend), and eager calls skip their CUDA-graph replays (each
+call runs its own launches). Calls captured in a CUDA graph are not traced.
 
 Clocks. Kernel events carry the GPU's global timer (ns); a stream span's CUDA events are
 put on that clock through an anchor taken when recording starts: an event recorded

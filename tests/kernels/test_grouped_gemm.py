@@ -37,7 +37,7 @@ def _routing_kernels():
     yield g.moe_finish_kernel, {
         "acc_table": "*i64", "set_off": i32, "y": "*bf16", "m_loc": i32, "N": i32, "sig": p32,
         "contrib_slot": i32, "done_slot": i32, "err": "i64", "rank": i32, "max_spins": i32,
-    }, {"WORLD": 4, "BLOCK_M": 32, "BLOCK_N": 128}  # fmt: skip
+    }, {"WORLD": 4, "BLOCK_M": 32, "BLOCK_N": 128, "TRACE": False, "tbuf": None}  # fmt: skip
 
 
 @pytest.mark.parametrize("i", range(4))

@@ -30,7 +30,8 @@ SIGNATURE = {
 def test_finish_zeroes_only_after_every_load(world):
     bm, bn = FINISH_BLOCK
     ttgir = compile_for_hopper(
-        moe_finish_kernel, SIGNATURE, {"WORLD": world, "BLOCK_M": bm, "BLOCK_N": bn},
+        moe_finish_kernel, SIGNATURE,
+        {"WORLD": world, "BLOCK_M": bm, "BLOCK_N": bn, "TRACE": False, "tbuf": None},
         aligned=("acc_table", "y", "N", "sig"),
     )["ttgir"]  # fmt: skip
     lines = ttgir.splitlines()

@@ -1,11 +1,13 @@
-"""Tracing off costs nothing in ``AGMoE``'s grouped GEMM (``moe_gemm_kernel``, gather mode)
-and ``SPAttention``'s forward (``sp_attn_fwd_kernel``): compiled with ``TRACE`` off, each is
-the kernel without its trace hooks, instruction for instruction (PTX for Hopper, no GPU
-needed), and with ``TRACE`` on it reads the timer more often than its waits alone.
+"""Tracing off costs nothing in ``AGMoE``'s grouped GEMM (``moe_gemm_kernel``, gather mode),
+``SPAttention``'s forward (``sp_attn_fwd_kernel``), ``MoERS``'s kernels (the grouped GEMM in
+reduce mode, ``moe_finish_kernel``) and ``FlashDecode``'s (``split_decode_kernel``,
+``merge_kernel``): compiled with ``TRACE`` off, each is the kernel without its trace hooks,
+instruction for instruction (PTX for Hopper, no GPU needed), and with ``TRACE`` on it reads
+the timer more often than its waits alone.
 
 As in ``test_trace_codegen.py``, the kernel without hooks is rebuilt from the module's own
-source (the hooks removed by ``language.trace``'s conventions; the attention module's
-``trace_step`` helper, the 2-D grid's hook, removed whole)."""
+source (the hooks removed by ``language.trace``'s conventions; the hook helpers, the
+attention module's ``trace_step`` and the decode module's ``trace_at``, removed whole)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import sys
 import pytest
 
 import interlace.kernels.attention as attention_module
+import interlace.kernels.decode as decode_module
 import interlace.kernels.grouped_gemm as grouped_module
 from interlace.testing.codegen import compile_for_hopper, cuda_compile_unavailable
 from tests.kernels.test_trace_codegen import strip_hooks
@@ -50,10 +53,10 @@ def _untraced(module, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def untraced(tmp_path_factory):
-    """Both kernel modules with their hooks removed, imported as sibling modules."""
+    """The kernel modules with their hooks removed, imported as sibling modules."""
     names, mods = [], {}
     try:
-        for key, module in (("moe", grouped_module), ("attn", attention_module)):
+        for key, module in MODULES.items():
             name, mods[key] = _untraced(module, tmp_path_factory)
             names.append(name)
         yield mods
@@ -62,9 +65,10 @@ def untraced(tmp_path_factory):
             sys.modules.pop(name, None)
 
 
-# ---------------------------------------------------------------------- the two kernels
+# ---------------------------------------------------------------------- the kernels
 def _moe(kernel, variant: str, trace: bool) -> dict:
-    """The grouped GEMM in gather mode as ``AGMoE`` launches it on a GPU."""
+    """The grouped GEMM as ``AGMoE`` (gather mode) or ``MoERS`` (``reduce``) launches it on
+    a GPU."""
     i32, p32 = "i32", "*i32"
     sig = {
         "a": BF16, "x_own": BF16, "w": BF16, "out": BF16, "tiles": p32, "tile_count": p32,
@@ -73,10 +77,11 @@ def _moe(kernel, variant: str, trace: bool) -> dict:
         "flag0": i32, "err": "i64", "rank": i32, "max_spins": i32, "done_slot": i32,
         "clear_first": i32, "clear_count": i32, "contrib_slot": i32,
     }  # fmt: skip
+    reduce = variant == "reduce"
     const = dict(
-        BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORLD=4, GATHER=True,
-        SWIGLU=variant == "swiglu_tma", REDUCE=False, WAIT=True,
-        USE_TMA=variant == "swiglu_tma", EXIT_CLEAR=True,
+        BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORLD=4, GATHER=not reduce,
+        SWIGLU=variant == "swiglu_tma", REDUCE=reduce, WAIT=not reduce,
+        USE_TMA=variant in ("swiglu_tma", "reduce"), EXIT_CLEAR=not reduce,
     )  # fmt: skip
     return _compile(kernel, sig, const, trace, ("a", "x_own", "w", "out", "acc_out", "K", "N"),
                     num_stages=4)  # fmt: skip
@@ -98,7 +103,64 @@ def _attn(kernel, variant: str, trace: bool) -> dict:
                     num_stages=3)  # fmt: skip
 
 
-def _compile(kernel, sig, const, trace, aligned, num_stages) -> dict:
+def _finish(kernel, variant: str, trace: bool) -> dict:
+    """``MoERS``'s finish kernel as ``launch_finish`` launches it on a GPU (``w2``, ``w4``:
+    the world)."""
+    from interlace.ops.moe._gemm import FINISH_BLOCK
+
+    sig = {
+        "acc_table": "*i64", "set_off": "i64", "y": BF16, "m_loc": "i32", "N": "i32",
+        "sig": "*i32", "contrib_slot": "i32", "done_slot": "i32", "err": "i64", "rank": "i32",
+        "max_spins": "i64",
+    }  # fmt: skip
+    bm, bn = FINISH_BLOCK
+    const = dict(WORLD=int(variant[1:]), BLOCK_M=bm, BLOCK_N=bn)
+    return _compile(kernel, sig, const, trace, ("acc_table", "y", "N", "sig"), num_stages=3,
+                    num_warps=4)  # fmt: skip
+
+
+_DECODE_STRIDES = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_kn",
+                   "stride_vb", "stride_vh", "stride_vn")  # fmt: skip
+
+
+def _decode(kernel, variant: str, trace: bool) -> dict:
+    """``FlashDecode``'s split kernel as it launches it on a GPU (d 128, GQA 4):
+    ``splits`` (every rank merges, several splits) or ``owner_lens`` (one owner, one split,
+    ``kv_lens``)."""
+    i32 = "i32"
+    sig = dict(
+        q=BF16, k=BF16, v=BF16, lens="*i32", part_o="*fp32", part_lse="*fp32",
+        push_o="*fp32", push_lse="*fp32", o_table="*i64", lse_table="*i64", sig_table="*i64",
+        err="i64", qk_scale="fp32",
+    )  # fmt: skip
+    for name in ("rank", "world", "owner", "max_spins", "count_first", "epoch_slot",
+                 "arrive_first", "ack_slot", "n_groups", "kv_cap", "split_len", "n_splits",
+                 "max_rows", *_DECODE_STRIDES):  # fmt: skip
+        sig[name] = i32
+    one = variant == "owner_lens"
+    const = dict(
+        HKV=8, G=4, BLOCK_G=16, D=128, BLOCK_N=64, HAS_LENS=one, ONE_SPLIT=one,
+        OWNER_ONLY=one,
+    )  # fmt: skip
+    aligned = ("q", "k", "v", "part_o", "push_o", *_DECODE_STRIDES)
+    return _compile(kernel, sig, const, trace, aligned, num_stages=3, num_warps=4)
+
+
+def _merge(kernel, variant: str, trace: bool) -> dict:
+    """``FlashDecode``'s merge kernel as it launches it on a GPU (d 128): ``all`` (every
+    rank merges, 4 rows a program) or ``ack`` (one owner, 16 rows a program)."""
+    i32 = "i32"
+    sig = dict(push_o="*fp32", push_lse="*fp32", out=BF16, sig_table="*i64", err="i64")
+    for name in ("rank", "world", "max_spins", "epoch_slot", "arrive_first", "ack_slot",
+                 "done_slot", "n_rows", "max_rows", "stride_ob", "stride_oh"):  # fmt: skip
+        sig[name] = i32
+    ack = variant == "ack"
+    const = dict(HQ=32, D=128, BLOCK_R=16 if ack else 4, ACK=ack)
+    aligned = ("push_o", "push_lse", "out", "stride_ob", "stride_oh")
+    return _compile(kernel, sig, const, trace, aligned, num_stages=3, num_warps=4 if ack else 2)
+
+
+def _compile(kernel, sig, const, trace, aligned, num_stages, num_warps=8) -> dict:
     import triton
 
     sig, const = dict(sig), dict(const)
@@ -113,7 +175,7 @@ def _compile(kernel, sig, const, trace, aligned, num_stages) -> dict:
     knobs.disable_line_info = True  # line numbers differ between the two sources
     try:
         out = compile_for_hopper(
-            kernel, sig, const, aligned=aligned, num_warps=8, num_stages=num_stages
+            kernel, sig, const, aligned=aligned, num_warps=num_warps, num_stages=num_stages
         )
     finally:
         knobs.disable_line_info = saved
@@ -121,15 +183,25 @@ def _compile(kernel, sig, const, trace, aligned, num_stages) -> dict:
     return out
 
 
-CASES = [("moe", "swiglu_tma"), ("moe", "plain"), ("attn", "causal"), ("attn", "varlen")]
-KERNELS = {"moe": ("moe_gemm_kernel", _moe), "attn": ("sp_attn_fwd_kernel", _attn)}
-MODULES = {"moe": grouped_module, "attn": attention_module}
+CASES = [
+    ("moe", "swiglu_tma"), ("moe", "plain"), ("attn", "causal"), ("attn", "varlen"),
+    ("moe", "reduce"), ("finish", "w2"), ("finish", "w4"), ("decode", "splits"),
+    ("decode", "owner_lens"), ("merge", "all"), ("merge", "ack"),
+]  # fmt: skip
+#: case -> (its module in ``MODULES``, the kernel, how it is compiled)
+KERNELS = {
+    "moe": ("moe", "moe_gemm_kernel", _moe), "attn": ("attn", "sp_attn_fwd_kernel", _attn),
+    "finish": ("moe", "moe_finish_kernel", _finish),
+    "decode": ("decode", "split_decode_kernel", _decode),
+    "merge": ("decode", "merge_kernel", _merge),
+}  # fmt: skip
+MODULES = {"moe": grouped_module, "attn": attention_module, "decode": decode_module}
 
 
 def test_stripping_removes_only_hooks():
     """The stripped sources differ from the kernel sources in hook lines (and the hook
-    helper) only."""
-    for key, least in (("moe", 6), ("attn", 6)):
+    helpers) only."""
+    for key, least in (("moe", 11), ("attn", 6), ("decode", 14)):
         source = inspect.getsource(MODULES[key])
         stripped = _strip(source)
         hooks = [ln for ln in source.splitlines() if ln.strip().startswith("trace_")]
@@ -139,19 +211,20 @@ def test_stripping_removes_only_hooks():
 
 @pytest.mark.parametrize("key, variant", CASES)
 def test_trace_off_compiles_to_the_kernel_without_hooks(untraced, key, variant):
-    name, build = KERNELS[key]
-    off = build(getattr(MODULES[key], name), variant, trace=False)["ptx"]
-    bare = build(getattr(untraced[key], name), variant, trace=False)["ptx"]
+    module, name, build = KERNELS[key]
+    off = build(getattr(MODULES[module], name), variant, trace=False)["ptx"]
+    bare = build(getattr(untraced[module], name), variant, trace=False)["ptx"]
     # the waits read the global timer for their time bound; the hooks add no read
     assert off.count("%globaltimer") == bare.count("%globaltimer"), (key, variant)
     assert off == bare, (key, variant)
 
 
-@pytest.mark.parametrize("key, variant", [CASES[0], CASES[2]])
+@pytest.mark.parametrize("key, variant", [CASES[i] for i in (0, 2, 4, 6, 7, 10)])
 def test_trace_on_reads_the_timer(key, variant):
-    name, build = KERNELS[key]
-    kernel = getattr(MODULES[key], name)
+    module, name, build = KERNELS[key]
+    kernel = getattr(MODULES[module], name)
     on = build(kernel, variant, trace=True)
     off = build(kernel, variant, trace=False)
     assert on["ptx"].count("%globaltimer") > off["ptx"].count("%globaltimer"), (key, variant)
-    assert "wgmma" in on["ptx"], "the traced kernel still uses Hopper's wgmma"
+    if key in ("moe", "attn"):
+        assert "wgmma" in on["ptx"], "the traced kernel still uses Hopper's wgmma"

@@ -1,15 +1,18 @@
-"""Traces of AG+GEMM and GEMM+RS (``fused``, ``ce_fused``), AGMoE and the SPAttention
-forward recorded in the CPU emulation (W = 2) and, marked ``gpu``, in a world whose ranks
-share one GPU (W = 4): the traced call is still correct; the trace holds every tile of
-every program of every launch (and every program's start and end); each wait closes
-after the copy that feeds it began, and before the tiles that read its chunk end; the
-Chrome JSON is well-formed (ph, ts, dur, pid, tid; one process per rank, named tracks);
-the PNG and the summary are written; calls outside the block are not traced."""
+"""Traces of AG+GEMM and GEMM+RS (``fused``, ``ce_fused``), AGMoE, the SPAttention
+forward, MoERS (``fused``) and FlashDecode (every rank merging, and one owner) recorded in
+the CPU emulation (W = 2) and, marked ``gpu``, in a world whose ranks share one GPU
+(W = 4): the traced call is still correct; the trace holds every tile of every program of
+every launch (and every program's start and end); each wait closes after the data it
+waits for began moving (the copy that feeds it; MoERS: every rank's GEMM tiles; the
+decode merge: the peer's pushes), and before the work it guards; the Chrome JSON is
+well-formed (ph, ts, dur, pid, tid; one process per rank, named tracks); the PNG and the
+summary are written; calls outside the block are not traced."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -185,8 +188,9 @@ def _backend(group):
 
 
 # ---------------------------------------------------------------------- AGMoE, SPAttention
-def _record(group, label, run, folder):
-    """``run()`` once untraced (compiles), once recorded: ``(output, trace, paths)``."""
+def _record(group, label, run, folder, launches=1):
+    """``run()`` once untraced (compiles), once recorded (``launches`` traced launches):
+    ``(output, trace, paths)``."""
     run()
     sync(group)
     with interlace.trace.record(group, label=label, meta=dict(op=label)) as rec:
@@ -194,10 +198,10 @@ def _record(group, label, run, folder):
     sync(group)
     assert not hooks.ACTIVE
     trace = rec.trace()
-    launches = len(rec.launches)
+    got = len(rec.launches)
     run()  # outside the block: nothing more is recorded
     sync(group)
-    assert len(rec.launches) == launches == 1, launches
+    assert len(rec.launches) == got == launches, (got, launches)
     paths = trace.save(os.path.join(folder, f"{label}-r{group.rank}"), quiet=True)
     return out, trace, paths
 
@@ -314,3 +318,203 @@ def test_trace_of_moe_and_attention(world, op, tmp_path):
     s = res["summary"]
     assert s["op"]["comm_ms"] and s["op"]["overlap_ratio"] is not None
     assert len(s["ranks"][0]["wait_ms_per_program"]) == res["launches"][0][0]["grid"]
+
+
+# ---------------------------------------------------------------------- MoERS, FlashDecode
+#: rank 0 starts each call this late, so the other ranks' waits for its data do wait (a
+#: wait recorded as ending before it really did would end before rank 0's data moved)
+LATE_S = 0.2
+
+
+def _late(group, run):
+    """``run`` with rank 0 starting ``LATE_S`` late."""
+
+    def late_run():
+        if group.rank == 0:
+            time.sleep(LATE_S)
+        return run()
+
+    return late_run
+
+
+def _moe_rs_trace_body(group, folder):
+    """A traced ``MoERS`` call (``fused``, on the routing and activations of an untraced
+    ``AGMoE`` call; random top-2 routing, tokens per rank not a multiple of the tile; each
+    call with other weights) checked against float32: every rank's weighted rows summed
+    per token."""
+    w, dev, dtype = group.world_size, group.device, torch.bfloat16
+    m, hidden, inter, experts, topk = 11, 32, 16, 4, 2
+    gen = torch.Generator().manual_seed(7 + group.rank)
+    x = rand(gen, m, hidden, dtype=dtype, device=dev)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(m)]).to(dev)
+    wts = torch.softmax(torch.randn(m, topk, generator=gen), -1).to(dev)
+    wg = rand(gen, experts, hidden, 2 * inter, dtype=dtype, device=dev, scale=0.3)
+    wd = rand(gen, experts, inter, hidden, dtype=dtype, device=dev, scale=0.3)
+    kw = dict(max_tokens=w * m, hidden=hidden, inter=inter, experts=experts, topk=topk,
+              strategy="fused")  # fmt: skip
+    # (MoERS without its per-call host check, a collective that would line the ranks up)
+    with interlace.AGMoE(group, **kw) as ag, interlace.MoERS(group, validate=False, **kw) as rs:
+        h, routing = ag(x, ids, wts, wg)
+        sync(group)
+        scales = iter((1.0, 2.0, 3.0))  # per call: an unwritten output left over fails
+
+        def run():
+            return rs(h, routing, wd * next(scales))
+
+        y, trace, paths = _record(group, "moe_rs", _late(group, run), folder, 2)
+        rs.check()
+        tok, weight = routing.token_ids.cpu().long(), routing.weights.cpu()
+        offs = routing.offsets.cpu().tolist()
+        h_rows, w_down = h.float().cpu(), 2 * wd.float().cpu()  # the traced call's
+    part = torch.zeros(w * m, hidden)  # this rank's weighted rows, summed per token
+    for i in range(offs[-1]):
+        if tok[i] >= 0:
+            e = max(e for e in range(experts) if offs[e] <= i)
+            part[tok[i]] += weight[i] * (h_rows[i] @ w_down[e])
+    err = rel_err(y.cpu(), reduced_rows(part, group).cpu())
+    assert err < 1e-2, f"traced MoERS: rel err {err:.2e}"
+    return _result(group, trace, paths)
+
+
+def _decode_trace_body(group, folder, owner):
+    """A traced ``FlashDecode`` call (grouped-query heads, shards of different lengths not
+    multiples of the KV block; every rank merging: batch 1, two splits per shard; one
+    owner: batch 2, one split) checked against float32 attention over every shard."""
+    from tests.ops.test_flash_decode import _dims, _inputs, _reference
+
+    r = group.rank
+    max_b, hq, hkv, d, lens = _dims(group)
+    batch = 1 if owner is None else max_b
+    q, shards = _inputs(group, batch, hq, hkv, d, lens, seed=31)
+    k, v = shards[r]
+    merges = owner is None or owner == r
+    ctx = interlace.ops.attention.FlashDecode(group, max_b, hq, hkv, d, owner=owner,
+                                              strategy="fused")  # fmt: skip
+
+    def run():
+        return ctx(q, k, v, out=nans(batch, hq, d, dtype=torch.bfloat16, device=group.device))
+
+    try:
+        out, trace, paths = _record(group, "flash_decode", _late(group, run), folder,
+                                    2 if merges else 1)  # fmt: skip
+        ctx.check()
+        splits = ctx.splits(batch, k.shape[2])[0]
+    finally:
+        ctx.close()
+    if merges:
+        err = rel_err(out, _reference(q, shards, [[n] * batch for n in lens], hkv))
+        assert err < 1e-2, f"traced FlashDecode: rel err {err:.2e}"
+    else:
+        assert out is None
+    return dict(_result(group, trace, paths), splits=splits, owner=owner)
+
+
+def _tol(res, src, dst):
+    clock = res["clock"]
+    return (clock["stream_uncertainty_ns"][src] + clock["uncertainty_ns"][src]
+            + clock["uncertainty_ns"][dst])  # fmt: skip
+
+
+def _check_launch(res, rank, index, launch):
+    """Launch ``index`` of ``rank``: every program's start and end; every tile once (a
+    compute or copy span with its id), tile ``g`` on program ``g % grid``, inside that
+    program's run. Returns ``(programs by track, tile spans)``."""
+    mine = [s for s in res["spans"] if s.rank == rank and s.args.get("launch") == index]
+    programs = {s.tid: s for s in mine if s.cat == "program"}
+    assert sorted(programs) == list(range(launch["grid"])), (rank, index, sorted(programs))
+    tiles = [s for s in mine if s.cat in ("compute", "copy") and "tile" in s.args]
+    got = sorted(s.args["tile"] for s in tiles)
+    assert got == sorted(set(got)) and len(got) == launch["tiles"] > 0, (rank, got, launch)
+    for s in tiles:
+        assert s.args["tile"] % launch["grid"] == s.tid, s
+        prog = programs[s.tid]
+        assert prog.t0 <= s.t0 <= s.t1 <= prog.t1, s
+    return programs, tiles
+
+
+def _check_moe_rs(res):
+    """The GEMM's tiles and its one raise of the owners' counters per rank; each finish
+    program's one wait, ending after every rank's GEMM tiles (each rank raises the
+    counters after its last tile) and before the program's tiles."""
+    world, spans = res["world"], res["spans"]
+    gemm_tiles = {}
+    for rank, launches in enumerate(res["launches"]):
+        assert [ln["kernel"] for ln in launches] == ["moe_gemm_reduce", "moe_finish"], launches
+        _, gemm_tiles[rank] = _check_launch(res, rank, 0, launches[0])
+        notes = [i for i in res["instants"] if i.rank == rank and i.cat == "notify"]
+        assert len(notes) == 1 and notes[0].args["dest"] == -1, notes
+        assert notes[0].t >= max(s.t1 for s in gemm_tiles[rank])
+    for rank, launches in enumerate(res["launches"]):
+        programs, tiles = _check_launch(res, rank, 1, launches[1])
+        waits = [s for s in spans if s.rank == rank and s.cat == "wait"
+                 and s.args["launch"] == 1]  # fmt: skip
+        assert sorted(w.tid for w in waits) == sorted(programs), waits
+        for w in waits:
+            assert w.name == "wait contributions of every rank" and w.t1 >= w.t0
+            for q in range(world):
+                assert w.t1 >= max(s.t1 for s in gemm_tiles[q]) - _tol(res, q, rank), (w, q)
+            assert all(s.t0 >= w.t1 for s in tiles if s.tid == w.tid), w
+
+
+def _check_decode(res):
+    """The split kernel's tiles (split, combine where several splits, push: a copy, the
+    owner's a store), one push per (sequence, kv head) and one notify per rank; each merge
+    program's wait per peer ends after every push of that peer (its flag is raised after
+    them) and before that step's merge; the one-owner mode's acknowledgement waits end
+    before their push, and the owner's merge acknowledges once."""
+    world, spans, owner = res["world"], res["spans"], res["owner"]
+    pushes = {}
+    for rank, launches in enumerate(res["launches"]):
+        merges = owner is None or owner == rank
+        kernels = ["split_decode"] + (["decode_merge"] if merges else [])
+        assert [ln["kernel"] for ln in launches] == kernels, launches
+        _, tiles = _check_launch(res, rank, 0, launches[0])
+        pushes[rank] = [s for s in tiles if s.args["step"] == "push"]
+        assert all((s.cat == "copy") == (rank != owner) for s in pushes[rank]), pushes
+        combines = [s for s in tiles if s.args["step"] == "combine"]
+        groups = sorted((s.args["seq"], s.args["kv_head"]) for s in pushes[rank])
+        assert groups and groups == sorted(set(groups)), groups
+        assert len(combines) == (len(groups) if res["splits"] > 1 else 0), combines
+        notes = [i for i in res["instants"] if i.rank == rank and i.cat == "notify"
+                 and i.args["launch"] == 0]  # fmt: skip
+        assert len(notes) == 1 and notes[0].t >= max(s.t1 for s in pushes[rank]), notes
+        acks = [s for s in spans if s.rank == rank and s.cat == "wait" and s.args["launch"] == 0]
+        assert len(acks) == (len(groups) if owner not in (None, rank) else 0), acks
+        for w in acks:
+            (push,) = [s for s in pushes[rank] if s.args["tile"] == w.args["tile"]]
+            assert w.t0 <= w.t1 <= push.t0, (w, push)
+    for rank, launches in enumerate(res["launches"]):
+        if len(launches) < 2:
+            continue
+        programs, tiles = _check_launch(res, rank, 1, launches[1])
+        acks = [i for i in res["instants"] if i.rank == rank and i.args["launch"] == 1]
+        assert len(acks) == (0 if owner is None else 1), acks  # the owner's acknowledgement
+        by_tile = {s.args["tile"]: s for s in tiles}
+        waits = [s for s in spans if s.rank == rank and s.cat == "wait" and s.args["launch"] == 1]
+        assert len(waits) == len(programs) * (world - 1), waits
+        for w in waits:
+            src = w.args["peer"]
+            assert src != rank and w.t1 >= w.t0
+            assert w.t1 >= max(s.t1 for s in pushes[src]) - _tol(res, src, rank), (w, src)
+            use = by_tile[w.args["tile"]]
+            assert use.args["src"] == src and use.t0 >= w.t1, (w, use)
+
+
+@pytest.mark.parametrize("world", WORLDS, indirect=True)
+@pytest.mark.parametrize("op", ["moe_rs", "flash_decode", "flash_decode_owner"])
+def test_trace_of_moe_rs_and_decode(world, op, tmp_path):
+    pytest.importorskip("matplotlib", reason="the PNG check needs matplotlib")
+    if op == "moe_rs":
+        (res, *_) = world.run(_moe_rs_trace_body, str(tmp_path))
+        _check_moe_rs(res)
+    else:
+        owner = world.world_size - 1 if op == "flash_decode_owner" else None
+        (res, *_) = world.run(_decode_trace_body, str(tmp_path), owner)
+        assert res["splits"] > 1 or owner is not None
+        _check_decode(res)
+        assert res["summary"]["op"]["comm_ms"]  # the pushes
+    _check_files(res)
+    s = res["summary"]
+    grids = max(ln["grid"] for ln in res["launches"][0])
+    assert len(s["ranks"][0]["wait_ms_per_program"]) == grids
+    assert s["op"]["wait_ms_max"] >= 0

@@ -15,7 +15,8 @@ each sequence's valid length in the shard). Per call, on the caller's stream:
 
 Two launches, no copies, no host synchronisation and no per-call flag resets (epoch
 flags, see :mod:`interlace.kernels.decode`), so a decode step captures into a CUDA graph
-as it is, and graph replays and eager calls can be mixed on one context.
+as it is, and graph replays and eager calls can be mixed on one context. Inside
+``interlace.trace.record`` both launches are traced (``TRACE`` on; not while captured).
 
 Strategies (``strategy=``): ``"fused"`` is the path above (``"auto"`` resolves to it);
 ``"none"`` is the baseline written with torch alone, one step after another:
@@ -42,13 +43,17 @@ import triton
 from ...errors import InterlaceTypeError, InterlaceValueError
 from ...kernels.decode import merge_kernel, split_decode_kernel
 from ...runtime import symm_zeros
+from .. import _trace
 from .._context import OpContext, cdiv, sm_count
-from .._launch import PreparedLaunch
+from .._launch import PreparedLaunch, install_scratch_allocator
 
 LOG2E = 1.4426950408889634
 STRATEGIES = ("auto", "fused", "none")
 #: Most splits of one sequence's shard: bounds the local scratch.
 MAX_SPLITS = 128
+#: the kernels' names in traces (``interlace.trace``)
+SPLIT_DECODE = "split_decode"
+DECODE_MERGE = "decode_merge"
 
 
 @dataclass(frozen=True)
@@ -293,9 +298,39 @@ class FlashDecode(OpContext):
 
     def _fused(self, q, k, v, kv_lens, out, merges) -> None:
         plan = self._plan(q, k, v, kv_lens is not None, out if merges else q)
-        plan.decode(q, k, v, self._no_lens if kv_lens is None else kv_lens)
+        lens = self._no_lens if kv_lens is None else kv_lens
+        if _trace.ACTIVE and self._traced(plan, q, k, v, lens, out):
+            return
+        plan.decode(q, k, v, lens)
         if plan.merge is not None:
             plan.merge(out)
+
+    def _traced(self, plan: DecodePlan, q, k, v, lens, out) -> bool:
+        """Both launches of ``plan`` with ``TRACE`` on, into buffers of the recorder in force
+        (``interlace.trace.record``); False where none is (nothing launched). The decode
+        kernel's program ``p`` of ``P`` fills tiles ``p`` (its split), ``p + P`` (the
+        combine) and ``p + 2 P`` (the push); the merge's, ``p + i P`` per source rank ``i``
+        (``kernels.decode``)."""
+        grid, n_groups = plan.decode.grid, q.shape[0] * self.kv_heads
+        info = dict(
+            kernel=SPLIT_DECODE, layout="tiles", slots="split_decode", rank=self.rank,
+            world=self.world_size, owner=self.owner, kv_heads=self.kv_heads,
+            group_heads=self.heads // self.kv_heads, head_dim=self.head_dim,
+            n_splits=plan.n_splits, split_len=plan.split_len, kv_len=k.shape[2],
+            n_tiles=grid + n_groups * (1 if plan.n_splits == 1 else 2),
+        )  # fmt: skip
+        if not _traced_launch(plan.decode, (q, k, v, lens), 3, info):
+            return False
+        if plan.merge is not None:
+            grid, block_r = plan.merge.grid, plan.merge.kwargs["BLOCK_R"]
+            info = dict(
+                kernel=DECODE_MERGE, layout="tiles", slots="merge", rank=self.rank,
+                world=self.world_size, rows=q.shape[0] * self.heads, block_r=block_r,
+                n_tiles=grid * self.world_size,
+            )  # fmt: skip
+            if not _traced_launch(plan.merge, (out,), self.world_size, info):
+                plan.merge(out)
+        return True
 
     # ------------------------------------------------------------------ none
     def _none(self, q, k, v, kv_lens, out) -> None:
@@ -330,6 +365,21 @@ class FlashDecode(OpContext):
                 return None
             gathered = torch.stack(parts)
         return gathered.to(part.device)
+
+
+def _traced_launch(prepared: PreparedLaunch, operands, tiles_per_program: int, info) -> bool:
+    """``prepared`` on ``operands`` with ``TRACE`` on, its events going into a buffer of
+    the recorder in force (``tiles_per_program`` tile slots per program; ``info``: how the
+    trace decodes it); False (nothing launched) where no recorder is in force."""
+    tbuf = _trace.buffer(prepared.grid, tiles_per_program, dict(info, grid=prepared.grid))
+    if tbuf is None:
+        return False
+    args = list(prepared.args)
+    for i, t in zip(prepared._where, operands):
+        args[i] = t
+    install_scratch_allocator()
+    prepared.kernel[(prepared.grid,)](*args, **prepared.kwargs, TRACE=True, tbuf=tbuf)
+    return True
 
 
 def local_partial(q, k, v, kv_lens, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

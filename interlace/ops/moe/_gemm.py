@@ -1,5 +1,6 @@
-"""Host side of the MoE grouped GEMM: tile configs and the launch of
-``kernels.grouped_gemm.moe_gemm_kernel`` in its two modes."""
+"""Host side of the MoE grouped GEMM: tile configs and the launches of
+``kernels.grouped_gemm.moe_gemm_kernel`` in its two modes and of ``MoERS``'s finish kernel
+(each traced where a recorder is in force, ``interlace.trace.record``)."""
 
 from __future__ import annotations
 
@@ -84,18 +85,20 @@ def launch_gemm(
     """One launch of the grouped GEMM on the current stream (see the kernel).
     ``use_tma``: read the weight tiles through a TMA descriptor; None: wherever
     ``tma_ok`` allows it (False forces the pointer path, which probes compare against).
-    A gather-mode launch is traced (``TRACE`` on) where a recorder is in force
-    (``interlace.trace.record``)."""
+    A launch is traced (``TRACE`` on) where a recorder is in force
+    (``interlace.trace.record``): gather mode (``AGMoE``) as ``_trace.GROUPED_GEMM``,
+    reduce mode (``MoERS``) as :data:`REDUCE_GEMM`."""
     use_tma = tma_ok(w) if use_tma is None else bool(use_tma) and tma_ok(w)
     if use_tma:
         install_scratch_allocator()
     stand_in = routing.token_ids
     k = w.shape[1]
     traced = {}
-    if gather and _trace.ACTIVE:  # AGMoE's half: recorded where a recorder is in force
+    if _trace.ACTIVE:  # recorded where a recorder is in force
         tiles = routing.tiles.shape[0] * -(-n // cfg.block_n)  # worst case (device count)
         info = dict(
-            kernel=_trace.GROUPED_GEMM, layout="tiles", grid=grid, rank=rank, world=world,
+            kernel=_trace.GROUPED_GEMM if gather else REDUCE_GEMM, layout="tiles",
+            mode="gather" if gather else "reduce", grid=grid, rank=rank, world=world,
             tiles=routing.tiles, tile_count=routing.tile_count, M=routing.rows, N=n, K=k,
             block_m=cfg.block_m, block_n=cfg.block_n,
         )  # fmt: skip
@@ -118,18 +121,33 @@ def launch_gemm(
 #: the finish kernel's tile: 32 token rows x 128 float32 columns (16-byte accesses)
 FINISH_BLOCK = (32, 128)
 
+#: the names of ``MoERS``'s kernels in traces (``AGMoE``'s: ``_trace.GROUPED_GEMM``)
+REDUCE_GEMM = "moe_gemm_reduce"
+FINISH = "moe_finish"
+
 
 def launch_finish(
     acc_table, set_off, y, m, sig, contrib_slot, done_slot, err, rank, max_spins, world,
     device, backend,
 ):  # fmt: skip
     """The owner's reduce-scatter of ``MoERS`` (``moe_finish_kernel``) into ``y [m, N]``
-    on the current stream: every rank's accumulator rows of this rank's tokens, summed."""
+    on the current stream: every rank's accumulator rows of this rank's tokens, summed;
+    traced (``TRACE`` on, as :data:`FINISH`) where a recorder is in force."""
     bm, bn = (16, 16) if backend != "cuda" else FINISH_BLOCK
     n = y.shape[1]
     tiles = -(-m // bm) * -(-n // bn)
     cap = 2 * sm_count(device.index) if backend == "cuda" else 2
-    moe_finish_kernel[(max(1, min(tiles, cap)),)](
+    grid = max(1, min(tiles, cap))
+    traced = {}
+    if _trace.ACTIVE:  # program p: one wait, then tiles p, p + grid, ...
+        info = dict(
+            kernel=FINISH, layout="tiles", slots="finish", grid=grid, rank=rank,
+            world=world, n_tiles=tiles, M=m, N=n, block_m=bm, block_n=bn,
+        )  # fmt: skip
+        tbuf = _trace.buffer(grid, -(-tiles // grid), info)
+        if tbuf is not None:
+            traced = dict(TRACE=True, tbuf=tbuf)
+    moe_finish_kernel[(grid,)](
         acc_table, set_off, y, m, n, sig, contrib_slot, done_slot, err, rank, max_spins,
-        WORLD=world, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
+        WORLD=world, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, **traced,
     )  # fmt: skip

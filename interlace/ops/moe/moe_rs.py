@@ -26,6 +26,10 @@ Strategies:
 * ``auto``: ``fused`` for a padded routing in the CPU emulation, ``none`` on GPUs
   (:data:`AUTO_FUSED_ON_GPU`) and for the ``none`` strategy's routing.
 
+Inside ``interlace.trace.record`` the ``fused`` strategy's two launches are traced
+(``TRACE`` on): the grouped GEMM (per tile, and the raise of the owners' counters) and the
+finish kernel (per program its wait for the contributions, per tile its end).
+
 The owner's finish reads a block of every rank's accumulator and then zeroes it; a barrier
 separates the two, since the compiler gives the zeroing store another thread mapping than
 the load (``tests/kernels/test_moe_finish_codegen.py``). At the benchmark's shapes the
