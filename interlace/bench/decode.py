@@ -45,6 +45,8 @@ def _variants():
         "n128_s3_w8": DecodeConfig(block_n=128, num_stages=3, num_warps=8),
         "n64_s3_p8": DecodeConfig(block_n=64, num_stages=3, programs_per_sm=8, min_split=128),
         "n64_s3_p2": DecodeConfig(block_n=64, num_stages=3, programs_per_sm=2),
+        "n128_s3_w8_p2": DecodeConfig(block_n=128, num_stages=3, num_warps=8, programs_per_sm=2),
+        "n128_s4_w4_p2": DecodeConfig(block_n=128, num_stages=4, programs_per_sm=2),
     }
 
 
@@ -241,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         bw, bw_ref = gb / t * 1e3, gb / tr * 1e3
         print(f"{b:>5} {kv:>8} {w:>2} {t:8.4f} {tr:8.4f} {bw:7.0f} {bw_ref:7.0f}{name[0]:>2} "
               f"{tr / t:6.3f} {he:7.1f} {hg:8.1f} {err:.1e}")  # fmt: skip
+    variants = [r for r in records if r["op"] == "flash_decode_variant"]
+    if variants:
+        print("launch configurations, x sdpa (graph replays, same run):")
+        for r in variants:
+            print(f"  {r['variant']:>14} batch {r['batch']:>3} kv/rank {r['kv_len']:>7}: "
+                  f"{r['ratio']:.3f} ({r['splits']} splits)")  # fmt: skip
     return 0
 
 
