@@ -10,6 +10,13 @@ Token layout (what ``hidden_states`` of one rank holds; :func:`shard_sequence` /
 * causal: the zigzag layout: the sequence cut into ``2W`` chunks of ``s / 2``, rank ``r``
   holds chunks ``r`` and ``2W - 1 - r`` (in that order), so that every rank does the same
   causal work. ``S`` must split into ``2W`` equal chunks.
+
+Eager calls run the block's own ``SPAttention`` context; while ``torch.compile`` traces,
+the block calls the custom op ``torch.ops.interlace.sp_attention``
+(:mod:`interlace.ops.attention.library`), so a ``fullgraph=True`` trace holds attention
+forward and backward whole. The compiled route's context lives in
+:mod:`interlace.ops.library`'s cache (shared by every block of one group, shape and
+strategy), freed by ``interlace.ops.library.clear_cache(group)``, not by :meth:`close`.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ import torch
 from torch import nn
 
 from ..errors import InterlaceTypeError, InterlaceValueError
+from ..ops import library as _library
 from ..ops._context import KeptContext
+from ..ops.attention.library import attention as _traced_attention
 from ..ops.attention.sp_attention import (
     DTYPES,
     HEAD_DIMS,
@@ -169,6 +178,7 @@ class ContextParallelAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias, **kw)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=o_bias, **kw)
         self._ctx = KeptContext(self._build_context)  # the SPAttention context
+        self.handle = _library.register_group(group)  # names the group in the custom op
         if sync_grads:
             _sync_grads(self.parameters(), group)
 
@@ -287,8 +297,13 @@ class ContextParallelAttention(nn.Module):
                 )
             q, k = apply_rotary(q, k, cos.to(q.dtype), sin.to(q.dtype))
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        ctx = self._ctx.get(b * s, dtype)
-        out = ctx(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens, sm_scale=self.scaling)
+        if torch.compiler.is_compiling():  # the graph holds the custom op (module docstring)
+            strategy = "fused" if self.strategy == "auto" else self.strategy
+            out = _traced_attention(q, k, v, self.handle, strategy, self.causal, self.scaling,
+                                    cu_seqlens)  # fmt: skip
+        else:
+            ctx = self._ctx.get(b * s, dtype)
+            out = ctx(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens, sm_scale=self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, hq * d)), None
 
     def extra_repr(self) -> str:

@@ -1,7 +1,16 @@
 """Attention ops: sequence-parallel attention (prefill and training) and distributed
-flash-decode."""
+flash-decode. Importing this package registers the custom ops
+``torch.ops.interlace.sp_attention`` / ``sp_attention_backward`` (:mod:`.library`)."""
 
+from . import library
 from .flash_decode import DecodeConfig, FlashDecode
 from .sp_attention import SPAttention, zigzag_shard, zigzag_unshard
 
-__all__ = ["DecodeConfig", "FlashDecode", "SPAttention", "zigzag_shard", "zigzag_unshard"]
+__all__ = [
+    "DecodeConfig",
+    "FlashDecode",
+    "SPAttention",
+    "library",
+    "zigzag_shard",
+    "zigzag_unshard",
+]

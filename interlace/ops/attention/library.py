@@ -1,0 +1,270 @@
+"""Sequence-parallel attention as torch custom ops, so that ``torch.compile(fullgraph=True)``
+traces a model that calls it without graph breaks:
+
+* ``torch.ops.interlace.sp_attention(q, k, v, group, strategy, causal, sm_scale,
+  cu_seqlens=None) -> (out, lse)``: this rank's attention output (as
+  :class:`~interlace.ops.attention.SPAttention` returns it) and ``lse``, the natural-log
+  log-sum-exp of every query row's scaled logits over the whole sequence, float32
+  ``[batch, heads, S_loc]`` (not differentiable). Strategy ``none`` keeps no softmax
+  statistics: its ``lse`` is empty (``[0]``) and its backward recomputes the forward.
+* ``torch.ops.interlace.sp_attention_backward(dout, q, k, v, out, lse, group, strategy,
+  causal, sm_scale, cu_seqlens=None) -> (dq, dk, dv)``: the gradients of this rank's
+  tokens, by the strategy's own backward (``fused``: the overlapped dK/dV, dQ and
+  reduction kernels; ``ring``: the ring backward; ``none``: the all-gather + SDPA forward
+  run again under autograd).
+
+Arguments are those of ``SPAttention.__call__``: ``q [batch, heads, S_loc, d]``, ``k, v
+[batch, kv_heads, S_loc, d]`` in the token layout of :mod:`.sp_attention` (zigzag when
+``causal``), ``cu_seqlens`` the packed documents' global boundaries (a tensor every rank
+holds alike; it is read on the host, so it may live on the CPU). ``group`` is the integer
+handle of :func:`interlace.ops.library.register_group`; ``strategy`` one of
+``SPAttention.STRATEGIES`` or ``auto`` (= ``fused``).
+
+The op's :class:`SPAttention` context is kept in :mod:`interlace.ops.library`'s cache,
+keyed by (``"sp_attention"``, handle, dtype, strategy, heads, kv_heads, head_dim): built
+for the next power of two of ``batch * S_loc`` on the first call and rebuilt at least
+twice as large when a call needs more, rebuilt after a failed call, freed by
+``interlace.ops.library.clear_cache`` and checked by ``interlace.ops.library.check``.
+Every call is collective: every rank calls with the same shapes (checked on every call
+where the group is not NCCL, as :class:`~interlace.nn.ContextParallelAttention` does).
+
+:func:`attention` is the entry point a layer calls: the custom op while ``torch.compile``
+traces, else the cached context's own call (its autograd Function, no dispatcher), as
+:mod:`interlace.ops.autograd` routes the dense ops::
+
+    h = interlace.ops.library.register_group(group)
+    out = attention(q, k, v, h, "fused", causal=True)            # differentiable
+    out, lse = torch.ops.interlace.sp_attention(q, k, v, h, "fused", True, d**-0.5)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...errors import InterlaceValueError
+from ...kernels.attention import LOG2E
+from ...runtime import Group
+from .._context import _reports_aborts, grown_capacity
+from ..library import _cached, _contexts, group_of
+from .ring import _ring_backward, _ring_forward, gather_attention
+from .sp_attention import STRATEGIES, SPAttention
+
+Tensor = torch.Tensor
+#: the strategies the ops take: SPAttention's, and ``auto`` (its default, ``fused``)
+OP_STRATEGIES = ("auto", *STRATEGIES)
+
+
+def _strategy(strategy: str) -> str:
+    if strategy not in OP_STRATEGIES:
+        raise InterlaceValueError(
+            f"sp_attention: strategy must be one of {OP_STRATEGIES}, got {strategy!r}"
+        )
+    return "fused" if strategy == "auto" else strategy
+
+
+def _check_4d(**tensors) -> None:
+    for name, t in tensors.items():
+        if t.dim() != 4:
+            raise InterlaceValueError(
+                f"sp_attention: {name} must be 4-D [batch, heads, S_loc, d], got shape "
+                f"{tuple(t.shape)}"
+            )
+
+
+# ---------------------------------------------------------------------------- context cache
+def _attention_context(
+    group: Group, handle: int, strategy: str, q: Tensor, k: Tensor
+) -> SPAttention:
+    """The cached context able to run a call on ``q`` / ``k``: built for the next power of
+    two of ``batch * S_loc`` tokens, rebuilt at least twice as large when a call needs
+    more, and rebuilt (as large) after a failure (``library._cached``)."""
+    _check_4d(q=q, k=k)
+    b, heads, s_loc, d = q.shape
+    kv_heads, tokens = k.shape[1], b * s_loc
+    key = (SPAttention.op_name, handle, q.dtype, strategy, heads, kv_heads, d)
+    ctx = _cached(key)
+    if ctx is not None and not ctx._closed and ctx.max_tokens >= tokens:
+        return ctx
+    if ctx is None or ctx._closed:  # new, or rebuilt after a failure: as large as it was
+        cap = max(grown_capacity(tokens), ctx.max_tokens if ctx is not None else 0)
+    else:
+        cap = max(grown_capacity(tokens), 2 * ctx.max_tokens)
+        ctx.close()  # collective: every rank outgrows it on the same call
+    # the per-call shape agreement (a host all-reduce, a synchronisation on NCCL) runs
+    # where the group is not NCCL; on NCCL the call fingerprints catch a mismatch
+    ctx = _contexts[key] = SPAttention(
+        group, heads, kv_heads, d, max_tokens=cap, dtype=q.dtype, strategy=strategy,
+        validate=not group.nccl,
+    )  # fmt: skip
+    return ctx
+
+
+def _context_of(q: Tensor, k: Tensor, group: int, strategy: str) -> SPAttention:
+    return _attention_context(group_of(group), group, _strategy(strategy), q, k)
+
+
+# ---------------------------------------------------------------------------- implementations
+def _fresh(t: Tensor) -> Tensor:
+    """``t`` laid out as the fake implementations say: contiguous from the start of its
+    storage (a strategy may return a view into a larger tensor, e.g. one rank's slice)."""
+    if t.is_contiguous() and t.storage_offset() == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+@_reports_aborts
+def _run_forward(ctx: SPAttention, q, k, v, causal: bool, cu, scale: float):
+    """``(out, lse)`` of one call on ``ctx``: ``SPAttention.__call__``'s checks and
+    fingerprint, then the strategy's forward without its autograd Function."""
+    shape = ctx._check_inputs(q, k, v, causal, cu)
+    ctx._fingerprint(shape)
+    b, h, s_loc, _ = q.shape
+    if ctx.strategy == "none":
+        out = gather_attention(ctx.group, q, k, v, shape.causal, cu, scale)
+        lse = q.new_empty(0, dtype=torch.float32)
+    elif ctx.strategy == "ring":
+        out, lse = _ring_forward(ctx.group, q, k, v, shape.causal, cu, scale)
+        out = out.to(q.dtype)
+    else:  # the kernel's lse is base 2, [batch x heads, S_loc]
+        out, lse2 = ctx._forward(q, k, v, shape, cu, scale)
+        lse = lse2.view(b, h, s_loc) / LOG2E
+    ctx._end()
+    return _fresh(out), _fresh(lse)
+
+
+def _autograd_enabled():
+    """Autograd recording inside a custom op's implementation, which the dispatcher runs
+    with the autograd keys excluded: for the ``none`` backward, which recomputes its
+    forward (torch ops and SDPA) and differentiates it."""
+    keys = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    exclude = exclude.remove(keys.AutogradFunctionality).remove(keys.ADInplaceOrView)
+    include = torch._C._dispatch_tls_local_include_set()
+    return torch._C._ForceDispatchKeyGuard(include, exclude)
+
+
+@_reports_aborts
+def _run_backward(ctx: SPAttention, dout, q, k, v, out, lse, causal: bool, cu, scale: float):
+    """``(dq, dk, dv)`` of one call on ``ctx``: the checks and fingerprint of a call, then
+    the strategy's backward."""
+    shape = ctx._check_inputs(q, k, v, causal, cu)
+    if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
+        raise InterlaceValueError(
+            f"sp_attention_backward: dout {tuple(dout.shape)} and out {tuple(out.shape)} "
+            f"must have q's shape {tuple(q.shape)}"
+        )
+    ctx._fingerprint(shape)
+    b, h, s_loc, _ = q.shape
+    dout = dout.contiguous()
+    if ctx.strategy == "none":
+        with _autograd_enabled(), torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            again = gather_attention(ctx.group, *leaves, shape.causal, cu, scale)
+            dq, dk, dv = torch.autograd.grad(again, leaves, dout)
+    elif ctx.strategy == "ring":
+        dq, dk, dv = _ring_backward(
+            ctx.group, q, k, v, out.float(), lse, dout, shape.causal, cu, scale
+        )
+    else:
+        lse2 = (lse * LOG2E).reshape(b * h, s_loc).contiguous()
+        dq, dk, dv = ctx._backward(q, k, v, out.contiguous(), lse2, dout, shape, cu, scale)
+    ctx._end()
+    return _fresh(dq), _fresh(dk), _fresh(dv)
+
+
+def _sp_attention(q, k, v, group: int, strategy: str, causal: bool, sm_scale: float, cu=None):
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    ctx = _context_of(q, k, group, strategy)
+    return _run_forward(ctx, q, k, v, bool(causal), cu, float(sm_scale))
+
+
+def _sp_attention_backward(dout, q, k, v, out, lse, group: int, strategy: str, causal: bool,
+                           sm_scale: float, cu=None):  # fmt: skip
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    ctx = _context_of(q, k, group, strategy)
+    return _run_backward(ctx, dout, q, k, v, out, lse, bool(causal), cu, float(sm_scale))
+
+
+# ---------------------------------------------------------------------------- registration
+@torch.library.custom_op("interlace::sp_attention", mutates_args=())
+def sp_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: int, strategy: str, causal: bool,
+    sm_scale: float, cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Sequence-parallel attention of this rank's queries over the whole sequence:
+    ``(out, lse)`` (see the module docstring)."""
+    return _sp_attention(q, k, v, group, strategy, causal, sm_scale, cu_seqlens)
+
+
+@torch.library.custom_op("interlace::sp_attention_backward", mutates_args=())
+def sp_attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, group: int,
+    strategy: str, causal: bool, sm_scale: float, cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(dq, dk, dv)`` of :func:`sp_attention` from ``dout`` and its ``(out, lse)``."""
+    return _sp_attention_backward(
+        dout, q, k, v, out, lse, group, strategy, causal, sm_scale, cu_seqlens
+    )
+
+
+def _fake_lse(q, strategy):
+    if _strategy(strategy) == "none":
+        return q.new_empty(0, dtype=torch.float32)
+    b, h, s_loc, _ = q.shape
+    return q.new_empty((b, h, s_loc), dtype=torch.float32)
+
+
+@sp_attention.register_fake
+def _(q, k, v, group, strategy, causal, sm_scale, cu_seqlens=None):
+    _check_4d(q=q, k=k, v=v)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), _fake_lse(q, strategy)
+
+
+@sp_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, group, strategy, causal, sm_scale, cu_seqlens=None):
+    _check_4d(q=q, k=k, v=v)
+    _strategy(strategy)
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, group, strategy, causal, sm_scale, *cu = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu[0] if cu else None)
+    ctx.group, ctx.strategy, ctx.causal, ctx.sm_scale = group, strategy, causal, sm_scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _grads(ctx, dout, dlse):
+    q, k, v, out, lse, cu = ctx.saved_tensors
+    dq, dk, dv = torch.ops.interlace.sp_attention_backward(
+        dout, q, k, v, out, lse, ctx.group, ctx.strategy, ctx.causal, ctx.sm_scale, cu
+    )
+    return dq, dk, dv, None, None, None, None, None
+
+
+torch.library.register_autograd("interlace::sp_attention", _grads, setup_context=_setup)
+
+
+# ---------------------------------------------------------------------------- entry point
+_is_compiling = torch.compiler.is_compiling
+
+
+def attention(q, k, v, group: int, strategy: str = "auto", causal: bool = False,
+              sm_scale: float | None = None, cu_seqlens=None) -> Tensor:  # fmt: skip
+    """This rank's attention output (differentiable): ``torch.ops.interlace.sp_attention``
+    while ``torch.compile`` traces, else the cached context's own call."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    if _is_compiling():
+        out, _ = torch.ops.interlace.sp_attention(
+            q, k, v, group, strategy, causal, scale, cu_seqlens
+        )
+        return out
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    ctx = _context_of(q, k, group, strategy)
+    return ctx(q, k, v, causal=causal, cu_seqlens=cu_seqlens, sm_scale=scale)
+
+
+__all__ = ["OP_STRATEGIES", "attention", "sp_attention", "sp_attention_backward"]
