@@ -44,7 +44,7 @@ def _variants():
         "n64_s4": DecodeConfig(block_n=64, num_stages=4),
         "n128_s3_w8": DecodeConfig(block_n=128, num_stages=3, num_warps=8),
         "n64_s3_p8": DecodeConfig(block_n=64, num_stages=3, programs_per_sm=8, min_split=128),
-        "n64_s3_p2": DecodeConfig(block_n=64, num_stages=3, programs_per_sm=2),
+        "n64_s3_p4": DecodeConfig(block_n=64, num_stages=3, programs_per_sm=4),
         "n128_s3_w8_p2": DecodeConfig(block_n=128, num_stages=3, num_warps=8, programs_per_sm=2),
         "n128_s4_w4_p2": DecodeConfig(block_n=128, num_stages=4, programs_per_sm=2),
     }

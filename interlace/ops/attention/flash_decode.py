@@ -65,15 +65,19 @@ class DecodeConfig:
     ``(sequence, kv head)`` groups; ``min_split``: fewest KV rows a split may have (fewer
     splits for short shards, whose split combine would cost more than it spreads).
 
-    The defaults ran at 1.03-1.70 x torch SDPA's decode bandwidth on one H100 over batch
-    1-64 and shards of 8k-256k rows; the alternatives timed beside them (records
-    ``flash_decode_variant``) won no shape by more than 15 % and lost some by as much:
-    benchmarks/results/2026-11-25-h100-80gb-hbm3-w1.json."""
+    ``programs_per_sm`` 2: on one H200 (graph replays, records ``flash_decode_variant``
+    of benchmarks/results/2026-11-28-h200-w1.json) it ran batch 1 with 32k / 131k / 262k
+    rows per shard at 0.92 / 1.03 / 1.02 x torch SDPA's decode bandwidth against 0.75 /
+    0.90 / 0.86 with 4 (whose splits were too short to pipeline), batch 8 with 16k at 0.90
+    against 0.87, batch 64 with 8k at 1.38 against 1.52; the other configurations timed
+    there (block 32 or 128, 4 stages, 8 programs per SM) won no shape by as much. On one
+    H100 the 4-per-SM defaults ran at 1.03-1.70 x
+    (benchmarks/results/2026-11-25-h100-80gb-hbm3-w1.json)."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    programs_per_sm: int = 4
+    programs_per_sm: int = 2
     min_split: int = 256
 
 
