@@ -213,10 +213,16 @@ def _compile_body(group, strategy, backend):
     assert len(graphs) == 1, f"{len(graphs)} graphs"  # (fullgraph: one, or it raised)
     assert any("interlace.sp_attention" in t for t in graphs[0]), graphs[0]
     names = ["out", "dx"] + [n for n, _ in block.named_parameters()]
+    # a parameter gradient near zero (the key bias: softmax ignores a shift shared by every
+    # key, up to the rotary embedding) is compared on the scale of the largest one
+    floor = 0.05 * max(float(t.float().norm()) for t in results[0][2:])
     for run in results[1:]:
-        for name, eager, traced in zip(names, results[0], run):
+        for i, (name, eager, traced) in enumerate(zip(names, results[0], run)):
             assert torch.isfinite(traced.float()).all(), f"{strategy}: {name} not finite"
-            err = rel(traced, eager)
+            scale = float(eager.float().norm())
+            if i >= 2:  # (a parameter)
+                scale = max(scale, floor)
+            err = float((traced.float() - eager.float()).norm()) / scale
             assert err < TOL, f"{strategy}: {name} compiled vs eager rel err {err:.2e}"
     attn.close()
     library.clear_cache(group)

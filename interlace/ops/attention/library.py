@@ -10,8 +10,9 @@ traces a model that calls it without graph breaks:
 * ``torch.ops.interlace.sp_attention_backward(dout, q, k, v, out, lse, group, strategy,
   causal, sm_scale, cu_seqlens=None) -> (dq, dk, dv)``: the gradients of this rank's
   tokens, by the strategy's own backward (``fused``: the overlapped dK/dV, dQ and
-  reduction kernels; ``ring``: the ring backward; ``none``: the all-gather + SDPA forward
-  run again under autograd).
+  reduction kernels; ``ring``: the ring backward; ``none``: its softmax statistics
+  recomputed by the ring forward, then the ring backward: the same gradients, from torch
+  ops, since a custom op cannot differentiate SDPA inside itself).
 
 Arguments are those of ``SPAttention.__call__``: ``q [batch, heads, S_loc, d]``, ``k, v
 [batch, kv_heads, S_loc, d]`` in the token layout of :mod:`.sp_attention` (zigzag when
@@ -134,17 +135,6 @@ def _run_forward(ctx: SPAttention, q, k, v, causal: bool, cu, scale: float):
     return _fresh(out), _fresh(lse)
 
 
-def _autograd_enabled():
-    """Autograd recording inside a custom op's implementation, which the dispatcher runs
-    with the autograd keys excluded: for the ``none`` backward, which recomputes its
-    forward (torch ops and SDPA) and differentiates it."""
-    keys = torch._C.DispatchKey
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    exclude = exclude.remove(keys.AutogradFunctionality).remove(keys.ADInplaceOrView)
-    include = torch._C._dispatch_tls_local_include_set()
-    return torch._C._ForceDispatchKeyGuard(include, exclude)
-
-
 @_reports_aborts
 def _run_backward(ctx: SPAttention, dout, q, k, v, out, lse, causal: bool, cu, scale: float):
     """``(dq, dk, dv)`` of one call on ``ctx``: the checks and fingerprint of a call, then
@@ -158,11 +148,11 @@ def _run_backward(ctx: SPAttention, dout, q, k, v, out, lse, causal: bool, cu, s
     ctx._fingerprint(shape)
     b, h, s_loc, _ = q.shape
     dout = dout.contiguous()
-    if ctx.strategy == "none":
-        with _autograd_enabled(), torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            again = gather_attention(ctx.group, *leaves, shape.causal, cu, scale)
-            dq, dk, dv = torch.autograd.grad(again, leaves, dout)
+    if ctx.strategy == "none":  # (no lse kept: the ring forward recomputes it)
+        again, lse = _ring_forward(ctx.group, q, k, v, shape.causal, cu, scale)
+        dq, dk, dv = _ring_backward(
+            ctx.group, q, k, v, again.float(), lse, dout, shape.causal, cu, scale
+        )
     elif ctx.strategy == "ring":
         dq, dk, dv = _ring_backward(
             ctx.group, q, k, v, out.float(), lse, dout, shape.causal, cu, scale
