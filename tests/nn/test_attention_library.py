@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import interlace.nn as inn
-from interlace.errors import InterlaceValueError
+from interlace.errors import InterlaceTypeError, InterlaceValueError
 from interlace.ops import library
 from interlace.ops.attention import library as attn_library
 from interlace.ops.attention import zigzag_shard
@@ -259,3 +259,183 @@ def _bad_body(group):
 @pytest.mark.parametrize("world", worlds(cpu=(2,), gpu=()), indirect=True)
 def test_bad_inputs_raise_on_every_rank(world):
     assert world.run(_bad_body) == [True] * world.world_size
+
+
+# ---------------------------------------------------------------------------- flash-decode
+#: decode heads: 4 query heads on 2 K/V heads; each rank's shard length (ragged, not a
+#: multiple of the emulation's 16-row KV block)
+DEC_HQ, DEC_HKV = 4, 2
+
+
+def _shard_lens(world: int) -> list[int]:
+    return [19 + 6 * r for r in range(world)]
+
+
+def _decode_inputs(group, batch: int, seed: int, ragged: bool):
+    """``q`` (the same on every rank), every rank's K/V shard (each a slice of a longer
+    cache: strided) and the valid rows of every (rank, sequence); ``kv_lens`` of this rank
+    (None unless ``ragged``; then rank 0 holds nothing of sequence 0)."""
+    dev, w = group.device, group.world_size
+    q = seeded(seed, batch, DEC_HQ, D, device=dev)
+    shards = []
+    for r, n in enumerate(_shard_lens(w)):
+        cache = seeded(seed + 1 + r, 2, batch, DEC_HKV, n + 5, D, device=dev)
+        shards.append((cache[0, :, :, :n], cache[1, :, :, :n]))
+    valid = [[n] * batch for n in _shard_lens(w)]
+    kv_lens = None
+    if ragged:
+        valid = [[(n * (b + 1)) // (batch + 1) for b in range(batch)] for n in _shard_lens(w)]
+        valid[0][0] = 0
+        kv_lens = torch.tensor(valid[group.rank], dtype=torch.int32, device=dev)
+    return q, shards, valid, kv_lens
+
+
+def _decode_reference(q, shards, valid, scale: float):
+    """float32 attention of ``q`` over every rank's valid K/V rows, concatenated."""
+    g = q.shape[1] // shards[0][0].shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for b in range(q.shape[0]):
+        k, v = (
+            torch.cat(
+                [s[i][b, :, : valid[r][b]].float().cpu() for r, s in enumerate(shards)], 1
+            ).repeat_interleave(g, 0)
+            for i in (0, 1)
+        )  # [heads, rows, d]
+        p = torch.softmax((q[b].float().cpu()[:, None, :] @ k.transpose(1, 2)) * scale, -1)
+        out[b] = (p @ v)[:, 0]
+    return out
+
+
+def _decode_body(group, strategy, route):
+    """Four calls through the custom op (``route="op"``) or ``decode()`` (``"entry"``):
+    batch 1, then batch 3 with ragged valid lengths (grows the cached context), then
+    batch 2 twice (the same launch shape with another scale); every rank's output against
+    the float32 reference."""
+    h = library.register_group(group)
+    for call, (batch, ragged) in enumerate([(1, False), (3, True), (2, False), (2, False)]):
+        q, shards, valid, kv_lens = _decode_inputs(group, batch, 100 * call, ragged)
+        k, v = shards[group.rank]
+        scale = 0.2 + 0.05 * call  # not 1/sqrt(d), and changing: it must reach the kernels
+        with torch.no_grad():
+            if route == "op":
+                out = ops.flash_decode(q, k, v, kv_lens, h, strategy, scale)
+            else:
+                out = attn_library.decode(q, k, v, h, strategy, kv_lens, scale)
+        what = f"{strategy} {route} call {call} batch {batch}"
+        assert out.shape == q.shape and out.dtype == q.dtype, what
+        assert torch.isfinite(out.float()).all(), f"{what}: not finite"
+        err = rel(out, _decode_reference(q, shards, valid, scale))
+        assert err < TOL, f"{what}: rel err {err:.2e}"
+    resolved = "fused" if strategy == "auto" else strategy
+    key = ("flash_decode", h, torch.bfloat16, resolved, DEC_HQ, DEC_HKV, D)
+    cached = [c for k, c in library.contexts().items() if k[0] == "flash_decode"]
+    assert len(cached) == 1 and library.contexts()[key].max_batch >= 3  # grown by call 1
+    library.clear_cache(group)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS, indirect=True)
+@pytest.mark.parametrize("strategy", ["auto", "none"])
+def test_flash_decode_op(world, strategy):
+    """The custom op: GQA, ragged shard lengths and valid lengths, a growing batch."""
+    world.run(_decode_body, strategy, "op")
+
+
+@pytest.mark.parametrize("world", worlds(cpu=(2,), gpu=()), indirect=True)
+def test_flash_decode_entry_point(world):
+    """``decode()`` outside a trace: the cached context's own call."""
+    world.run(_decode_body, "fused", "entry")
+
+
+def _decode_opcheck_body(group):
+    h = library.register_group(group)
+    for strategy, ragged in (("auto", False), ("auto", True), ("none", True)):
+        q, shards, _, kv_lens = _decode_inputs(group, 2, 7, ragged)
+        k, v = shards[group.rank]
+        torch.library.opcheck(ops.flash_decode.default, (q, k, v, kv_lens, h, strategy, 0.25))
+    library.clear_cache(group)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS, indirect=True)
+def test_flash_decode_opcheck(world):
+    world.run(_decode_opcheck_body)
+
+
+class _DecodeStep(nn.Module):
+    """One decode step's attention: project the token to queries, flash-decode them over
+    the KV cache shard, project the output."""
+
+    def __init__(self, handle: int, strategy: str, hidden: int, dev):
+        super().__init__()
+        kw = dict(bias=False, dtype=torch.bfloat16, device=dev)
+        self.q_proj = nn.Linear(hidden, DEC_HQ * D, **kw)
+        self.o_proj = nn.Linear(DEC_HQ * D, hidden, **kw)
+        self.handle, self.strategy = handle, strategy
+
+    def forward(self, x, k, v, kv_lens):
+        q = self.q_proj(x).view(x.shape[0], DEC_HQ, D)
+        out = attn_library.decode(q, k, v, self.handle, self.strategy, kv_lens)
+        return x + self.o_proj(out.flatten(1))
+
+
+def _decode_compile_body(group, strategy, backend):
+    dev, hidden = group.device, 32
+    h = library.register_group(group)
+    torch.manual_seed(7)  # the same weights on every rank
+    step = _DecodeStep(h, strategy, hidden, dev)
+    graphs: list = []
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=_recording(backend, graphs))
+    for call, ragged in enumerate([False, True]):
+        _, shards, _, kv_lens = _decode_inputs(group, 2, 50 * call, ragged)
+        k, v = shards[group.rank]
+        x = seeded(60 + call, 2, hidden, device=dev)
+        with torch.no_grad():
+            eager = step(x, k, v, kv_lens)
+            traced = compiled(x, k, v, kv_lens)
+        assert torch.isfinite(traced.float()).all(), f"{strategy}: call {call} not finite"
+        err = rel(traced, eager)
+        assert err < TOL, f"{strategy}: call {call} compiled vs eager rel err {err:.2e}"
+    # one graph per kv_lens variant (None, a tensor); fullgraph: no breaks, or it raised
+    assert 1 <= len(graphs) <= 2, f"{len(graphs)} graphs"
+    assert all(any("interlace.flash_decode" in t for t in g) for g in graphs), graphs
+    library.clear_cache(group)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS, indirect=True)
+@pytest.mark.parametrize("strategy", ["auto", "none"])
+def test_compile_fullgraph_flash_decode(world, strategy):
+    """A decode step calling ``decode()`` under ``torch.compile(fullgraph=True)`` against
+    the same step run eagerly (``aot_eager`` on the CPU emulation, inductor on GPUs)."""
+    world.run(_decode_compile_body, strategy, "aot_eager" if world.backend == "cpu" else "inductor")
+
+
+def _decode_bad_body(group):
+    dev = group.device
+    h = library.register_group(group)
+    q, shards, _, _ = _decode_inputs(group, 2, 3, False)
+    k, v = shards[group.rank]
+    op = ops.flash_decode
+    expect_error(InterlaceValueError, "strategy", op, q, k, v, None, h, "ring", 0.1)
+    expect_error(InterlaceValueError, "no interlace group", op, q, k, v, None, 999, "auto", 0.1)
+    expect_error(InterlaceValueError, "3-D", op, q[0], k, v, None, h, "auto", 0.1)
+    expect_error(InterlaceValueError, "4-D", op, q, k[0], v, None, h, "auto", 0.1)
+    expect_error(InterlaceTypeError, "dtype", op, q.float(), k.float(), v.float(), None, h,
+                 "auto", 0.1)  # fmt: skip
+    expect_error(InterlaceValueError, "kv_len", op, q, k[:1], v[:1], None, h, "auto", 0.1)
+    expect_error(InterlaceTypeError, "int32", op, q, k, v, torch.ones(2, device=dev), h,
+                 "auto", 0.1)  # fmt: skip
+    out = op(q, k, v, None, h, "auto", 0.1)  # still usable
+    assert torch.isfinite(out.float()).all() and out.shape == q.shape
+    qg = leaf(q)  # an inference op: its backward raises
+    out = attn_library.decode(qg, k, v, h)
+    expect_error(InterlaceValueError, "inference op", out.float().sum().backward)
+    library.clear_cache(group)
+    return True
+
+
+@pytest.mark.parametrize("world", worlds(cpu=(2,), gpu=()), indirect=True)
+def test_flash_decode_bad_inputs_raise_on_every_rank(world):
+    assert world.run(_decode_bad_body) == [True] * world.world_size

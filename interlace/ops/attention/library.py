@@ -1,5 +1,5 @@
-"""Sequence-parallel attention as torch custom ops, so that ``torch.compile(fullgraph=True)``
-traces a model that calls it without graph breaks:
+"""The attention ops as torch custom ops, so that ``torch.compile(fullgraph=True)``
+traces a model that calls them without graph breaks:
 
 * ``torch.ops.interlace.sp_attention(q, k, v, group, strategy, causal, sm_scale,
   cu_seqlens=None) -> (out, lse)``: this rank's attention output (as
@@ -13,12 +13,17 @@ traces a model that calls it without graph breaks:
   reduction kernels; ``ring``: the ring backward; ``none``: its softmax statistics
   recomputed by the ring forward, then the ring backward: the same gradients, from torch
   ops, since a custom op cannot differentiate SDPA inside itself).
+* ``torch.ops.interlace.flash_decode(q, k, v, kv_lens, group, strategy, sm_scale) ->
+  out``: distributed flash-decode (:class:`~interlace.ops.attention.FlashDecode`, every
+  rank getting the output); inference only (its backward raises). Described at the
+  end.
 
-Arguments are those of ``SPAttention.__call__``: ``q [batch, heads, S_loc, d]``, ``k, v
-[batch, kv_heads, S_loc, d]`` in the token layout of :mod:`.sp_attention` (zigzag when
-``causal``), ``cu_seqlens`` the packed documents' global boundaries (a tensor every rank
-holds alike; it is read on the host, so it may live on the CPU). ``group`` is the integer
-handle of :func:`interlace.ops.library.register_group`; ``strategy`` one of
+The sequence-parallel ops' arguments are those of ``SPAttention.__call__``: ``q [batch,
+heads, S_loc, d]``, ``k, v [batch, kv_heads, S_loc, d]`` in the token layout of
+:mod:`.sp_attention` (zigzag when ``causal``), ``cu_seqlens`` the packed documents'
+global boundaries (a tensor every rank holds alike; it is read on the host, so it may
+live on the CPU). ``group`` is the integer handle of
+:func:`interlace.ops.library.register_group`; ``strategy`` one of
 ``SPAttention.STRATEGIES`` or ``auto`` (= ``fused``).
 
 The op's :class:`SPAttention` context is kept in :mod:`interlace.ops.library`'s cache,
@@ -36,6 +41,19 @@ traces, else the cached context's own call (its autograd Function, no dispatcher
     h = interlace.ops.library.register_group(group)
     out = attention(q, k, v, h, "fused", causal=True)            # differentiable
     out, lse = torch.ops.interlace.sp_attention(q, k, v, h, "fused", True, d**-0.5)
+
+``flash_decode``'s arguments are those of ``FlashDecode.__call__`` (``q [batch, heads,
+d]`` the same on every rank, ``k, v [batch, kv_heads, kv_len, d]`` this rank's shard of
+the KV cache, read in place where its last dimension has unit stride; ``kv_lens [batch]``
+int32 on the group's device or None), the group handle, a strategy of
+``FlashDecode.STRATEGIES`` (``auto`` = ``fused``) and the scale. Its context is cached
+alike, keyed by (``"flash_decode"``, handle, dtype, strategy, heads, kv_heads, head_dim):
+built for the next power of two of the batch and rebuilt at least twice as large when a
+call's batch is larger. :func:`decode` is its entry point (the custom op while
+``torch.compile`` traces or an input requires grad, else the context's own call)::
+
+    with torch.no_grad():
+        out = decode(q, k_shard, v_shard, h, kv_lens=lens)         # [batch, heads, d]
 """
 
 from __future__ import annotations
@@ -49,6 +67,7 @@ from ...kernels.attention import LOG2E
 from ...runtime import Group
 from .._context import _reports_aborts, grown_capacity
 from ..library import _cached, _contexts, group_of
+from .flash_decode import FlashDecode
 from .ring import _ring_backward, _ring_forward, gather_attention
 from .sp_attention import STRATEGIES, SPAttention
 
@@ -257,4 +276,124 @@ def attention(q, k, v, group: int, strategy: str = "auto", causal: bool = False,
     return ctx(q, k, v, causal=causal, cu_seqlens=cu_seqlens, sm_scale=scale)
 
 
-__all__ = ["OP_STRATEGIES", "attention", "sp_attention", "sp_attention_backward"]
+# ---------------------------------------------------------------------------- flash-decode
+#: the strategies ``flash_decode`` takes: FlashDecode's (``auto`` = ``fused``)
+DECODE_STRATEGIES = FlashDecode.STRATEGIES
+
+
+def _decode_strategy(strategy: str) -> str:
+    if strategy not in DECODE_STRATEGIES:
+        raise InterlaceValueError(
+            f"flash_decode: strategy must be one of {DECODE_STRATEGIES}, got {strategy!r}"
+        )
+    return "fused" if strategy == "auto" else strategy
+
+
+def _check_decode_dims(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.dim() != 3:
+        raise InterlaceValueError(
+            f"flash_decode: q must be 3-D [batch, heads, d], got shape {tuple(q.shape)}"
+        )
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise InterlaceValueError(
+                f"flash_decode: {name} must be 4-D [batch, kv_heads, kv_len, d], got shape "
+                f"{tuple(t.shape)}"
+            )
+
+
+def _decode_context(group: Group, handle: int, strategy: str, q: Tensor, k: Tensor,
+                    sm_scale: float) -> FlashDecode:  # fmt: skip
+    """The cached context able to run a call on ``q`` / ``k``: built for the next power of
+    two of the batch, rebuilt at least twice as large when a call's batch is larger, and
+    rebuilt (as large) after a failure (``library._cached``). Every rank gets the output
+    (no owner). ``sm_scale`` is an argument of each call: a context built for another
+    scale takes this one (its launch plans, which hold the scale, are dropped)."""
+    b, heads, d = q.shape
+    key = (FlashDecode.op_name, handle, q.dtype, strategy, heads, k.shape[1], d)
+    ctx = _cached(key)
+    if ctx is None or ctx._closed or ctx.max_batch < b:
+        if ctx is None or ctx._closed:  # new, or rebuilt after a failure: as large as it was
+            cap = max(grown_capacity(b), ctx.max_batch if ctx is not None else 0)
+        else:
+            cap = max(grown_capacity(b), 2 * ctx.max_batch)
+            ctx.close()  # collective: every rank outgrows it on the same call
+        ctx = FlashDecode(group, cap, heads, k.shape[1], d, dtype=q.dtype, sm_scale=sm_scale,
+                          strategy=strategy)  # fmt: skip
+        _contexts[key] = ctx
+    if ctx.sm_scale != sm_scale:
+        ctx.sm_scale = sm_scale
+        ctx._plans.clear()
+    return ctx
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    """``t`` with unit stride along its last dimension (a strided KV cache slice is read
+    in place; only a tensor strided along ``d`` is copied)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _flash_decode(q, k, v, kv_lens, group: int, strategy: str, sm_scale: float) -> Tensor:
+    _check_decode_dims(q, k, v)
+    strategy = _decode_strategy(strategy)
+    g = group_of(group)
+    q, k, v = q.contiguous(), _unit_last(k), _unit_last(v)
+    ctx = _decode_context(g, group, strategy, q, k, float(sm_scale))
+    return ctx(q, k, v, kv_lens=kv_lens)
+
+
+@torch.library.custom_op("interlace::flash_decode", mutates_args=())
+def flash_decode(q: Tensor, k: Tensor, v: Tensor, kv_lens: Tensor | None, group: int,
+                 strategy: str, sm_scale: float) -> Tensor:  # fmt: skip
+    """Distributed flash-decode (:class:`~interlace.ops.attention.FlashDecode`): attention
+    of ``q [batch, heads, d]`` (the same on every rank) over the KV cache whose sequence
+    is split over the ranks (``k, v [batch, kv_heads, kv_len, d]``, this rank's shard;
+    ``kv_lens [batch]`` int32 on the group's device: each sequence's valid rows in the
+    shard). Every rank gets ``out [batch, heads, d]``. Inference only: no backward."""
+    return _flash_decode(q, k, v, kv_lens, group, strategy, sm_scale)
+
+
+@flash_decode.register_fake
+def _(q, k, v, kv_lens, group, strategy, sm_scale):
+    _check_decode_dims(q, k, v)
+    _decode_strategy(strategy)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _no_decode_grad(ctx, grad):
+    raise InterlaceValueError(
+        "flash_decode is an inference op and has no backward: call it on tensors that do "
+        "not require grad (under torch.no_grad() or torch.inference_mode())"
+    )
+
+
+torch.library.register_autograd("interlace::flash_decode", _no_decode_grad)
+
+
+def _wants_grad(*tensors: Tensor) -> bool:
+    """An input requires grad: the call takes the custom op, whose backward raises (the
+    context's own call would return an output silently cut off from autograd)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def decode(q, k, v, group: int, strategy: str = "auto", kv_lens=None,
+           sm_scale: float | None = None) -> Tensor:  # fmt: skip
+    """Every rank's flash-decode output ``[batch, heads, d]`` (see :func:`flash_decode`;
+    ``sm_scale`` defaults to ``1/sqrt(d)``): ``torch.ops.interlace.flash_decode`` while
+    ``torch.compile`` traces or an input requires grad, else the cached context's own
+    call."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    if _is_compiling() or _wants_grad(q, k, v):
+        return torch.ops.interlace.flash_decode(q, k, v, kv_lens, group, strategy, scale)
+    return _flash_decode(q, k, v, kv_lens, group, strategy, scale)
+
+
+__all__ = [
+    "DECODE_STRATEGIES",
+    "OP_STRATEGIES",
+    "attention",
+    "decode",
+    "flash_decode",
+    "sp_attention",
+    "sp_attention_backward",
+]
