@@ -17,7 +17,10 @@ then prints the summary. OP and its ``--shape`` fields:
   activations and routing of one untraced ``AGMoE`` call (which ``fused`` needs: the
   padded routing); only ``MoERS`` is traced;
 * ``flash_decode``: ``batch,heads,L,d[,kv_heads]``: one decode step over a KV cache of
-  ``L`` rows per sequence (``L / W`` per rank), every rank merging.
+  ``L`` rows per sequence (``L / W`` per rank), every rank merging;
+* ``ep_dispatch``: ``tokens,hidden,experts,topk``: ``EPAllToAll``'s dispatch of
+  ``tokens / W`` tokens per rank (random routing), then its combine of the received rows
+  (the experts left out: their output is their input).
 
 ``python -m interlace bench trace [--quick]``: on a GPU, the overhead of tracing: the
 per-rank kernel of AG+GEMM ``fused`` and GEMM+RS ``ce_fused`` as rank 0 of 4 with its
@@ -42,6 +45,7 @@ DEFAULT_OUT = "benchmarks/results"
 OPS = {
     "ag_gemm": "AGGemm", "gemm_rs": "GemmRS", "gemm_ar": "GemmAR", "ag_moe": "AGMoE",
     "sp_attention": "SPAttention", "moe_rs": "MoERS", "flash_decode": "FlashDecode",
+    "ep_dispatch": "EPAllToAll",
 }  # fmt: skip
 
 
@@ -72,6 +76,10 @@ SHAPES = {
     "flash_decode": ShapeSpec(
         ("batch", "heads", "L", "d", "kv_heads"), "L",
         lambda w: (1, 4, w * 37, 16, 2), lambda w: (4, 32, w * 32768, 128, 8), optional=1,
+    ),
+    "ep_dispatch": ShapeSpec(
+        ("tokens", "hidden", "experts", "topk"), "tokens",
+        lambda w: (w * 7, 48, 2 * w, 2), lambda w: (w * 4096, 7168, 256, 8),
     ),
 }  # fmt: skip
 
@@ -121,6 +129,20 @@ def _op_call(group, op, strategy, shape, causal):
         h, routing = ctx(x, ids, weights, wg)
         wd = (torch.randn(experts, inter, hidden, device=dev) / math.sqrt(inter)).to(dtype)
         return _Contexts(ContextSet(ctx, rs), rs), lambda: rs(h, routing, wd)
+    if op == "ep_dispatch":
+        tokens, hidden, experts, topk = shape
+        m = tokens // w
+        ctx = interlace.EPAllToAll(group, max_tokens=m, hidden=hidden, experts=experts,
+                                   topk=topk, dtype=dtype)  # fmt: skip
+        x = torch.randn(m, hidden, device=dev).to(dtype)
+        ids = torch.rand(m, experts, device=dev).argsort(dim=1)[:, :topk].contiguous()
+        weights = torch.softmax(torch.randn(m, topk, device=dev), dim=-1)
+
+        def dispatch_combine():
+            handle = ctx.dispatch(x, ids, weights)
+            return ctx.combine(handle.recv_x, handle)
+
+        return ctx, dispatch_combine
     if op == "flash_decode":
         batch, heads, length, d, kv_heads = shape
         ctx = interlace.FlashDecode(group, batch, heads, kv_heads, d, strategy=strategy)
@@ -404,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the op's shape: M,N,K (ag_gemm, gemm_rs, gemm_ar); "
                         "tokens,hidden,inter,experts,topk (ag_moe, moe_rs); "
                         "batch,heads,S,d[,kv_heads] (sp_attention); batch,heads,L,d[,kv_heads] "
-                        "(flash_decode); see above")  # fmt: skip
+                        "(flash_decode); tokens,hidden,experts,topk (ep_dispatch); "
+                        "see above")  # fmt: skip
     p.add_argument("--causal", action="store_true", help="sp_attention: causal (zigzag)")
     p.add_argument("--strategy", default="fused")
     p.add_argument("--world-size", type=int, default=None, help="ranks (default: GPUs, >= 2)")

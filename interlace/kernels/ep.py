@@ -47,11 +47,28 @@ from ..language.primitives import (
     wait_deadline,
     wait_stop,
 )
+from ..language.trace import (
+    EV_END,
+    EV_NOTIFY,
+    EV_START,
+    EV_TILE_END,
+    EV_WAIT_BEGIN,
+    EV_WAIT_END,
+    trace_event,
+)  # fmt: skip
 
 #: Values per FP8 scale (one fp32 scale per this many consecutive values of a row).
 FP8_GROUP = tl.constexpr(128)
 #: Largest finite e4m3 value.
 E4M3_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def trace_step(TRACE: tl.constexpr, tbuf, KIND: tl.constexpr, j, a, b):
+    """``language.trace.trace_event`` in this program's ``j``-th tile slots (tile ``pid + j
+    * programs``). Compiles to nothing unless ``TRACE``."""
+    if TRACE:
+        trace_event(TRACE, tbuf, KIND, tl.program_id(0) + j * tl.num_programs(0), a, b)
 
 
 @triton.jit
@@ -157,14 +174,22 @@ def ep_route_kernel(
     topk_idx, topk_w, n_tok, route_idx, idx_tab, route_w, w_tab, route_n, n_tab, sig_tab,
     ROUTE_OFF, err, rank, world, n_experts, K, T_MAX, max_spins,
     KP: tl.constexpr, BT: tl.constexpr,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """Program ``i`` writes this rank's routing into slot ``rank`` of rank ``rank + i``
     (after that slot was freed), then raises that rank's ``route[rank]``. Expert ids out of
     ``[-1, n_experts)`` become -1 and mark the token count (``-1 - n``), so that every
-    rank sees the error."""
+    rank sees the error.
+
+    Traced (``language.trace``, one tile per program): start / end; the wait for the
+    slot (begin / end: peer, 0); the routing's push (tile end: peer, tokens); the flag
+    raised (notify: slot, peer)."""
+    trace_event(TRACE, tbuf, EV_START, 0, 0, 0)
     peer = (rank + tl.program_id(0)) % world
     flag = signal_base(sig_tab, peer) + ROUTE_OFF + rank
+    trace_step(TRACE, tbuf, EV_WAIT_BEGIN, 0, peer, 0)
     wait(flag, 0, err, rank, ROUTE_OFF + rank + (peer + 1) * REMOTE_SLOT, max_spins, EQUAL=True)
+    trace_step(TRACE, tbuf, EV_WAIT_END, 0, peer, 0)
     base = tl.cast(rank, tl.int64) * T_MAX * KP
     dst_idx = peer_ptr_aligned(route_idx, idx_tab, rank, peer) + base
     dst_w = peer_ptr_aligned(route_w, w_tab, rank, peer) + base
@@ -185,7 +210,10 @@ def ep_route_kernel(
         tl.store(dst_w + dst, w, mask=rmask[:, None])
     n_word = tl.where(bad > 0, -1 - n_tok, n_tok)
     tl.store(peer_ptr_aligned(route_n, n_tab, rank, peer) + rank, n_word)
+    trace_step(TRACE, tbuf, EV_TILE_END, 0, peer, n_tok)
     notify(flag, 1)
+    trace_step(TRACE, tbuf, EV_NOTIFY, 0, ROUTE_OFF + rank, peer)
+    trace_event(TRACE, tbuf, EV_END, 0, 0, 0)
 
 
 @triton.jit
@@ -194,10 +222,16 @@ def ep_send_kernel(
     rank, world, H, T_MAX,
     E_LOC: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
     FP8: tl.constexpr,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """Each token's row is stored once into slot ``rank`` of every rank that holds one of
     its experts (destinations rank-rotated); FP8: quantised on the way, one scale per
-    128 values. Each program then release-adds 1 to ``data[rank]`` on every rank."""
+    128 values. Each program then release-adds 1 to ``data[rank]`` on every rank.
+
+    Traced (``language.trace``, one tile per program): start / end; the end of the
+    program's pushes (tile end: its token blocks, 0); the counters raised (notify: slot,
+    -1 = every rank)."""
+    trace_event(TRACE, tbuf, EV_START, 0, 0, 0)
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     cols = tl.arange(0, KP)
@@ -233,9 +267,12 @@ def ep_send_kernel(
                         sdst + rows64[:, None] * n_groups + gc[None, :], s,
                         mask=go[:, None] & gm[None, :],
                     )  # fmt: skip
+    trace_step(TRACE, tbuf, EV_TILE_END, 0, tl.cdiv(n_tok, BT), 0)
     for i in range(world):
         d = (rank + i) % world
         notify(signal_base(sig_tab, d) + DATA_OFF + rank, 1, ADD=True)
+    trace_step(TRACE, tbuf, EV_NOTIFY, 0, DATA_OFF + rank, -1)
+    trace_event(TRACE, tbuf, EV_END, 0, 0, 0)
 
 
 @triton.jit
@@ -243,6 +280,7 @@ def ep_layout_kernel(
     route_idx, route_n, pair_rel, counts, seg_counts, status, sig, ROUTE_OFF, err, rank, world,
     T_MAX, capacity, OVERFLOW_SLOT, BAD_SLOT, max_spins,
     E_LOC: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, WP: tl.constexpr,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """After every source's routing has landed: program ``e`` (one per local expert) gives
     each pair routed to expert ``e`` its row within ``e``'s segment (sources in rank order,
@@ -251,10 +289,17 @@ def ep_layout_kernel(
     every other pair -1 and checks the whole routing: rows each rank receives against
     ``capacity``, expert ids in range. Every rank sees the same routing, so every rank
     finds the same failure: it writes ``status`` (1 overflow, 2 bad expert id) and records
-    it in its error word, and no later kernel of the call moves data."""
+    it in its error word, and no later kernel of the call moves data.
+
+    Traced (``language.trace``; step ``s`` of program ``p`` of ``P`` is tile ``p + s P``):
+    start / end; per source ``s`` the wait for its routing (begin / end: ``s``, 0); the
+    end of the program's work in the last step (tile end: ``pid``, 0)."""
+    trace_event(TRACE, tbuf, EV_START, 0, 0, 0)
     pid = tl.program_id(0)
     for s in range(world):
+        trace_step(TRACE, tbuf, EV_WAIT_BEGIN, s, s, 0)
         wait(sig + ROUTE_OFF + s, 1, err, rank, ROUTE_OFF + s, max_spins)
+        trace_step(TRACE, tbuf, EV_WAIT_END, s, s, 0)
     cols = tl.arange(0, KP)
     if pid < E_LOC:
         e = rank * E_LOC + pid
@@ -305,6 +350,8 @@ def ep_layout_kernel(
             state = 1
             record_check(err, first_over, OVERFLOW_SLOT, need)
         tl.store(status, state)
+    trace_step(TRACE, tbuf, EV_TILE_END, world - 1, pid, 0)
+    trace_event(TRACE, tbuf, EV_END, 0, 0, 0)
 
 
 @triton.jit
@@ -314,6 +361,7 @@ def ep_expand_kernel(
     world, H, T_MAX, max_spins, seg_counts, src_offs, cap_s, SRC_DONE,
     E_LOC: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
     EP2: tl.constexpr, WP: tl.constexpr, FP8: tl.constexpr, SRC_MAJOR: tl.constexpr = False,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """Copies each staged token into the expanded output once per local expert it is
     routed to (``recv_x[start[e] + pair_rel]``), source by source as each source's tokens
@@ -325,7 +373,14 @@ def ep_expand_kernel(
     source ``s``'s region starting at row ``s * cap_s`` and grouped by local expert there;
     program 0 writes each region's ``offs`` to ``src_offs [W, E_LOC]``, and every program
     release-adds 1 to local signal ``SRC_DONE + s`` once its rows of source ``s`` are
-    stored, so a consumer can start on a source's rows as soon as they are complete."""
+    stored, so a consumer can start on a source's rows as soon as they are complete.
+
+    Traced (``language.trace``; step ``i`` of program ``p`` of ``P`` is tile ``p + i P``):
+    start / end; per source (step ``i``: own first, then rank-rotated) the wait for its
+    tokens (begin: source, senders; end: source, 0) and the end of its rows' copies (tile
+    end: source, 0); the last program's release of the routing slots (notify in step 0:
+    route slot, -1 = every rank)."""
+    trace_event(TRACE, tbuf, EV_START, 0, 0, 0)
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     state = tl.load(status)
@@ -345,7 +400,9 @@ def ep_expand_kernel(
             if pid == 0:
                 ev = tl.arange(0, EP2)
                 tl.store(src_offs + s * E_LOC + ev, incl, mask=ev < E_LOC)
+        trace_step(TRACE, tbuf, EV_WAIT_BEGIN, i, s, n_senders)
         wait(sig + DATA_OFF + s, n_senders, err, rank, DATA_OFF + s, max_spins)
+        trace_step(TRACE, tbuf, EV_WAIT_END, i, s, 0)
         n = tl.where(state == 0, _decode_count(tl.load(route_n + s)), 0)
         base = tl.cast(s, tl.int64) * T_MAX
         for blk in range(pid, tl.cdiv(n, BT), n_prog):
@@ -380,6 +437,7 @@ def ep_expand_kernel(
                             recv_scale + rj[:, None] * n_groups + gc[None, :], sv,
                             mask=ok[:, None] & gm[None, :],
                         )  # fmt: skip
+        trace_step(TRACE, tbuf, EV_TILE_END, i, s, 0)
         if SRC_MAJOR:
             notify(sig + SRC_DONE + s, 1, ADD=True, LOCAL=True)
     tl.debug_barrier()
@@ -390,6 +448,8 @@ def ep_expand_kernel(
         tl.debug_barrier()
         for s in range(world):
             tl.atomic_xchg(sig + ROUTE_OFF + s, 0, sem="release", scope="sys")
+        trace_step(TRACE, tbuf, EV_NOTIFY, 0, ROUTE_OFF, -1)
+    trace_event(TRACE, tbuf, EV_END, 0, 0, 0)
 
 
 @triton.jit
@@ -398,6 +458,7 @@ def ep_combine_send_kernel(
     sig_tab, COMB_OFF, err, rank, world, H, T_MAX, max_spins, only_src, seg_counts,
     E_LOC: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
     EP2: tl.constexpr, WP: tl.constexpr = 2, SRC_MAJOR: tl.constexpr = False,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """For each token routed here, the weighted sum (fp32) of its rows of ``expert_out``
     over this rank's experts, stored once into slot ``rank`` of the token's home rank at
@@ -406,7 +467,14 @@ def ep_combine_send_kernel(
 
     ``only_src >= 0``: only home rank ``only_src``'s tokens, whose rows ``expert_out``
     holds in the source-major layout of that source's region alone (``SRC_MAJOR``; see
-    ``ep_expand_kernel``): one launch per source, each as soon as its rows are computed."""
+    ``ep_expand_kernel``): one launch per source, each as soon as its rows are computed.
+
+    Traced (``language.trace``; step ``i`` of program ``p`` of ``P`` is tile ``p + i P``):
+    start / end; per home rank (step ``i``: own first, then rank-rotated) the wait for its
+    slot (begin / end: home rank, 0) and the end of the rows' push (tile end: home rank,
+    1 where its tokens are sent); the counters raised (notify in step 0: slot, -1 = every
+    rank, else ``only_src``)."""
+    trace_event(TRACE, tbuf, EV_START, 0, 0, 0)
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     state = tl.load(status)
@@ -417,7 +485,9 @@ def ep_combine_send_kernel(
         flag = signal_base(sig_tab, s) + COMB_OFF + rank
         mine = (only_src < 0) | (s == only_src)
         if mine:
+            trace_step(TRACE, tbuf, EV_WAIT_BEGIN, i, s, 0)
             _wait_below(flag, n_prog, err, rank, COMB_OFF + rank + (s + 1) * REMOTE_SLOT, max_spins)
+            trace_step(TRACE, tbuf, EV_WAIT_END, i, s, 0)
         if SRC_MAJOR:
             rel_start, _ = _source_starts(seg_counts, s, world, E_LOC, EP2, WP)
             starts = rel_start
@@ -450,10 +520,13 @@ def ep_combine_send_kernel(
                     dst + rows64[:, None] * H + hc[None, :], acc.to(dst.dtype.element_ty),
                     mask=used[:, None] & hm[None, :],
                 )  # fmt: skip
+        trace_step(TRACE, tbuf, EV_TILE_END, i, s, mine.to(tl.int32))
     for i in range(world):
         s = (rank + i) % world
         if (only_src < 0) | (s == only_src):
             notify(signal_base(sig_tab, s) + COMB_OFF + rank, 1, ADD=True)
+    trace_step(TRACE, tbuf, EV_NOTIFY, 0, COMB_OFF + rank, tl.where(only_src < 0, -1, only_src))
+    trace_event(TRACE, tbuf, EV_END, 0, 0, 0)
 
 
 @triton.jit
@@ -462,15 +535,24 @@ def ep_combine_recv_kernel(
     world, H, T_MAX, max_spins,
     E_LOC: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
     WP: tl.constexpr,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """``out[t] = sum over the ranks d holding one of token t's experts of comb[d][t]``,
     in fp32, in rank order (deterministic). Tokens routed nowhere get 0; after a failed
-    dispatch (``status``) every row is NaN. The last program zeroes ``comb`` (release)."""
+    dispatch (``status``) every row is NaN. The last program zeroes ``comb`` (release).
+
+    Traced (``language.trace``; step ``d`` of program ``p`` of ``P`` is tile ``p + d P``):
+    start / end; per expert rank ``d`` the wait for its rows (begin: ``d``, senders; end:
+    ``d``, 0); the end of the sums in the last step (tile end: ``pid``, 0); the last
+    program's release of ``comb`` (notify in step 0: slot, -1 = every rank)."""
+    trace_event(TRACE, tbuf, EV_START, 0, 0, 0)
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     state = tl.load(status)
     for d in range(world):
+        trace_step(TRACE, tbuf, EV_WAIT_BEGIN, d, d, n_senders)
         wait(sig + COMB_OFF + d, n_senders, err, rank, COMB_OFF + d, max_spins)
+        trace_step(TRACE, tbuf, EV_WAIT_END, d, d, 0)
     cols = tl.arange(0, KP)
     own = route_idx + tl.cast(rank, tl.int64) * T_MAX * KP
     for blk in range(pid, tl.cdiv(n_tok, BT), n_prog):
@@ -492,9 +574,12 @@ def ep_combine_recv_kernel(
                 out + rows64[:, None] * H + hc[None, :], acc.to(out.dtype.element_ty),
                 mask=rmask[:, None] & hm[None, :],
             )  # fmt: skip
+    trace_step(TRACE, tbuf, EV_TILE_END, world - 1, pid, 0)
     tl.debug_barrier()
     if tl.atomic_add(sig + DONE_SLOT, 1, sem="acq_rel", scope="gpu") == n_prog - 1:
         tl.store(sig + DONE_SLOT, 0)
         tl.debug_barrier()
         for d in range(world):
             tl.atomic_xchg(sig + COMB_OFF + d, 0, sem="release", scope="sys")
+        trace_step(TRACE, tbuf, EV_NOTIFY, 0, COMB_OFF, -1)
+    trace_event(TRACE, tbuf, EV_END, 0, 0, 0)

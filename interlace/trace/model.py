@@ -14,7 +14,10 @@ rank``), ``MoERS``'s finish (``wait contributions of every rank``, then its tile
 attention forward (per query block and K/V chunk: ``wait chunk of rank q``, then ``block b
 chunk q``), the split decode (``split s (seq b, kv head h)``, ``combine (...)``, ``push
 (...)``: a ``copy`` span, the SM stores into the merging ranks) and the decode merge
-(``wait partials of rank q``, then ``merge rank q``) use the same categories.
+(``wait partials of rank q``, then ``merge rank q``) and the expert-parallel all-to-all
+(``wait data of rank q`` / ``wait slot of rank q``, then ``push ...``: ``copy`` spans of
+SM stores into peers, or local ``expand`` / ``layout`` / ``sum`` work) use the same
+categories.
 """
 
 from __future__ import annotations
@@ -410,10 +413,81 @@ def _step_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
     return spans, [], cursor
 
 
+#: expert-parallel all-to-all kernels: what a step's wait waits for (``data``: rows or
+#: routing a peer pushes in this call; ``slot``: a peer freeing the slot written next)
+_EP_WAITS = {
+    "ep_route": ("slot", "routing slot of rank {q} freed"),
+    "ep_layout": ("data", "rank {q}'s routing"),
+    "ep_expand": ("data", "rank {q}'s tokens"),
+    "ep_combine_send": ("slot", "rank {q}'s combine slot freed"),
+    "ep_combine_recv": ("data", "rank {q}'s combined rows"),
+}
+#: what a kernel's notify raises
+_EP_NOTIFIES = {
+    "ep_route": "routing flag", "ep_send": "token counters", "ep_expand": "routing slots freed",
+    "ep_combine_send": "combine counters", "ep_combine_recv": "combine slots freed",
+}  # fmt: skip
+
+
+def _ep_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+    """Step ``j`` of a program of the expert-parallel dispatch / combine kernels
+    (``kernels.ep``): its wait for a peer (``wait ... of rank q``: ``args.waits_for`` says
+    whether for data pushed in this call or for a slot freed by the previous one), then
+    its work: a push into peers' memory (SM stores: a ``copy`` span, ``args.peers``; into
+    this rank's own memory, a ``store``), or local work (``compute``); a notify where the
+    program raised peers' flags (``dest`` -1: every rank)."""
+    spans, instants = [], []
+    kernel, world = info["kernel"], info["world"]
+    if wb[1] and we[1]:
+        q = we[2]
+        waits_for, what = _EP_WAITS[kernel]
+        spans.append(Span(
+            rank, tid, f"wait {'slot' if waits_for == 'slot' else 'data'} of rank {q}", "wait",
+            t(wb), t(we), dict(args, tile=g, step=j, peer=q, peers=[q], waits_for=waits_for,
+                               what=what.format(q=q)),
+        ))  # fmt: skip
+        cursor = max(cursor, t(we))
+    if te[1]:
+        a, b = te[2], te[3]
+        extra, cat = dict(step=j), "compute"
+        if kernel == "ep_route":  # routing (ids, weights, count) of b tokens into rank a
+            name, peers = f"push routing to rank {a}", [a]
+            extra.update(tokens=b, bytes=b * info["kp"] * 8 + 4)
+        elif kernel == "ep_send":  # this program's token blocks into every rank using them
+            name, peers = "push tokens", list(range(world))
+            extra.update(blocks=a)
+        elif kernel == "ep_combine_send":  # rows of home rank a's tokens (b: sent at all)
+            name, peers = f"push rows to rank {a}", [a] if b else []
+        elif kernel == "ep_expand":
+            name, peers = f"expand rows of rank {a}", []
+            extra.update(src=a)
+        elif kernel == "ep_layout":
+            last = a >= info["grid"] - 1  # (the last program checks the whole routing)
+            name, peers = ("layout (check)" if last else f"layout (expert {a})"), []
+        else:
+            name, peers = "sum rows of every rank", []
+        others = [q for q in peers if q != rank]
+        if others:
+            cat = "copy"
+            extra.update(peer=others[0] if len(others) == 1 else -1, peers=others)
+        elif peers:
+            name = name.replace("push", "store", 1)
+        spans.append(Span(rank, tid, name, cat, cursor, t(te), dict(args, tile=g, **extra)))
+        cursor = t(te)
+    if nt[1]:
+        dest = nt[3]
+        label = "every rank" if dest == -1 else f"rank {dest}"
+        instants.append(Instant(rank, tid, f"notify {label}", "notify", t(nt),
+                                dict(args, dest=dest, slot=nt[2],
+                                     what=_EP_NOTIFIES.get(kernel, "flags"))))  # fmt: skip
+    return spans, instants, cursor
+
+
 #: how a launch's tile slots read: by ``info["slots"]`` where given, else by its layout
 _TILE_DECODERS = {
     "segments": _segment_slots, "tiles": _tile_slots, "steps": _step_slots,
     "finish": _finish_slots, "split_decode": _split_decode_slots, "merge": _merge_slots,
+    "ep": _ep_slots,
 }  # fmt: skip
 
 

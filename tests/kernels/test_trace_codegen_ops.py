@@ -1,13 +1,15 @@
 """Tracing off costs nothing in ``AGMoE``'s grouped GEMM (``moe_gemm_kernel``, gather mode),
 ``SPAttention``'s forward (``sp_attn_fwd_kernel``), ``MoERS``'s kernels (the grouped GEMM in
-reduce mode, ``moe_finish_kernel``) and ``FlashDecode``'s (``split_decode_kernel``,
-``merge_kernel``): compiled with ``TRACE`` off, each is the kernel without its trace hooks,
+reduce mode, ``moe_finish_kernel``), ``FlashDecode``'s (``split_decode_kernel``,
+``merge_kernel``) and ``EPAllToAll``'s (``kernels.ep``: route, send, layout, expand,
+combine send and receive): compiled with ``TRACE`` off, each is the kernel without its trace hooks,
 instruction for instruction (PTX for Hopper, no GPU needed), and with ``TRACE`` on it reads
 the timer more often than its waits alone.
 
 As in ``test_trace_codegen.py``, the kernel without hooks is rebuilt from the module's own
 source (the hooks removed by ``language.trace``'s conventions; the hook helpers, the
-attention module's ``trace_step`` and the decode module's ``trace_at``, removed whole)."""
+attention and EP modules' ``trace_step`` and the decode module's ``trace_at``, removed
+whole)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import pytest
 
 import interlace.kernels.attention as attention_module
 import interlace.kernels.decode as decode_module
+import interlace.kernels.ep as ep_module
 import interlace.kernels.grouped_gemm as grouped_module
 from interlace.testing.codegen import compile_for_hopper, cuda_compile_unavailable
 from tests.kernels.test_trace_codegen import strip_hooks
@@ -160,6 +163,37 @@ def _merge(kernel, variant: str, trace: bool) -> dict:
     return _compile(kernel, sig, const, trace, aligned, num_stages=3, num_warps=4 if ack else 2)
 
 
+#: ``kernels.ep``'s pointer arguments (the others are int32 scalars, ``err`` an address)
+_EP_POINTERS = {
+    "topk_idx": "*i64", "topk_w": "*fp32", "route_w": "*fp32", "scale": "*fp32",
+    "stage_scale": "*fp32", "recv_scale": "*fp32", "x": BF16, "expert_out": BF16,
+    "comb": BF16, "out": BF16, "err": "i64",
+    **{n: "*i32" for n in ("route_idx", "route_n", "pair_rel", "counts", "seg_counts",
+                           "status", "sig", "out_counts", "out_offsets", "src_offs")},
+}  # fmt: skip
+
+
+def _ep(kernel, variant: str, trace: bool) -> dict:
+    """An ``EPAllToAll`` kernel as it launches it on a GPU (hidden 7168, 256 experts over
+    8 ranks, top-8): ``plain``, ``fp8`` (dispatch in e4m3 bytes) or ``src_major``
+    (``EPMoE``'s layout)."""
+    fp8 = variant == "fp8"
+    const = dict(
+        E_LOC=32, KP=8, BT=128 if kernel.__name__ in ("ep_route_kernel", "ep_layout_kernel")
+        else 4, BH=1024, EP2=32, WP=8, FP8=fp8, SRC_MAJOR=variant == "src_major",
+    )  # fmt: skip
+    const = {k: v for k, v in const.items() if k in kernel.arg_names}
+    raw = "*u8" if fp8 else BF16
+    sig = {}
+    for name in kernel.arg_names:
+        if name in const or name in ("TRACE", "tbuf"):
+            continue
+        typ = "*i64" if name.endswith("_tab") else _EP_POINTERS.get(name, "i32")
+        sig[name] = raw if name in ("stage", "recv_x") else typ
+    aligned = tuple(n for n in ("x", "stage", "recv_x", "expert_out", "comb", "out") if n in sig)
+    return _compile(kernel, sig, const, trace, aligned, num_stages=3, num_warps=4)
+
+
 def _compile(kernel, sig, const, trace, aligned, num_stages, num_warps=8) -> dict:
     import triton
 
@@ -186,7 +220,10 @@ def _compile(kernel, sig, const, trace, aligned, num_stages, num_warps=8) -> dic
 CASES = [
     ("moe", "swiglu_tma"), ("moe", "plain"), ("attn", "causal"), ("attn", "varlen"),
     ("moe", "reduce"), ("finish", "w2"), ("finish", "w4"), ("decode", "splits"),
-    ("decode", "owner_lens"), ("merge", "all"), ("merge", "ack"),
+    ("decode", "owner_lens"), ("merge", "all"), ("merge", "ack"), ("ep_route", "plain"),
+    ("ep_send", "plain"), ("ep_send", "fp8"), ("ep_layout", "plain"), ("ep_expand", "plain"),
+    ("ep_expand", "src_major"), ("ep_combine_send", "plain"),
+    ("ep_combine_send", "src_major"), ("ep_combine_recv", "plain"),
 ]  # fmt: skip
 #: case -> (its module in ``MODULES``, the kernel, how it is compiled)
 KERNELS = {
@@ -194,14 +231,18 @@ KERNELS = {
     "finish": ("moe", "moe_finish_kernel", _finish),
     "decode": ("decode", "split_decode_kernel", _decode),
     "merge": ("decode", "merge_kernel", _merge),
+    **{k: ("ep", f"{k}_kernel", _ep) for k in ("ep_route", "ep_send", "ep_layout",
+                                              "ep_expand", "ep_combine_send", "ep_combine_recv")},
 }  # fmt: skip
-MODULES = {"moe": grouped_module, "attn": attention_module, "decode": decode_module}
+MODULES = {
+    "moe": grouped_module, "attn": attention_module, "decode": decode_module, "ep": ep_module,
+}  # fmt: skip
 
 
 def test_stripping_removes_only_hooks():
     """The stripped sources differ from the kernel sources in hook lines (and the hook
     helpers) only."""
-    for key, least in (("moe", 11), ("attn", 6), ("decode", 14)):
+    for key, least in (("moe", 11), ("attn", 6), ("decode", 14), ("ep", 30)):
         source = inspect.getsource(MODULES[key])
         stripped = _strip(source)
         hooks = [ln for ln in source.splitlines() if ln.strip().startswith("trace_")]
@@ -219,7 +260,7 @@ def test_trace_off_compiles_to_the_kernel_without_hooks(untraced, key, variant):
     assert off == bare, (key, variant)
 
 
-@pytest.mark.parametrize("key, variant", [CASES[i] for i in (0, 2, 4, 6, 7, 10)])
+@pytest.mark.parametrize("key, variant", [CASES[i] for i in (0, 2, 4, 6, 7, 10, 11, 12, 15, 19)])
 def test_trace_on_reads_the_timer(key, variant):
     module, name, build = KERNELS[key]
     kernel = getattr(MODULES[module], name)

@@ -1,12 +1,13 @@
 """Traces of AG+GEMM and GEMM+RS (``fused``, ``ce_fused``), AGMoE, the SPAttention
-forward, MoERS (``fused``) and FlashDecode (every rank merging, and one owner) recorded in
+forward, MoERS (``fused``), FlashDecode (every rank merging, and one owner) and
+EPAllToAll's dispatch and combine recorded in
 the CPU emulation (W = 2) and, marked ``gpu``, in a world whose ranks share one GPU
 (W = 4): the traced call is still correct; the trace holds every tile of every program of
 every launch (and every program's start and end); each wait closes after the data it
 waits for began moving (the copy that feeds it; MoERS: every rank's GEMM tiles; the
-decode merge: the peer's pushes), and before the work it guards; the Chrome JSON is
-well-formed (ph, ts, dur, pid, tid; one process per rank, named tracks); the PNG and the
-summary are written; calls outside the block are not traced."""
+decode merge and the EP all-to-all: the peer's pushes), and before the work it guards;
+the Chrome JSON is well-formed (ph, ts, dur, pid, tid; one process per rank, named
+tracks); the PNG and the summary are written; calls outside the block are not traced."""
 
 from __future__ import annotations
 
@@ -518,3 +519,88 @@ def test_trace_of_moe_rs_and_decode(world, op, tmp_path):
     grids = max(ln["grid"] for ln in res["launches"][0])
     assert len(s["ranks"][0]["wait_ms_per_program"]) == grids
     assert s["op"]["wait_ms_max"] >= 0
+
+
+# ---------------------------------------------------------------------- EPAllToAll
+EP_KERNELS = ["ep_route", "ep_send", "ep_layout", "ep_expand", "ep_combine_send",
+              "ep_combine_recv"]  # fmt: skip
+#: a kernel whose waits wait for data -> the kernel whose pushes carry that data
+EP_FEEDS = {"ep_layout": "ep_route", "ep_expand": "ep_send", "ep_combine_recv": "ep_combine_send"}
+
+
+def _ep_trace_body(group, folder):
+    """A traced ``EPAllToAll`` dispatch then combine (random top-2 routing over 2 W
+    experts, tokens per rank not a multiple of the token block, the experts the identity:
+    each token comes back as itself times the sum of its weights), checked against
+    float32; each call with other tokens."""
+    w, dev, dtype = group.world_size, group.device, torch.bfloat16
+    m, hidden, experts, topk = 7, 48, 2 * w, 2
+    gen = torch.Generator().manual_seed(13 + group.rank)
+    xs = [rand(gen, m, hidden, dtype=dtype, device=dev) for _ in range(3)]
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(m)]).to(dev)
+    wts = torch.softmax(torch.randn(m, topk, generator=gen), -1).to(dev)
+    ctx = interlace.EPAllToAll(group, max_tokens=m, hidden=hidden, experts=experts, topk=topk,
+                               dtype=dtype)  # fmt: skip
+    calls = iter(xs)
+
+    def run():
+        x = next(calls)
+        handle = ctx.dispatch(x, ids, wts)
+        out = ctx.combine(handle.recv_x, handle, out=nans(m, hidden, dtype=dtype, device=dev))
+        return x, out
+
+    try:
+        (x, y), trace, paths = _record(group, "ep_dispatch", _late(group, run), folder,
+                                       len(EP_KERNELS))  # fmt: skip
+        ctx.check()
+    finally:
+        ctx.close()
+    err = rel_err(y, x.float() * wts.float().sum(1, keepdim=True))
+    assert err < 1e-2, f"traced EPAllToAll: rel err {err:.2e}"
+    return _result(group, trace, paths)
+
+
+def _check_ep(res):
+    """Every launch's programs start and end, every step's work once inside its program;
+    each wait for data pushed in the call (a peer's routing, tokens, combined rows) ends
+    after the pushes of that peer into this rank began, and before the step's work; every
+    rank pushed to every peer in route, send and combine."""
+    world, spans = res["world"], res["spans"]
+    for rank, launches in enumerate(res["launches"]):
+        assert [ln["kernel"] for ln in launches] == EP_KERNELS, launches
+        for index, launch in enumerate(launches):
+            _check_launch(res, rank, index, launch)
+        for kernel in ("ep_route", "ep_send", "ep_combine_send"):
+            pushed = {q for s in spans if s.rank == rank and s.cat == "copy"
+                      and s.args["kernel"] == kernel for q in s.args["peers"]}  # fmt: skip
+            assert pushed == set(range(world)) - {rank}, (rank, kernel, pushed)
+    data_waits = 0
+    for w in (s for s in spans if s.cat == "wait"):
+        assert w.t1 >= w.t0 and w.args["waits_for"] in ("data", "slot"), w
+        work = [s for s in spans if s.rank == w.rank and s.tid == w.tid and s.cat != "wait"
+                and s.args.get("launch") == w.args["launch"]
+                and s.args.get("step") == w.args["step"]]  # fmt: skip
+        assert all(s.t0 >= w.t1 for s in work if s.cat != "program"), (w, work)
+        q = w.args["peer"]
+        if w.args["waits_for"] != "data" or q == w.rank:
+            continue
+        data_waits += 1
+        pushes = [s for s in spans if s.rank == q and s.cat == "copy"
+                  and s.args["kernel"] == EP_FEEDS[w.args["kernel"]]
+                  and w.rank in s.args["peers"]]  # fmt: skip
+        assert pushes, w
+        assert w.t1 >= min(s.t0 for s in pushes) - _tol(res, q, w.rank), (w, pushes)
+    # per rank: layout and expand wait for every peer; combine_recv too
+    assert data_waits >= world * (world - 1) * 3, data_waits
+
+
+@pytest.mark.parametrize("world", WORLDS, indirect=True)
+def test_trace_of_ep_all_to_all(world, tmp_path):
+    pytest.importorskip("matplotlib", reason="the PNG check needs matplotlib")
+    (res, *_) = world.run(_ep_trace_body, str(tmp_path))
+    _check_ep(res)
+    _check_files(res)
+    s = res["summary"]
+    assert s["op"]["comm_ms"]  # the pushes
+    grids = max(ln["grid"] for ln in res["launches"][0])
+    assert len(s["ranks"][0]["wait_ms_per_program"]) == grids

@@ -55,10 +55,11 @@ def _combine(ctx, n, expert_out, out) -> None:
     recv_sum(ctx, n, out)
 
 
-def send_rows(ctx, expert_out, only_src: int = -1) -> None:
+def send_rows(ctx, expert_out, only_src: int = -1, trace: dict | None = None) -> None:
     """Expert side of combine: weighted per-token sums sent home. ``only_src >= 0``: only
     that home rank's tokens, ``expert_out`` holding that source's region of the
-    source-major layout (``EPMoE``'s overlapped path)."""
+    source-major layout (``EPMoE``'s overlapped path). ``trace``: the ``TRACE`` / ``tbuf``
+    arguments of a traced launch (``EPAllToAll._trace_args``)."""
     cfg, w, pad = ctx.cfg, ctx.world_size, ctx.pad
     launch(
         ep_combine_send_kernel, cfg.programs, expert_out, ctx.route_idx.local,
@@ -67,12 +68,13 @@ def send_rows(ctx, expert_out, only_src: int = -1) -> None:
         ctx.rank, w, ctx.hidden, ctx.max_tokens, ctx.max_spins, only_src, ctx.seg_counts,
         E_LOC=ctx.e_loc, KP=ctx.kp, BT=cfg.block_tokens, BH=cfg.block_hidden,
         EP2=max(2, next_pow2(ctx.e_loc)), WP=max(2, next_pow2(w)), SRC_MAJOR=only_src >= 0,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **(trace or {}),
     )  # fmt: skip
 
 
-def recv_sum(ctx, n, out) -> None:
-    """Home side of combine: the sum of the expert ranks' rows of each token."""
+def recv_sum(ctx, n, out, trace: dict | None = None) -> None:
+    """Home side of combine: the sum of the expert ranks' rows of each token (``trace``:
+    as for ``send_rows``)."""
     cfg, w, pad = ctx.cfg, ctx.world_size, ctx.pad
     err, rank = ctx.error.address, ctx.rank
     launch(
@@ -80,5 +82,5 @@ def recv_sum(ctx, n, out) -> None:
         ctx.status, pad.buffer.local, pad.offset("comb"), pad.offset("done") + 1,
         cfg.programs, err, rank, w, ctx.hidden, ctx.max_tokens, ctx.max_spins,
         E_LOC=ctx.e_loc, KP=ctx.kp, BT=cfg.block_tokens, BH=cfg.block_hidden,
-        WP=max(2, next_pow2(w)), num_warps=cfg.num_warps,
+        WP=max(2, next_pow2(w)), num_warps=cfg.num_warps, **(trace or {}),
     )  # fmt: skip

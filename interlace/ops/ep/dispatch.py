@@ -29,6 +29,10 @@ Every buffer is sized by the worst case given at construction (``max_tokens`` pe
 captured in a CUDA graph and replayed with new routing. Eager calls replay from CUDA
 graphs (``eager_graphs``). One dispatch's handle is valid until the next dispatch; ranks
 call dispatch and combine alike and in the same order.
+
+Inside ``interlace.trace.record`` every launch of dispatch and combine is traced
+(``TRACE`` on, eager: no graph replay; the kernels' slots in ``kernels.ep``, their
+reading in ``interlace.trace.model``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from ...kernels.ep import (
     ep_send_kernel,
 )
 from ...runtime import symm_empty
+from .. import _trace
 from .._context import OpContext, sm_count
 from .._launch import launch
 from . import combine as _combine
@@ -56,6 +61,9 @@ from .layout import (
 )
 
 FP8_GROUP = 128
+#: the kernels' names in traces (``interlace.trace``), in launch order
+EP_ROUTE, EP_SEND, EP_LAYOUT, EP_EXPAND = "ep_route", "ep_send", "ep_layout", "ep_expand"
+EP_COMBINE_SEND, EP_COMBINE_RECV = "ep_combine_send", "ep_combine_recv"
 
 
 class EPAllToAll(EPCallChecks, OpContext):
@@ -182,19 +190,26 @@ class EPAllToAll(EPCallChecks, OpContext):
             x = self.comb.local[0]
             topk_idx = self.route_idx.local[0]
             topk_weights = self.route_w.local[0]
+        tr = ({}, {}, {}, {})  # the launches' trace arguments: none unless recording
+        if _trace.ACTIVE:
+            tr = self._trace_args(
+                (EP_ROUTE, w, 1, w), (EP_SEND, cfg.programs, 1, cfg.programs),
+                (EP_LAYOUT, self.e_loc + 1, w, self.e_loc + 1),
+                (EP_EXPAND, cfg.programs, w, cfg.programs * w),
+            )  # fmt: skip
         launch(
             ep_route_kernel, w, topk_idx, topk_weights, n,
             self.route_idx.local, self.route_idx.ptrs, self.route_w.local, self.route_w.ptrs,
             self.route_n.local, self.route_n.ptrs, sig_tab, pad.offset("route"),
             c["err"], c["rank"], c["world"], self.experts, self.topk, self.max_tokens,
-            self.max_spins, KP=self.kp, BT=cfg.layout_tokens,
+            self.max_spins, KP=self.kp, BT=cfg.layout_tokens, **tr[0],
         )  # fmt: skip
         launch(
             ep_send_kernel, cfg.programs, x, n, self.route_idx.local, self.stage.local,
             self.stage.ptrs, self.stage_scale.local, self.stage_scale.ptrs, sig_tab,
             pad.offset("data"), c["rank"], c["world"], self.hidden, self.max_tokens,
             E_LOC=self.e_loc, KP=self.kp, BT=cfg.block_tokens, BH=cfg.block_hidden,
-            FP8=self.fp8, num_warps=cfg.num_warps,
+            FP8=self.fp8, num_warps=cfg.num_warps, **tr[1],
         )  # fmt: skip
         launch(
             ep_layout_kernel, self.e_loc + 1, self.route_idx.local, self.route_n.local,
@@ -203,6 +218,7 @@ class EPAllToAll(EPCallChecks, OpContext):
             c["rank"], c["world"], self.max_tokens, self.capacity, pad.offset("overflow"),
             pad.offset("bad_index"), self.max_spins,
             E_LOC=self.e_loc, KP=self.kp, BT=cfg.layout_tokens, WP=max(2, next_pow2(w)),
+            **tr[2],
         )  # fmt: skip
         recv_scale = self.recv_scale if self.recv_scale is not None else self.status
         recv, src_offs, cap_s = (self._recv, self.status, 0) if src_major is None else src_major
@@ -215,8 +231,24 @@ class EPAllToAll(EPCallChecks, OpContext):
             self.seg_counts, src_offs, cap_s, pad.offset("src_done"),
             E_LOC=self.e_loc, KP=self.kp, BT=cfg.block_tokens, BH=cfg.block_hidden,
             EP2=max(2, next_pow2(self.e_loc)), WP=max(2, next_pow2(w)), FP8=self.fp8,
-            SRC_MAJOR=src_major is not None, num_warps=cfg.num_warps,
+            SRC_MAJOR=src_major is not None, num_warps=cfg.num_warps, **tr[3],
         )  # fmt: skip
+
+    def _trace_args(self, *launches) -> list[dict]:
+        """Per launch ``(kernel name, grid, steps per program, tiles)``: the ``TRACE`` /
+        ``tbuf`` arguments that trace it into a buffer of the recorder in force (none where
+        none is: the launch runs untraced). Program ``p`` of ``P`` fills tile ``p + j P`` at
+        its step ``j`` (``kernels.ep``)."""
+        out = []
+        for kernel, grid, steps, tiles in launches:
+            info = dict(
+                kernel=kernel, layout="tiles", slots="ep", rank=self.rank,
+                world=self.world_size, grid=grid, n_tiles=tiles, hidden=self.hidden,
+                kp=self.kp, elem=1 if self.fp8 else self.comb.local.element_size(),
+            )  # fmt: skip
+            tbuf = _trace.buffer(grid, steps, info)
+            out.append({} if tbuf is None else dict(TRACE=True, tbuf=tbuf))
+        return out
 
     # ------------------------------------------------------------------ combine
     def combine(self, expert_out: torch.Tensor, handle: EPHandle, out=None) -> torch.Tensor:
@@ -225,7 +257,24 @@ class EPAllToAll(EPCallChecks, OpContext):
         [capacity, hidden]`` holds one row per row of ``handle.recv_x`` (in the context
         dtype). Sums are fp32; tokens routed nowhere get 0. Collective."""
         self._begin()
+        if _trace.ACTIVE:
+            return self._traced_combine(expert_out, handle, out)
         return _combine.combine(self, expert_out, handle, out)
+
+    def _traced_combine(self, expert_out, handle, out):
+        """``combine`` with both launches traced (``_combine.send_rows`` and
+        ``_combine.recv_sum`` with ``TRACE`` on; untraced where no recorder is in force,
+        e.g. while captured in a CUDA graph)."""
+        _combine.check_combine_args(self, expert_out, handle, out)
+        self._fingerprint()
+        n, p, w = handle.num_tokens, self.cfg.programs, self.world_size
+        if out is None:
+            out = torch.empty(n, self.hidden, dtype=self.dtype, device=self.group.device)
+        tr = self._trace_args((EP_COMBINE_SEND, p, w, p * w), (EP_COMBINE_RECV, p, w, p))
+        _combine.send_rows(self, expert_out, trace=tr[0])
+        _combine.recv_sum(self, n, out, trace=tr[1])
+        self._end()
+        return out
 
     def __repr__(self) -> str:
         return (
