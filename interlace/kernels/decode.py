@@ -45,6 +45,7 @@ from ..language.trace import (
     EV_WAIT_BEGIN,
     EV_WAIT_END,
     trace_event,
+    trace_step,
 )  # fmt: skip
 
 
@@ -76,14 +77,6 @@ def _merged(m, l_sum, acc):
     o = acc / tl.where(full, l_sum, 1.0)[:, None]
     lse = tl.where(full, m + tl.log2(tl.where(full, l_sum, 1.0)), float("-inf"))
     return o, lse
-
-
-@triton.jit
-def trace_at(TRACE: tl.constexpr, tbuf, KIND: tl.constexpr, j, a, b):
-    """``language.trace.trace_event`` in this program's ``j``-th tile slots (tile ``pid + j
-    * programs``). Compiles to nothing unless ``TRACE``."""
-    if TRACE:
-        trace_event(TRACE, tbuf, KIND, tl.program_id(0) + j * tl.num_programs(0), a, b)
 
 
 @triton.jit
@@ -159,7 +152,7 @@ def split_decode_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt)
         m_i = m_new
     o, lse = _merged(m_i, l_i, acc)
-    trace_at(TRACE, tbuf, EV_TILE_END, 0, split, bh)
+    trace_step(TRACE, tbuf, EV_TILE_END, 0, split, bh)
 
     rows_q = b * (HKV * G) + heads  # this program's rows of [B * HQ]
     last = True
@@ -184,7 +177,7 @@ def split_decode_kernel(
                               other=0.0, cache_modifier=".cg")  # fmt: skip
                 m_c, l_c, acc_c = _merge_step(m_c, l_c, acc_c, lse_j, o_j)
             o, lse = _merged(m_c, l_c, acc_c)
-            trace_at(TRACE, tbuf, EV_TILE_END, 1, n_splits, bh)
+            trace_step(TRACE, tbuf, EV_TILE_END, 1, n_splits, bh)
 
     if last:  # push this rank's partial of the group to every rank that merges it
         epoch = tl.load(sig + epoch_slot, volatile=True) + 1  # this call's epoch
@@ -194,9 +187,9 @@ def split_decode_kernel(
         lse_at = push_lse + row0 + rows_q
         if OWNER_ONLY:
             if owner != rank:  # the owner must be done with this parity's older call
-                trace_at(TRACE, tbuf, EV_WAIT_BEGIN, 2, ack_slot, epoch - 2)
+                trace_step(TRACE, tbuf, EV_WAIT_BEGIN, 2, ack_slot, epoch - 2)
                 wait(sig + ack_slot, epoch - 2, err, rank, ack_slot, max_spins)
-                trace_at(TRACE, tbuf, EV_WAIT_END, 2, ack_slot, epoch - 2)
+                trace_step(TRACE, tbuf, EV_WAIT_END, 2, ack_slot, epoch - 2)
             tl.store(peer_ptr_aligned(o_at, o_table, rank, owner), o, mask=gmask[:, None])
             tl.store(peer_ptr_aligned(lse_at, lse_table, rank, owner), lse, mask=gmask)
         else:
@@ -204,7 +197,7 @@ def split_decode_kernel(
                 dest = (rank + i) % world
                 tl.store(peer_ptr_aligned(o_at, o_table, rank, dest), o, mask=gmask[:, None])
                 tl.store(peer_ptr_aligned(lse_at, lse_table, rank, dest), lse, mask=gmask)
-        trace_at(TRACE, tbuf, EV_TILE_END, 2, n_splits, bh)
+        trace_step(TRACE, tbuf, EV_TILE_END, 2, n_splits, bh)
         tl.debug_barrier()
         done = tl.atomic_add(sig + count_first + n_groups, 1, sem="acq_rel", scope="sys")
         if done == n_groups - 1:  # the launch's last group: publish the epoch
@@ -212,12 +205,12 @@ def split_decode_kernel(
             tl.atomic_xchg(sig + epoch_slot, epoch, sem="relaxed", scope="gpu")
             if OWNER_ONLY:
                 notify(signal_base(sig_table, owner) + arrive_first + rank, epoch)
-                trace_at(TRACE, tbuf, EV_NOTIFY, 2, epoch, owner)
+                trace_step(TRACE, tbuf, EV_NOTIFY, 2, epoch, owner)
             else:
                 for i in range(world):
                     dest = (rank + i) % world
                     notify(signal_base(sig_table, dest) + arrive_first + rank, epoch)
-                trace_at(TRACE, tbuf, EV_NOTIFY, 2, epoch, -1)
+                trace_step(TRACE, tbuf, EV_NOTIFY, 2, epoch, -1)
     trace_event(TRACE, tbuf, EV_END, 0, 0, 0)
 
 
@@ -255,17 +248,17 @@ def merge_kernel(
         src = (rank + i) % world
         token = epoch
         if src != rank:
-            trace_at(TRACE, tbuf, EV_WAIT_BEGIN, i, src, epoch)
+            trace_step(TRACE, tbuf, EV_WAIT_BEGIN, i, src, epoch)
             token = wait(sig + arrive_first + src, epoch, err, rank, arrive_first + src,
                          max_spins)  # fmt: skip
-            trace_at(TRACE, tbuf, EV_WAIT_END, i, src, token)
+            trace_step(TRACE, tbuf, EV_WAIT_END, i, src, token)
         mask = guard(rmask, token, epoch)
         row0 = (parity * world + src) * max_rows
         lse_j = tl.load(push_lse + row0 + rows, mask=mask, other=float("-inf"))
         o_j = tl.load(push_o + (row0 + rows)[:, None].to(tl.int64) * D + offs_d[None, :],
                       mask=mask[:, None], other=0.0)  # fmt: skip
         m, l_sum, acc = _merge_step(m, l_sum, acc, lse_j, o_j)
-        trace_at(TRACE, tbuf, EV_TILE_END, i, src, pid)
+        trace_step(TRACE, tbuf, EV_TILE_END, i, src, pid)
     o, _ = _merged(m, l_sum, acc)
     dst = out + (rows // HQ)[:, None] * stride_ob + (rows % HQ)[:, None] * stride_oh
     tl.store(dst + offs_d[None, :], o.to(out.dtype.element_ty), mask=rmask[:, None])
@@ -277,5 +270,5 @@ def merge_kernel(
             for i in range(1, world):
                 src = (rank + i) % world
                 notify(signal_base(sig_table, src) + ack_slot, epoch)
-            trace_at(TRACE, tbuf, EV_NOTIFY, 0, epoch, -1)
+            trace_step(TRACE, tbuf, EV_NOTIFY, 0, epoch, -1)
     trace_event(TRACE, tbuf, EV_END, 0, 0, 0)

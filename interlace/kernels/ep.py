@@ -55,20 +55,13 @@ from ..language.trace import (
     EV_WAIT_BEGIN,
     EV_WAIT_END,
     trace_event,
+    trace_step,
 )  # fmt: skip
 
 #: Values per FP8 scale (one fp32 scale per this many consecutive values of a row).
 FP8_GROUP = tl.constexpr(128)
 #: Largest finite e4m3 value.
 E4M3_MAX = tl.constexpr(448.0)
-
-
-@triton.jit
-def trace_step(TRACE: tl.constexpr, tbuf, KIND: tl.constexpr, j, a, b):
-    """``language.trace.trace_event`` in this program's ``j``-th tile slots (tile ``pid + j
-    * programs``). Compiles to nothing unless ``TRACE``."""
-    if TRACE:
-        trace_event(TRACE, tbuf, KIND, tl.program_id(0) + j * tl.num_programs(0), a, b)
 
 
 @triton.jit

@@ -117,6 +117,15 @@ def trace_event(TRACE: tl.constexpr, tbuf, KIND: tl.constexpr, g, a, b):
         tl.store(tbuf + row * 4 + idx, val.to(tl.int64), mask=(idx < 4) & ok)
 
 
+@triton.jit
+def trace_step(TRACE: tl.constexpr, tbuf, KIND: tl.constexpr, j, a, b):
+    """``trace_event`` in this program's ``j``-th tile slots (tile ``pid + j * programs``):
+    for kernels whose programs record a fixed number of steps each. Compiles to nothing
+    unless ``TRACE``."""
+    if TRACE:
+        trace_event(TRACE, tbuf, KIND, tl.program_id(0) + j * tl.num_programs(0), a, b)
+
+
 def buffer_stride(tiles_per_program: int) -> int:
     """Event rows per program for a kernel whose programs run at most
     ``tiles_per_program`` tiles each."""

@@ -7,9 +7,8 @@ instruction for instruction (PTX for Hopper, no GPU needed), and with ``TRACE`` 
 the timer more often than its waits alone.
 
 As in ``test_trace_codegen.py``, the kernel without hooks is rebuilt from the module's own
-source (the hooks removed by ``language.trace``'s conventions; the hook helpers, the
-attention and EP modules' ``trace_step`` and the decode module's ``trace_at``, removed
-whole)."""
+source (the hooks removed by ``language.trace``'s conventions; the attention module's own
+``trace_step`` helper removed whole)."""
 
 from __future__ import annotations
 
