@@ -7,8 +7,12 @@ import torch
 
 from ...errors import InterlaceValueError
 from ...kernels.ep import ep_combine_recv_kernel, ep_combine_send_kernel
+from .. import _trace
 from .._launch import launch
 from .layout import EPHandle, next_pow2
+
+#: the combine kernels' names in traces (``interlace.trace``)
+EP_COMBINE_SEND, EP_COMBINE_RECV = "ep_combine_send", "ep_combine_recv"
 
 
 def check_combine_args(ctx, expert_out, handle, out) -> None:
@@ -51,8 +55,12 @@ def combine(ctx, expert_out, handle, out=None) -> torch.Tensor:
 
 
 def _combine(ctx, n, expert_out, out) -> None:
-    send_rows(ctx, expert_out)
-    recv_sum(ctx, n, out)
+    tr = ({}, {})  # the launches' trace arguments: none unless recording
+    if _trace.ACTIVE:  # (the call then runs eagerly, not from its graph: ``_enqueue``)
+        p, w = ctx.cfg.programs, ctx.world_size
+        tr = ctx._trace_args((EP_COMBINE_SEND, p, w, p * w), (EP_COMBINE_RECV, p, w, p))
+    send_rows(ctx, expert_out, trace=tr[0])
+    recv_sum(ctx, n, out, trace=tr[1])
 
 
 def send_rows(ctx, expert_out, only_src: int = -1, trace: dict | None = None) -> None:

@@ -63,7 +63,6 @@ from .layout import (
 FP8_GROUP = 128
 #: the kernels' names in traces (``interlace.trace``), in launch order
 EP_ROUTE, EP_SEND, EP_LAYOUT, EP_EXPAND = "ep_route", "ep_send", "ep_layout", "ep_expand"
-EP_COMBINE_SEND, EP_COMBINE_RECV = "ep_combine_send", "ep_combine_recv"
 
 
 class EPAllToAll(EPCallChecks, OpContext):
@@ -257,24 +256,7 @@ class EPAllToAll(EPCallChecks, OpContext):
         [capacity, hidden]`` holds one row per row of ``handle.recv_x`` (in the context
         dtype). Sums are fp32; tokens routed nowhere get 0. Collective."""
         self._begin()
-        if _trace.ACTIVE:
-            return self._traced_combine(expert_out, handle, out)
         return _combine.combine(self, expert_out, handle, out)
-
-    def _traced_combine(self, expert_out, handle, out):
-        """``combine`` with both launches traced (``_combine.send_rows`` and
-        ``_combine.recv_sum`` with ``TRACE`` on; untraced where no recorder is in force,
-        e.g. while captured in a CUDA graph)."""
-        _combine.check_combine_args(self, expert_out, handle, out)
-        self._fingerprint()
-        n, p, w = handle.num_tokens, self.cfg.programs, self.world_size
-        if out is None:
-            out = torch.empty(n, self.hidden, dtype=self.dtype, device=self.group.device)
-        tr = self._trace_args((EP_COMBINE_SEND, p, w, p * w), (EP_COMBINE_RECV, p, w, p))
-        _combine.send_rows(self, expert_out, trace=tr[0])
-        _combine.recv_sum(self, n, out, trace=tr[1])
-        self._end()
-        return out
 
     def __repr__(self) -> str:
         return (
