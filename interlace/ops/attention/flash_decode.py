@@ -186,8 +186,9 @@ class FlashDecode(OpContext):
         split_len = cdiv(cdiv(max(kv_cap, 1), n), cfg.block_n) * cfg.block_n
         return max(1, cdiv(kv_cap, split_len)), split_len
 
-    def _plan(self, q, k, v, has_lens, out) -> DecodePlan:
-        key = (q.shape[0], k.shape[2], q.stride(), k.stride(), v.stride(), out.stride(), has_lens)
+    def _plan(self, q, k, v, has_lens, out, scale: float) -> DecodePlan:
+        key = (q.shape[0], k.shape[2], q.stride(), k.stride(), v.stride(), out.stride(), has_lens,
+               scale)  # fmt: skip
         plan = self._plans.get(key)
         if plan is not None:
             return plan
@@ -203,7 +204,7 @@ class FlashDecode(OpContext):
             pad.offset("count"), pad.offset("epoch"), pad.offset("arrive"), pad.offset("ack"),
             batch * self.kv_heads, kv_cap, split_len, n_splits, self.max_batch * self.heads,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), self.sm_scale * LOG2E,
+            v.stride(0), v.stride(1), v.stride(2), scale * LOG2E,
         )  # fmt: skip
         kwargs = dict(
             HKV=self.kv_heads, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=self.head_dim,
@@ -283,7 +284,8 @@ class FlashDecode(OpContext):
                 )
 
     # ------------------------------------------------------------------ call
-    def __call__(self, q, k, v, kv_lens=None, out=None):
+    def __call__(self, q, k, v, kv_lens=None, out=None, sm_scale: float | None = None):
+        """``sm_scale``: this call's softmax scale (default: the context's)."""
         self._begin()
         self._check_call(q, k, v, kv_lens, out)
         strategy = self._resolve()
@@ -292,16 +294,17 @@ class FlashDecode(OpContext):
         merges = self.owner is None or self.owner == self.rank
         if out is None and merges:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        scale = self.sm_scale if sm_scale is None else float(sm_scale)
         if strategy == "none":
-            self._none(q, k, v, kv_lens, out)
+            self._none(q, k, v, kv_lens, out, scale)
         else:
-            self._fused(q, k, v, kv_lens, out, merges)
+            self._fused(q, k, v, kv_lens, out, merges, scale)
         self.last_strategy = strategy
         self._end()
         return out if merges else None
 
-    def _fused(self, q, k, v, kv_lens, out, merges) -> None:
-        plan = self._plan(q, k, v, kv_lens is not None, out if merges else q)
+    def _fused(self, q, k, v, kv_lens, out, merges, scale: float) -> None:
+        plan = self._plan(q, k, v, kv_lens is not None, out if merges else q, scale)
         lens = self._no_lens if kv_lens is None else kv_lens
         if _trace.ACTIVE and self._traced(plan, q, k, v, lens, out):
             return
@@ -337,10 +340,10 @@ class FlashDecode(OpContext):
         return True
 
     # ------------------------------------------------------------------ none
-    def _none(self, q, k, v, kv_lens, out) -> None:
+    def _none(self, q, k, v, kv_lens, out, scale: float) -> None:
         """The baseline (see the module docstring): writes ``out`` on the merging ranks."""
         d = self.head_dim
-        o, lse = local_partial(q, k, v, kv_lens, self.sm_scale)
+        o, lse = local_partial(q, k, v, kv_lens, scale)
         part = torch.cat([o, lse[..., None]], dim=-1)  # [B, HQ, d + 1] float32
         parts = self._gather_partials(part)  # [W, B, HQ, d + 1]
         if parts is not None:

@@ -302,13 +302,12 @@ def _check_decode_dims(q: Tensor, k: Tensor, v: Tensor) -> None:
             )
 
 
-def _decode_context(group: Group, handle: int, strategy: str, q: Tensor, k: Tensor,
-                    sm_scale: float) -> FlashDecode:  # fmt: skip
+def _decode_context(group: Group, handle: int, strategy: str, q: Tensor, k: Tensor
+                    ) -> FlashDecode:  # fmt: skip
     """The cached context able to run a call on ``q`` / ``k``: built for the next power of
     two of the batch, rebuilt at least twice as large when a call's batch is larger, and
     rebuilt (as large) after a failure (``library._cached``). Every rank gets the output
-    (no owner). ``sm_scale`` is an argument of each call: a context built for another
-    scale takes this one (its launch plans, which hold the scale, are dropped)."""
+    (no owner). The softmax scale is an argument of each call."""
     b, heads, d = q.shape
     key = (FlashDecode.op_name, handle, q.dtype, strategy, heads, k.shape[1], d)
     ctx = _cached(key)
@@ -318,12 +317,8 @@ def _decode_context(group: Group, handle: int, strategy: str, q: Tensor, k: Tens
         else:
             cap = max(grown_capacity(b), 2 * ctx.max_batch)
             ctx.close()  # collective: every rank outgrows it on the same call
-        ctx = FlashDecode(group, cap, heads, k.shape[1], d, dtype=q.dtype, sm_scale=sm_scale,
-                          strategy=strategy)  # fmt: skip
+        ctx = FlashDecode(group, cap, heads, k.shape[1], d, dtype=q.dtype, strategy=strategy)
         _contexts[key] = ctx
-    if ctx.sm_scale != sm_scale:
-        ctx.sm_scale = sm_scale
-        ctx._plans.clear()
     return ctx
 
 
@@ -338,8 +333,8 @@ def _flash_decode(q, k, v, kv_lens, group: int, strategy: str, sm_scale: float) 
     strategy = _decode_strategy(strategy)
     g = group_of(group)
     q, k, v = q.contiguous(), _unit_last(k), _unit_last(v)
-    ctx = _decode_context(g, group, strategy, q, k, float(sm_scale))
-    return ctx(q, k, v, kv_lens=kv_lens)
+    ctx = _decode_context(g, group, strategy, q, k)
+    return ctx(q, k, v, kv_lens=kv_lens, sm_scale=float(sm_scale))
 
 
 @torch.library.custom_op("interlace::flash_decode", mutates_args=())
