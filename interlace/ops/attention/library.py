@@ -63,12 +63,10 @@ import math
 import torch
 
 from ...errors import InterlaceValueError
-from ...kernels.attention import LOG2E
 from ...runtime import Group
-from .._context import _reports_aborts, grown_capacity
+from .._context import grown_capacity
 from ..library import _cached, _contexts, group_of
 from .flash_decode import FlashDecode
-from .ring import _ring_backward, _ring_forward, gather_attention
 from .sp_attention import STRATEGIES, SPAttention
 
 Tensor = torch.Tensor
@@ -134,66 +132,19 @@ def _fresh(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-@_reports_aborts
-def _run_forward(ctx: SPAttention, q, k, v, causal: bool, cu, scale: float):
-    """``(out, lse)`` of one call on ``ctx``: ``SPAttention.__call__``'s checks and
-    fingerprint, then the strategy's forward without its autograd Function."""
-    shape = ctx._check_inputs(q, k, v, causal, cu)
-    ctx._fingerprint(shape)
-    b, h, s_loc, _ = q.shape
-    if ctx.strategy == "none":
-        out = gather_attention(ctx.group, q, k, v, shape.causal, cu, scale)
-        lse = q.new_empty(0, dtype=torch.float32)
-    elif ctx.strategy == "ring":
-        out, lse = _ring_forward(ctx.group, q, k, v, shape.causal, cu, scale)
-        out = out.to(q.dtype)
-    else:  # the kernel's lse is base 2, [batch x heads, S_loc]
-        out, lse2 = ctx._forward(q, k, v, shape, cu, scale)
-        lse = lse2.view(b, h, s_loc) / LOG2E
-    ctx._end()
-    return _fresh(out), _fresh(lse)
-
-
-@_reports_aborts
-def _run_backward(ctx: SPAttention, dout, q, k, v, out, lse, causal: bool, cu, scale: float):
-    """``(dq, dk, dv)`` of one call on ``ctx``: the checks and fingerprint of a call, then
-    the strategy's backward."""
-    shape = ctx._check_inputs(q, k, v, causal, cu)
-    if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
-        raise InterlaceValueError(
-            f"sp_attention_backward: dout {tuple(dout.shape)} and out {tuple(out.shape)} "
-            f"must have q's shape {tuple(q.shape)}"
-        )
-    ctx._fingerprint(shape)
-    b, h, s_loc, _ = q.shape
-    dout = dout.contiguous()
-    if ctx.strategy == "none":  # (no lse kept: the ring forward recomputes it)
-        again, lse = _ring_forward(ctx.group, q, k, v, shape.causal, cu, scale)
-        dq, dk, dv = _ring_backward(
-            ctx.group, q, k, v, again.float(), lse, dout, shape.causal, cu, scale
-        )
-    elif ctx.strategy == "ring":
-        dq, dk, dv = _ring_backward(
-            ctx.group, q, k, v, out.float(), lse, dout, shape.causal, cu, scale
-        )
-    else:
-        lse2 = (lse * LOG2E).reshape(b * h, s_loc).contiguous()
-        dq, dk, dv = ctx._backward(q, k, v, out.contiguous(), lse2, dout, shape, cu, scale)
-    ctx._end()
-    return _fresh(dq), _fresh(dk), _fresh(dv)
-
-
 def _sp_attention(q, k, v, group: int, strategy: str, causal: bool, sm_scale: float, cu=None):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     ctx = _context_of(q, k, group, strategy)
-    return _run_forward(ctx, q, k, v, bool(causal), cu, float(sm_scale))
+    out, lse = ctx.forward_with_lse(q, k, v, bool(causal), cu, float(sm_scale))
+    return _fresh(out), _fresh(lse)
 
 
 def _sp_attention_backward(dout, q, k, v, out, lse, group: int, strategy: str, causal: bool,
                            sm_scale: float, cu=None):  # fmt: skip
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     ctx = _context_of(q, k, group, strategy)
-    return _run_backward(ctx, dout, q, k, v, out, lse, bool(causal), cu, float(sm_scale))
+    grads = ctx.backward_with_lse(dout, q, k, v, out, lse, bool(causal), cu, float(sm_scale))
+    return tuple(_fresh(g) for g in grads)
 
 
 # ---------------------------------------------------------------------------- registration

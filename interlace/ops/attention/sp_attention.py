@@ -410,6 +410,61 @@ class SPAttention(AlternatingSets, OpContext):
         self._end()
         return out
 
+    # ------------------------------------------------------------------ custom-op steps
+    #: the calls whose exceptions are reported to the peers (``OpContext``)
+    CALLS = ("forward_with_lse", "backward_with_lse")
+
+    def forward_with_lse(self, q, k, v, causal: bool, cu_seqlens, sm_scale: float):
+        """``(out, lse)`` of one forward, not recorded by autograd (for the custom op,
+        ``ops.attention.library``): ``lse`` the natural-log log-sum-exp of every query
+        row's scaled logits over the whole sequence, float32 ``[batch, heads, S_loc]``;
+        empty for ``none``, which keeps no softmax statistics."""
+        from .ring import _ring_forward, gather_attention
+
+        shape = self._check_inputs(q, k, v, causal, cu_seqlens)
+        self._fingerprint(shape)
+        b, h, s_loc, _ = q.shape
+        if self.strategy == "none":
+            out = gather_attention(self.group, q, k, v, shape.causal, cu_seqlens, sm_scale)
+            lse = q.new_empty(0, dtype=torch.float32)
+        elif self.strategy == "ring":
+            out, lse = _ring_forward(self.group, q, k, v, shape.causal, cu_seqlens, sm_scale)
+            out = out.to(q.dtype)
+        else:  # the kernel's lse is base 2, [batch x heads, S_loc]
+            out, lse2 = self._forward(q, k, v, shape, cu_seqlens, sm_scale)
+            lse = lse2.view(b, h, s_loc) / K.LOG2E
+        self._end()
+        return out, lse
+
+    def backward_with_lse(self, dout, q, k, v, out, lse, causal: bool, cu_seqlens,
+                          sm_scale: float):  # fmt: skip
+        """``(dq, dk, dv)`` of this rank's tokens from a forward's ``out`` and ``lse``
+        (:meth:`forward_with_lse`), by the strategy's own backward; ``none``, which kept
+        no ``lse``, recomputes it by the ring forward and runs the ring backward (the same
+        gradients, from torch ops)."""
+        from .ring import _ring_backward, _ring_forward
+
+        shape = self._check_inputs(q, k, v, causal, cu_seqlens)
+        if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
+            raise InterlaceValueError(
+                f"{self.op_name}: dout {tuple(dout.shape)} and out {tuple(out.shape)} must "
+                f"have q's shape {tuple(q.shape)}"
+            )
+        self._fingerprint(shape)
+        b, h, s_loc, _ = q.shape
+        dout, cu = dout.contiguous(), cu_seqlens
+        if self.strategy == "none":
+            out, lse = _ring_forward(self.group, q, k, v, shape.causal, cu, sm_scale)
+        if self.strategy in ("none", "ring"):
+            grads = _ring_backward(
+                self.group, q, k, v, out.float(), lse, dout, shape.causal, cu, sm_scale
+            )
+        else:
+            lse2 = (lse * K.LOG2E).reshape(b * h, s_loc).contiguous()
+            grads = self._backward(q, k, v, out.contiguous(), lse2, dout, shape, cu, sm_scale)
+        self._end()
+        return grads
+
     # ------------------------------------------------------------------ fused
     def _args(self, shape: CallShape, cu, scale: float) -> KernelArgs:
         seg, cu_t = self._dummy, self._dummy
