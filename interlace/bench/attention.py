@@ -24,8 +24,9 @@ counts the visible half), ``as_world``, ``waits_met``, ``ref: sdpa``, ``t_ref_ms
 forced). The backward is the delta, dK/dV, dQ and reduction kernels. Host-cost records
 (``mode: host``, ``host_us``) time one eager forward call of a one-rank context, replayed
 from a CUDA graph (``variant: graph_replay``, the default) and launched kernel by kernel
-(``variant: launches``). ``--tune`` times candidate forward configs (records ``op``
-``sp_attention_cfg``, with their relative error).
+(``variant: launches``). ``--tune`` times candidate configs of the forward, dK / dV and
+dQ kernels (records ``op`` ``sp_attention_cfg``, ``kernel``, with the relative errors of
+the outputs; ``--tune-only``: nothing else).
 
 Several GPUs: every rank runs ``fused``, ``none`` (NCCL all-gather + SDPA) and ``ring``
 forward on its shard, same run; records add ``t_none_ms`` and ``t_ring_ms``.
@@ -96,9 +97,15 @@ class _PerRank:
         )  # fmt: skip
         self.o = torch.empty_like(self.q)
         self.lse = torch.empty(heads, s_loc, dtype=torch.float32, device=dev)
-        self.recv = torch.empty(2 * world * self.k.numel(), dtype=dtype, device=dev)
-        # every owner is this GPU: the partial stores stay local (the same bytes move)
-        self.recv_table = torch.full((world,), self.recv.data_ptr(), dtype=torch.int64, device=dev)
+        # every owner is this GPU: one receive buffer per owner, so each chunk's partial
+        # dK / dV lands in its own place (the same bytes move as across GPUs)
+        self.recvs = [
+            torch.empty(2 * world * self.k.numel(), dtype=dtype, device=dev) for _ in range(world)
+        ]
+        self.recv = self.recvs[0]
+        self.recv_table = torch.tensor(
+            [r.data_ptr() for r in self.recvs], dtype=torch.int64, device=dev
+        )
         self.sig_table = torch.full((world,), self.sig.data_ptr(), dtype=torch.int64, device=dev)
         self.dq, self.dk, self.dv = (torch.empty_like(x) for x in (self.q, self.k, self.v))
         self.delta = torch.empty_like(self.lse)
@@ -130,38 +137,62 @@ class _PerRank:
 
         a, w = self.args, self.world
         sp.launch_delta(a, self.o, self.do, self.delta)
-        sp.launch_dkdv(
-            a, self.q, self.k, self.v, self.k_all, self.v_all, self.do, self.lse, self.delta,
-            self.recv, self.recv_table, self.sig_table, 0, w + 1, wait=wait, cfg=cfg_dkdv,
-        )  # fmt: skip
-        sp.launch_dq(
-            a, self.q, self.k, self.v, self.k_all, self.v_all, self.do, self.lse, self.delta,
-            self.dq, 0, wait=wait, clear=False, cfg=cfg_dq,
-        )  # fmt: skip
+        self.dkdv(wait, cfg_dkdv)
+        self.dq_only(wait, cfg_dq)
         sp.launch_reduce(a, self.recv, self.dk, self.dv, w + 1, self.k.shape[1] * self.s_loc)
 
+    def dkdv(self, wait=True, cfg=None):
+        """The dK / dV kernel alone (its counters only grow; nothing waits on them)."""
+        from ..ops.attention.sp_attention import launch_dkdv
+
+        launch_dkdv(
+            self.args, self.q, self.k, self.v, self.k_all, self.v_all, self.do, self.lse,
+            self.delta, self.recv, self.recv_table, self.sig_table, 0, self.world + 1,
+            wait=wait, cfg=cfg,
+        )  # fmt: skip
+
+    def dq_only(self, wait=True, cfg=None):
+        """The dQ kernel alone."""
+        from ..ops.attention.sp_attention import launch_dq
+
+        launch_dq(
+            self.args, self.q, self.k, self.v, self.k_all, self.v_all, self.do, self.lse,
+            self.delta, self.dq, 0, wait=wait, clear=False, cfg=cfg,
+        )  # fmt: skip
+
     def reference(self):
-        """float32 SDPA output and dQ of rank 0's queries (cached)."""
+        """float32 SDPA output, dQ, and rank 0's queries' share of dK / dV per chunk of
+        rank 0's queries (cached)."""
         if getattr(self, "_ref", None) is None:
             self._ref = self._reference()
         return self._ref
 
-    def check(self, cfg=None) -> dict:
-        """Relative errors of o and dq against SDPA in float32 on rank 0's queries
-        (cheap: ``S/W`` queries), with every wait met; ``cfg``: the forward's config."""
+    def check(self, cfg=None, cfg_dkdv=None, cfg_dq=None) -> dict:
+        """Relative errors of o, dq and every chunk's partial dK / dV (the worst chunk)
+        against SDPA in float32 on rank 0's queries (cheap: ``S/W`` queries), with every
+        wait met; ``cfg`` / ``cfg_dkdv`` / ``cfg_dq``: the kernels' configs."""
         self.flags_up()
+        for r in self.recvs:
+            r.fill_(float("nan"))
         self.fwd(cfg=cfg)
-        self.bwd()
+        self.bwd(cfg_dkdv=cfg_dkdv, cfg_dq=cfg_dq)
         torch.cuda.synchronize()
-        ref, dq = self.reference()
+        ref, dq, dks, dvs = self.reference()
         err = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
-        return {"rel_err": err(self.o, ref), "rel_err_dq": err(self.dq, dq)}
+        n = self.k.numel()
+        # owner c's buffer [2 (dK, dV), W (source), ...]: rank 0's partial in source slot 0
+        e_dk = max(err(self.recvs[c][:n].view_as(self.k), dks[c]) for c in range(self.world))
+        w = self.world
+        e_dv = max(err(self.recvs[c][w * n : w * n + n].view_as(self.v), dvs[c]) for c in range(w))
+        return {"rel_err": err(self.o, ref), "rel_err_dq": err(self.dq, dq),
+                "rel_err_dkdv": max(e_dk, e_dv)}  # fmt: skip
 
     def _reference(self):
         from torch.nn.attention.bias import causal_lower_right
 
         q = self.q.float().requires_grad_()
-        kf, vf = self.k_full.float(), self.v_full.float()
+        kf = self.k_full.float().requires_grad_()
+        vf = self.v_full.float().requires_grad_()
         half = self.s_loc // 2
         if self.causal:
             outs = []
@@ -177,7 +208,7 @@ class _PerRank:
         else:
             ref = torch.nn.functional.scaled_dot_product_attention(q, kf, vf)
         (ref * self.do.float()).sum().backward()
-        return ref.detach(), q.grad
+        return ref.detach(), q.grad, self._chunks(kf.grad), self._chunks(vf.grad)
 
 
 SDPA_BACKENDS = ("default", "flash", "cudnn", "efficient")
@@ -269,47 +300,93 @@ def _record(op, s, causal, world, t, t_nowait, t_ref, extra=None) -> dict:
     return rec
 
 
-#: Forward configs ``--tune`` times (block_m, block_n, warps, stages, warp-specialised).
-TUNE_FWD = (
-    (128, 128, 8, 3, False), (128, 128, 8, 3, True), (128, 128, 8, 4, False),
-    (128, 64, 8, 3, False), (128, 128, 4, 3, True),
-)  # fmt: skip
+#: Configs ``--tune`` times per kernel: (block_m, block_n, warps, stages, warp-specialised).
+#: ``block_m`` is the query block, ``block_n`` the key block (dK / dV: one key block per
+#: program, looping over query blocks).
+TUNE = {
+    "fwd": (
+        (128, 128, 8, 3, False), (128, 128, 8, 3, True), (128, 128, 8, 2, True),
+        (128, 128, 8, 4, False), (128, 128, 8, 2, False), (128, 128, 4, 3, True),
+        (128, 64, 4, 3, False), (128, 64, 4, 4, False), (128, 64, 8, 3, False),
+        (128, 64, 4, 3, True), (64, 128, 4, 3, False), (256, 64, 8, 2, False),
+        (256, 64, 8, 3, True), (256, 128, 8, 2, True),
+    ),
+    "dkdv": (
+        (64, 128, 8, 2, False), (64, 128, 8, 3, False), (64, 128, 4, 2, False),
+        (64, 128, 4, 3, False), (32, 128, 4, 3, False), (64, 64, 4, 3, False),
+        (128, 128, 8, 2, False), (32, 128, 8, 3, False),
+    ),
+    "dq": (
+        (128, 64, 8, 3, False), (128, 64, 8, 2, False), (128, 64, 4, 3, False),
+        (128, 128, 8, 2, False), (128, 128, 8, 3, False), (64, 64, 4, 3, False),
+        (64, 128, 4, 3, False), (128, 32, 4, 3, False),
+    ),
+}  # fmt: skip
+#: Causal: only the fastest non-causal configs of each kernel are timed again.
+TUNE_CAUSAL_TOP = 4
+
+
+def _tune_one(p, kernel, cfg, iters) -> tuple[float, dict]:
+    """Time one kernel with ``cfg`` (the others at their defaults), after checking it."""
+    if kernel == "fwd":
+        errs = p.check(cfg=cfg)
+        return _time_ms(functools.partial(p.fwd, cfg=cfg), iters=iters), errs
+    if kernel == "dkdv":
+        errs = p.check(cfg_dkdv=cfg)
+        return _time_ms(functools.partial(p.dkdv, cfg=cfg), iters=iters), errs
+    errs = p.check(cfg_dq=cfg)
+    return _time_ms(functools.partial(p.dq_only, cfg=cfg), iters=iters), errs
 
 
 def tune(s, iters, deadline: float, world=AS_WORLD) -> list[dict]:
-    """Time each candidate forward config with its waits met, with its relative error
-    (records ``op: sp_attention_cfg``); stops at ``deadline`` (``time.monotonic()``)."""
-    from ..ops.attention.sp_attention import AttnConfig
+    """Time each candidate config of each kernel (forward, dK / dV, dQ) with its waits met,
+    with the relative errors of its outputs (records ``op: sp_attention_cfg``, ``kernel``);
+    non-causal first, then the fastest ``TUNE_CAUSAL_TOP`` of each kernel causal; stops
+    at ``deadline`` (``time.monotonic()``)."""
+    from ..ops.attention.sp_attention import GPU_CONFIGS, AttnConfig
 
     records = []
+    best: dict[str, list] = {}
     for causal in (False, True):
         p = _PerRank(s, causal, world)
-        for bm, bn, warps, stages, ws in TUNE_FWD:
-            if time.monotonic() > deadline:
-                print("tune: out of time, stopped", flush=True)
-                return records
-            cfg = AttnConfig(bm, bn, warps, stages, ws)
-            try:
-                errs = p.check(cfg)
-                t = _time_ms(functools.partial(p.fwd, cfg=cfg), iters=iters)
-            except Exception as e:  # noqa: BLE001 - a config that fails to build is skipped
-                print(f"tune fwd {cfg}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
-                continue
-            flops = _flops(1, HEADS, p.s_loc, s, D, causal)
-            rec = {
-                "op": "sp_attention_cfg", "strategy": "fused", "dtype": "bfloat16", "batch": 1,
-                "heads": HEADS, "kv_heads": KV_HEADS, "d": D, "S": s, "causal": causal,
-                "as_world": world, "waits_met": True,
-                "variant": f"{bm}x{bn}-w{warps}-s{stages}{'-ws' if ws else ''}",
-                "t_ms": round(t, 4), "tflops": round(flops / t / 1e9, 1),
-                "rel_err": round(errs["rel_err"], 5),
-            }  # fmt: skip
-            records.append(rec)
-            print(
-                f"tune fwd S={s} causal={causal!s:<5} {rec['variant']:<18} {t:8.3f} ms "
-                f"{rec['tflops']:6.0f} TF/s  rel err {rec['rel_err']:.2e}",
-                flush=True,
-            )  # fmt: skip
+        for kernel, cands in TUNE.items():
+            current = GPU_CONFIGS[(kernel, D)]
+            if causal:
+                cands = best.get(kernel, [])[:TUNE_CAUSAL_TOP]
+            timed = []
+            for bm, bn, warps, stages, ws in cands:
+                if time.monotonic() > deadline:
+                    print("tune: out of time, stopped", flush=True)
+                    return records
+                cfg = AttnConfig(bm, bn, warps, stages, ws)
+                try:
+                    t, errs = _tune_one(p, kernel, cfg, iters)
+                except Exception as e:  # noqa: BLE001 - a config that fails to build is skipped
+                    print(f"tune {kernel} {cfg}: failed {type(e).__name__}: {str(e)[:80]}",
+                          flush=True)  # fmt: skip
+                    torch.cuda.synchronize()
+                    continue
+                timed.append((t, (bm, bn, warps, stages, ws)))
+                flops = _flops(1, HEADS, p.s_loc, s, D, causal)
+                rec = {
+                    "op": "sp_attention_cfg", "kernel": kernel, "strategy": "fused",
+                    "dtype": "bfloat16", "batch": 1, "heads": HEADS, "kv_heads": KV_HEADS,
+                    "d": D, "S": s, "causal": causal, "as_world": world, "waits_met": True,
+                    "variant": f"{bm}x{bn}-w{warps}-s{stages}{'-ws' if ws else ''}",
+                    "current": cfg == current, "t_ms": round(t, 4),
+                    **{k: round(v, 5) for k, v in errs.items()},
+                }  # fmt: skip
+                if kernel == "fwd":
+                    rec["tflops"] = round(flops / t / 1e9, 1)
+                records.append(rec)
+                print(
+                    f"tune {kernel:<4} S={s} causal={causal!s:<5} {rec['variant']:<18} "
+                    f"{t:8.3f} ms{' (current)' if rec['current'] else ''}  errors "
+                    + " ".join(f"{k[8:] or 'o'} {v:.1e}" for k, v in errs.items()),
+                    flush=True,
+                )  # fmt: skip
+            if not causal:
+                best[kernel] = [c for _, c in sorted(timed)]
         del p
         torch.cuda.empty_cache()
     return records
@@ -335,6 +412,7 @@ def one_gpu(seqs, iters, world=AS_WORLD) -> list[dict]:
             if errs:
                 extra_fwd["rel_err"] = round(errs["rel_err"], 5)
                 extra_bwd["rel_err_dq"] = round(errs["rel_err_dq"], 5)
+                extra_bwd["rel_err_dkdv"] = round(errs["rel_err_dkdv"], 5)
             if causal and ref["fwd_split"] is not None:
                 extra_fwd["t_ref_split_ms"] = round(ref["fwd_split"], 4)
             records.append(
@@ -447,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m interlace bench attention")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON results")
     parser.add_argument("--quick", action="store_true", help="S 16k only, fewer runs")
-    parser.add_argument("--tune", action="store_true", help="time candidate forward configs")
+    parser.add_argument("--tune", action="store_true", help="time candidate kernel configs")
+    parser.add_argument("--tune-only", action="store_true", help="--tune, and nothing else")
     parser.add_argument("--tune-seconds", type=float, default=120.0, help="time limit of --tune")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--as-world", type=int, default=AS_WORLD)
@@ -463,6 +542,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name(0)
     from .records import write_records
 
+    if args.tune_only:
+        tuned = tune(seqs[0], iters, time.monotonic() + args.tune_seconds, args.as_world)
+        path = write_records(args.out, device, 1, tuned)
+        print(f"results written to {path}")
+        return 0
     records = one_gpu(seqs, iters, args.as_world)
     path = write_records(args.out, device, 1, records)
     try:

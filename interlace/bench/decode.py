@@ -47,6 +47,10 @@ def _variants():
         "n64_s3_p4": DecodeConfig(block_n=64, num_stages=3, programs_per_sm=4),
         "n128_s3_w8_p2": DecodeConfig(block_n=128, num_stages=3, num_warps=8, programs_per_sm=2),
         "n128_s4_w4_p2": DecodeConfig(block_n=128, num_stages=4, programs_per_sm=2),
+        "n64_s3_m512": DecodeConfig(block_n=64, num_stages=3, min_split=512),
+        "n64_s3_m1024": DecodeConfig(block_n=64, num_stages=3, min_split=1024),
+        "n128_s3_m512": DecodeConfig(block_n=128, num_stages=3, min_split=512),
+        "n64_s3_p1": DecodeConfig(block_n=64, num_stages=3, programs_per_sm=1),
     }
 
 
@@ -108,13 +112,13 @@ def _one_rank_group():
     return Group(backend="cuda")
 
 
-def one_gpu(quick: bool, iters: int):
+def one_gpu(quick: bool, iters: int, shapes=None):
     from ..ops.attention import FlashDecode
 
     group = _one_rank_group()
     dev = device_name()
     records, rows = [], []
-    for batch, kv_len, as_world in QUICK_SHAPES if quick else SHAPES:
+    for batch, kv_len, as_world in shapes or (QUICK_SHAPES if quick else SHAPES):
         q, k, v = _inputs(batch, kv_len)
         gb = 2 * k.numel() * k.element_size() / 1e9
         ref_name, ref = _sdpa(q, k, v)
@@ -149,7 +153,7 @@ def one_gpu(quick: bool, iters: int):
         rows.append((batch, kv_len, as_world, t_graph, t_ref, ref_name, gb, host_eager, host_graph,
                      err))  # fmt: skip
         ctx.close()
-        if not quick:
+        if not quick or shapes:
             for name, cfg in _variants().items():
                 vctx = FlashDecode(group, batch, HEADS, KV_HEADS, D, config=cfg)
                 vcall = functools.partial(vctx, q, k, v, out=out)
@@ -219,11 +223,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument(
+        "--shapes",
+        default=None,
+        help="batch:kv_per_rank pairs, comma-separated (as world 4), e.g. 1:8192",
+    )
     args = p.parse_args(argv)
+    shapes = None
+    if args.shapes:
+        shapes = [(int(b), int(kv), 4) for b, kv in (x.split(":") for x in args.shapes.split(","))]
     if not torch.cuda.is_available():
         print("bench decode: needs a GPU (the CPU emulation is covered by the tests)")
         return 0
-    dev, records, rows = one_gpu(args.quick, args.iters)
+    dev, records, rows = one_gpu(args.quick, args.iters, shapes)
     path = write_records(args.out, dev, 1, records)
     print(f"wrote {path}")
     n = torch.cuda.device_count()

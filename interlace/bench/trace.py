@@ -366,9 +366,15 @@ def overhead(quick: bool, iters: int, reps: int = 10, as_world: int = 4, save=No
                     t_ref_ms=round(t_off, 5), overhead_pct=round((t_on / t_off - 1) * 100, 2),
                     rel_err=err, tiles=tiles, tiles_traced=written["tiles"],
                 )  # fmt: skip
+                for tag, launch in (("off", case.plain), ("on", case.traced)):
+                    for key, value in launch.resources(*case.operands).items():
+                        rec[f"{key}_{tag}"] = value
                 print(f"{op:8s} {model:11s} M={m:5d}: off {t_off:.4f} ms, on {t_on:.4f} ms "
                       f"({rec['overhead_pct']:+.2f} %), err {err:.1e}, tiles "
-                      f"{written['tiles']}/{tiles}", flush=True)  # fmt: skip
+                      f"{written['tiles']}/{tiles}, regs {rec.get('n_regs_off')}/"
+                      f"{rec.get('n_regs_on')}, spills {rec.get('n_spills_off')}/"
+                      f"{rec.get('n_spills_on')}",
+                      flush=True)  # fmt: skip
                 records.append(rec)
                 if save is not None:  # after every shape: a time-out keeps what was measured
                     save([rec])

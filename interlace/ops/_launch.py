@@ -181,6 +181,21 @@ class PreparedLaunch:
             args[i] = t
         self.kernel.warmup(*args, grid=(self.grid,), **self.kwargs)
 
+    def resources(self, *operands) -> dict:
+        """Registers per thread and spilled bytes of the kernel compiled for these operands
+        (empty in the interpreter or where Triton does not say)."""
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            return {}
+        args = list(self.args)
+        for i, t in zip(self._where, operands):
+            args[i] = t
+        compiled = self.kernel.warmup(*args, grid=(self.grid,), **self.kwargs)
+        try:
+            compiled._init_handles()
+            return {"n_regs": int(compiled.n_regs), "n_spills": int(compiled.n_spills)}
+        except Exception:  # noqa: BLE001 - a Triton without these fields: nothing to say
+            return {}
+
     def __call__(self, *operands) -> None:
         direct = self._direct
         if direct is not None and _hooks_clear():
