@@ -300,26 +300,23 @@ def _record(op, s, causal, world, t, t_nowait, t_ref, extra=None) -> dict:
     return rec
 
 
-#: Configs ``--tune`` times per kernel: (block_m, block_n, warps, stages, warp-specialised).
-#: ``block_m`` is the query block, ``block_n`` the key block (dK / dV: one key block per
-#: program, looping over query blocks).
+#: Configs ``--tune`` times per kernel: (block_m, block_n, warps, stages, warp-specialised,
+#: exponential). ``block_m`` is the query block, ``block_n`` the key block (dK / dV: one
+#: key block per program, looping over query blocks); the exponential is
+#: ``AttnConfig.fast_exp``.
 TUNE = {
     "fwd": (
-        (128, 128, 8, 3, False), (128, 128, 8, 3, True), (128, 128, 8, 2, True),
-        (128, 128, 8, 4, False), (128, 128, 8, 2, False), (128, 128, 4, 3, True),
-        (128, 64, 4, 3, False), (128, 64, 4, 4, False), (128, 64, 8, 3, False),
-        (128, 64, 4, 3, True), (64, 128, 4, 3, False), (256, 64, 8, 2, False),
-        (256, 64, 8, 3, True), (256, 128, 8, 2, True),
+        (128, 128, 8, 3, False, 0), (128, 128, 8, 3, False, 1), (128, 128, 8, 3, False, 2),
+        (128, 128, 8, 3, True, 1), (128, 64, 8, 3, False, 1), (64, 128, 4, 3, False, 1),
+        (128, 128, 8, 2, False, 1),
     ),
     "dkdv": (
-        (64, 128, 8, 2, False), (64, 128, 8, 3, False), (64, 128, 4, 2, False),
-        (64, 128, 4, 3, False), (32, 128, 4, 3, False), (64, 64, 4, 3, False),
-        (128, 128, 8, 2, False), (32, 128, 8, 3, False),
+        (64, 128, 8, 2, False, 0), (64, 128, 8, 2, False, 1), (64, 128, 8, 2, False, 2),
+        (64, 128, 8, 3, False, 0), (64, 128, 8, 3, False, 1), (32, 128, 8, 3, False, 1),
     ),
     "dq": (
-        (128, 64, 8, 3, False), (128, 64, 8, 2, False), (128, 64, 4, 3, False),
-        (128, 128, 8, 2, False), (128, 128, 8, 3, False), (64, 64, 4, 3, False),
-        (64, 128, 4, 3, False), (128, 32, 4, 3, False),
+        (128, 64, 8, 3, False, 0), (128, 64, 8, 3, False, 1), (128, 64, 8, 3, False, 2),
+        (64, 128, 4, 3, False, 1), (128, 128, 8, 2, False, 1),
     ),
 }  # fmt: skip
 #: Causal: only the fastest non-causal configs of each kernel are timed again.
@@ -354,11 +351,11 @@ def tune(s, iters, deadline: float, world=AS_WORLD) -> list[dict]:
             if causal:
                 cands = best.get(kernel, [])[:TUNE_CAUSAL_TOP]
             timed = []
-            for bm, bn, warps, stages, ws in cands:
+            for bm, bn, warps, stages, ws, fast_exp in cands:
                 if time.monotonic() > deadline:
                     print("tune: out of time, stopped", flush=True)
                     return records
-                cfg = AttnConfig(bm, bn, warps, stages, ws)
+                cfg = AttnConfig(bm, bn, warps, stages, ws, fast_exp)
                 try:
                     t, errs = _tune_one(p, kernel, cfg, iters)
                 except Exception as e:  # noqa: BLE001 - a config that fails to build is skipped
@@ -366,13 +363,14 @@ def tune(s, iters, deadline: float, world=AS_WORLD) -> list[dict]:
                           flush=True)  # fmt: skip
                     torch.cuda.synchronize()
                     continue
-                timed.append((t, (bm, bn, warps, stages, ws)))
+                timed.append((t, (bm, bn, warps, stages, ws, fast_exp)))
                 flops = _flops(1, HEADS, p.s_loc, s, D, causal)
                 rec = {
                     "op": "sp_attention_cfg", "kernel": kernel, "strategy": "fused",
                     "dtype": "bfloat16", "batch": 1, "heads": HEADS, "kv_heads": KV_HEADS,
                     "d": D, "S": s, "causal": causal, "as_world": world, "waits_met": True,
-                    "variant": f"{bm}x{bn}-w{warps}-s{stages}{'-ws' if ws else ''}",
+                    "variant": f"{bm}x{bn}-w{warps}-s{stages}{'-ws' if ws else ''}"
+                    + (f"-e{fast_exp}" if fast_exp else ""),
                     "current": cfg == current, "t_ms": round(t, 4),
                     **{k: round(v, 5) for k, v in errs.items()},
                 }  # fmt: skip

@@ -57,6 +57,35 @@ def _dot(a, b, acc):
 
 
 @triton.jit
+def _exp2(x, FAST_EXP: tl.constexpr):
+    """``2 ** x`` for the probabilities of unmasked blocks (``x <= 0``). ``FAST_EXP`` 0:
+    float32 (one special-function op per element); 1: ``ex2.approx.f16x2`` on ``x``
+    rounded to float16, two elements per op, the result float16 (the special-function
+    unit, not the tensor cores, bounds the softmax of a d = 128 block); 2:
+    ``ex2.approx.ftz.bf16x2`` likewise in bfloat16. The probabilities are rounded to the
+    inputs' 16-bit type for the ``P @ V`` product anyway. The interpreter rounds as the
+    GPU would and takes the float32 exponential."""
+    if FAST_EXP == 0:
+        return tl.math.exp2(x)
+    elif FAST_EXP == 1:
+        if INTERPRETED:
+            return tl.math.exp2(x.to(tl.float16).to(tl.float32)).to(tl.float16)
+        else:
+            return tl.inline_asm_elementwise(
+                "ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)], dtype=tl.float16,
+                is_pure=True, pack=2,
+            )  # fmt: skip
+    else:
+        if INTERPRETED:
+            return tl.math.exp2(x.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+        else:
+            return tl.inline_asm_elementwise(
+                "ex2.approx.ftz.bf16x2 $0, $1;", "=r,r", [x.to(tl.bfloat16)],
+                dtype=tl.bfloat16, is_pure=True, pack=2,
+            )  # fmt: skip
+
+
+@triton.jit
 def _count_le(x, c, S_loc, half, WORLD: tl.constexpr, ZIGZAG: tl.constexpr):
     """How many local indices of rank ``c``'s chunk sit at a global position <= ``x``."""
     if ZIGZAG:
@@ -131,11 +160,13 @@ def _mask(q_pos, k_pos, k_idx, S_loc, seg, WORLD: tl.constexpr, CAUSAL: tl.const
 def _fwd_blocks(acc, l_i, m_i, q, k_desc, v_desc, row, j0, n, jlo, jf_lo, jf_hi, q_pos,
                 c, S_loc, half, seg, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 D: tl.constexpr, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
-                VARLEN: tl.constexpr, MASKED: tl.constexpr, WS: tl.constexpr):  # fmt: skip
+                VARLEN: tl.constexpr, MASKED: tl.constexpr, WS: tl.constexpr,
+                FAST_EXP: tl.constexpr):  # fmt: skip
     """Online softmax over ``n`` key blocks of one chunk: blocks ``j0 ..`` (unmasked) or
     the masked blocks (``MASKED``, ``_masked_block``). Unmasked, the scale is folded into
-    the exponent's argument (one fused multiply-add per logit); ``WS``: the loop is
-    warp-specialised (producer warps issue the TMA loads)."""
+    the exponent's argument (one fused multiply-add per logit) and the exponential is
+    ``_exp2(.., FAST_EXP)``; ``WS``: the loop is warp-specialised (producer warps issue
+    the TMA loads)."""
     for t in tl.range(0, n, warp_specialize=WS and not MASKED):
         if MASKED:
             j = _masked_block(t, jlo, jf_lo, jf_hi)
@@ -156,9 +187,9 @@ def _fwd_blocks(acc, l_i, m_i, q, k_desc, v_desc, row, j0, n, jlo, jf_lo, jf_hi,
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_use = m_new
-            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+            p = _exp2(qk * qk_scale - m_use[:, None], FAST_EXP)
         alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
         acc = acc * alpha[:, None]
         v = v_desc.load([row, n0, 0]).reshape(BLOCK_N, D)
         acc = _dot(p.to(v.dtype), v, acc)
@@ -170,7 +201,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_desc, v_desc, row, j0, n, jlo, jf_lo, jf_hi,
 def _fwd_chunk(acc, l_i, m_i, q, k_desc, v_desc, row, c, qmin, qmax, q_pos, S_loc, half,
                seg, cu, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                D: tl.constexpr, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
-               VARLEN: tl.constexpr, WS: tl.constexpr):  # fmt: skip
+               VARLEN: tl.constexpr, WS: tl.constexpr, FAST_EXP: tl.constexpr):  # fmt: skip
     vlo, vhi, flo, fhi = _fwd_window(qmin, qmax, S_loc, seg, cu, WORLD, CAUSAL, VARLEN)
     jlo, jf_lo, jf_hi, jhi = _block_ranges(
         vlo, vhi, flo, fhi, c, S_loc, half, BLOCK_N, WORLD, CAUSAL
@@ -178,11 +209,13 @@ def _fwd_chunk(acc, l_i, m_i, q, k_desc, v_desc, row, c, qmin, qmax, q_pos, S_lo
     acc, l_i, m_i = _fwd_blocks(
         acc, l_i, m_i, q, k_desc, v_desc, row, jf_lo, jf_hi - jf_lo, jlo, jf_lo, jf_hi, q_pos,
         c, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, False, WS,
+        FAST_EXP,
     )  # fmt: skip
     n_masked = (jf_lo - jlo) + (jhi - jf_hi)
     acc, l_i, m_i = _fwd_blocks(
         acc, l_i, m_i, q, k_desc, v_desc, row, jlo, n_masked, jlo, jf_lo, jf_hi, q_pos,
         c, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, True, WS,
+        FAST_EXP,
     )  # fmt: skip
     return acc, l_i, m_i
 
@@ -255,7 +288,7 @@ def sp_attn_fwd_kernel(
     H, HKV, D: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     VARLEN: tl.constexpr, WAIT: tl.constexpr, CLEAR: tl.constexpr, WS: tl.constexpr = False,
-    TRACE: tl.constexpr = False, tbuf=None,
+    FAST_EXP: tl.constexpr = 0, TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """One program per (query block, batch x head), heaviest query blocks first (later
     positions see more keys under the causal mask). Runs the local chunk, then each
@@ -297,7 +330,7 @@ def sp_attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     acc, l_i, m_i = _fwd_chunk(
         acc, l_i, m_i, qb, k_desc, v_desc, kv_row, rank, qmin, qmax, q_pos, S_loc, half,
-        seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, WS,
+        seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, WS, FAST_EXP,
     )  # fmt: skip
     trace_step(TRACE, tbuf, EV_TILE_END, 0, rank, pid_m)
     if WORLD > 1:
@@ -316,6 +349,7 @@ def sp_attn_fwd_kernel(
             acc, l_i, m_i = _fwd_chunk(
                 acc, l_i, m_i, qb, kp_desc, vp_desc, row, c, qmin, qmax, q_pos, S_loc, half,
                 seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, WS,
+                FAST_EXP,
             )  # fmt: skip
             trace_step(TRACE, tbuf, EV_TILE_END, t, c, pid_m)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -345,7 +379,8 @@ def sp_attn_bwd_delta_kernel(o, do, delta, S_loc, D: tl.constexpr, BLOCK: tl.con
 def _dkdv_blocks(dk, dv, kb, vb, q_desc, do_desc, lse, delta, qrow, i0, n, ilo, if_lo, if_hi,
                  k_pos, k_idx, rank, S_loc, half, seg, qk_scale, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, D: tl.constexpr, WORLD: tl.constexpr,
-                 CAUSAL: tl.constexpr, VARLEN: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+                 CAUSAL: tl.constexpr, VARLEN: tl.constexpr, MASKED: tl.constexpr,
+                 FAST_EXP: tl.constexpr):  # fmt: skip
     """dK / dV of one key block over ``n`` query blocks of one head (see ``_fwd_blocks``)."""
     for t in tl.range(0, n):
         if MASKED:
@@ -364,14 +399,16 @@ def _dkdv_blocks(dk, dv, kb, vb, q_desc, do_desc, lse, delta, qrow, i0, n, ilo, 
             m_row = tl.load(lse + qrow * S_loc + q_idx)
             d_row = tl.load(delta + qrow * S_loc + q_idx)
         qk_t = _dot(kb, tl.trans(qb), tl.zeros([BLOCK_N, BLOCK_M], tl.float32)) * qk_scale
-        p_t = tl.math.exp2(qk_t - m_row[None, :])
         if MASKED:
+            p_t = tl.math.exp2(qk_t - m_row[None, :])
             q_pos = tl.where(q_idx < S_loc, _pos(q_idx, rank, S_loc, half, WORLD, CAUSAL), -1)
             ok = _mask(q_pos, k_pos, k_idx, S_loc, seg, WORLD, CAUSAL, VARLEN)
             p_t = tl.where(tl.trans(ok), p_t, 0.0)
+        else:
+            p_t = _exp2(qk_t - m_row[None, :], FAST_EXP)
         dv = _dot(p_t.to(qb.dtype), dob, dv)
         dp_t = _dot(vb, tl.trans(dob), tl.zeros([BLOCK_N, BLOCK_M], tl.float32))
-        ds_t = p_t * (dp_t - d_row[None, :])
+        ds_t = p_t.to(tl.float32) * (dp_t - d_row[None, :])
         dk = _dot(ds_t.to(qb.dtype), qb, dk)
     return dk, dv
 
@@ -382,7 +419,7 @@ def sp_attn_bwd_dkdv_kernel(
     rank, max_spins, arrival, dkv_slot, sm_scale, qk_scale, S_loc, half, n_kb,
     H, HKV, D: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    VARLEN: tl.constexpr, WAIT: tl.constexpr,
+    VARLEN: tl.constexpr, WAIT: tl.constexpr, FAST_EXP: tl.constexpr = 0,
 ):  # fmt: skip
     """This rank's share of dK / dV for one key block of one chunk (one program per
     (chunk, key block), batch x kv head), summed over the GQA group's query heads and this
@@ -455,12 +492,12 @@ def sp_attn_bwd_dkdv_kernel(
         dk, dv = _dkdv_blocks(
             dk, dv, kb, vb, q_desc, do_desc, lse, delta, qrow, if_lo, if_hi - if_lo, ilo,
             if_lo, if_hi, k_pos, k_idx, rank, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D,
-            WORLD, CAUSAL, VARLEN, False,
+            WORLD, CAUSAL, VARLEN, False, FAST_EXP,
         )  # fmt: skip
         dk, dv = _dkdv_blocks(
             dk, dv, kb, vb, q_desc, do_desc, lse, delta, qrow, ilo, n_masked, ilo, if_lo,
             if_hi, k_pos, k_idx, rank, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD,
-            CAUSAL, VARLEN, True,
+            CAUSAL, VARLEN, True, FAST_EXP,
         )  # fmt: skip
     dk = dk * sm_scale
     # slot ``rank`` (this rank as the source) of the owner's recv buffer
@@ -479,7 +516,8 @@ def sp_attn_bwd_dkdv_kernel(
 def _dq_blocks(dq, qb, dob, m_row, d_row, k_desc, v_desc, row, j0, n, jlo, jf_lo, jf_hi,
                q_pos, c, S_loc, half, seg, qk_scale, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, D: tl.constexpr, WORLD: tl.constexpr,
-               CAUSAL: tl.constexpr, VARLEN: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+               CAUSAL: tl.constexpr, VARLEN: tl.constexpr, MASKED: tl.constexpr,
+               FAST_EXP: tl.constexpr):  # fmt: skip
     """dQ of one query block over ``n`` key blocks of one chunk (see ``_fwd_blocks``)."""
     for t in tl.range(0, n):
         if MASKED:
@@ -490,13 +528,15 @@ def _dq_blocks(dq, qb, dob, m_row, d_row, k_desc, v_desc, row, j0, n, jlo, jf_lo
         kb = k_desc.load([row, n0, 0]).reshape(BLOCK_N, D)
         vb = v_desc.load([row, n0, 0]).reshape(BLOCK_N, D)
         qk = _dot(qb, tl.trans(kb), tl.zeros([BLOCK_M, BLOCK_N], tl.float32)) * qk_scale
-        p = tl.math.exp2(qk - m_row[:, None])
         if MASKED:
+            p = tl.math.exp2(qk - m_row[:, None])
             k_idx = n0 + tl.arange(0, BLOCK_N)
             k_pos = _pos(k_idx, c, S_loc, half, WORLD, CAUSAL)
             p = tl.where(_mask(q_pos, k_pos, k_idx, S_loc, seg, WORLD, CAUSAL, VARLEN), p, 0.0)
+        else:
+            p = _exp2(qk - m_row[:, None], FAST_EXP)
         dp = _dot(dob, tl.trans(vb), tl.zeros([BLOCK_M, BLOCK_N], tl.float32))
-        ds = p * (dp - d_row[:, None])
+        ds = p.to(tl.float32) * (dp - d_row[:, None])
         dq = _dot(ds.to(kb.dtype), kb, dq)
     return dq
 
@@ -505,7 +545,7 @@ def _dq_blocks(dq, qb, dob, m_row, d_row, k_desc, v_desc, row, j0, n, jlo, jf_lo
 def _dq_chunk(dq, qb, dob, m_row, d_row, k_desc, v_desc, row, c, qmin, qmax, q_pos, S_loc,
               half, seg, cu, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               D: tl.constexpr, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
-              VARLEN: tl.constexpr):  # fmt: skip
+              VARLEN: tl.constexpr, FAST_EXP: tl.constexpr):  # fmt: skip
     vlo, vhi, flo, fhi = _fwd_window(qmin, qmax, S_loc, seg, cu, WORLD, CAUSAL, VARLEN)
     jlo, jf_lo, jf_hi, jhi = _block_ranges(
         vlo, vhi, flo, fhi, c, S_loc, half, BLOCK_N, WORLD, CAUSAL
@@ -513,13 +553,13 @@ def _dq_chunk(dq, qb, dob, m_row, d_row, k_desc, v_desc, row, c, qmin, qmax, q_p
     dq = _dq_blocks(
         dq, qb, dob, m_row, d_row, k_desc, v_desc, row, jf_lo, jf_hi - jf_lo, jlo, jf_lo,
         jf_hi, q_pos, c, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL,
-        VARLEN, False,
+        VARLEN, False, FAST_EXP,
     )  # fmt: skip
     n_masked = (jf_lo - jlo) + (jhi - jf_hi)
     dq = _dq_blocks(
         dq, qb, dob, m_row, d_row, k_desc, v_desc, row, jlo, n_masked, jlo, jf_lo, jf_hi,
         q_pos, c, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN,
-        True,
+        True, FAST_EXP,
     )  # fmt: skip
     return dq
 
@@ -530,7 +570,7 @@ def sp_attn_bwd_dq_kernel(
     sm_scale, qk_scale, S_loc, half,
     H, HKV, D: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    VARLEN: tl.constexpr, WAIT: tl.constexpr, CLEAR: tl.constexpr,
+    VARLEN: tl.constexpr, WAIT: tl.constexpr, CLEAR: tl.constexpr, FAST_EXP: tl.constexpr = 0,
 ):  # fmt: skip
     """dQ of one query block (one program per (query block, batch x head)) over every
     chunk, local first, as ``sp_attn_fwd_kernel``; ``CLEAR`` as there."""
@@ -569,7 +609,7 @@ def sp_attn_bwd_dq_kernel(
     dq_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     dq_acc = _dq_chunk(
         dq_acc, qb, dob, m_row, d_row, k_desc, v_desc, kv_row, rank, qmin, qmax, q_pos, S_loc,
-        half, seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN,
+        half, seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, FAST_EXP,
     )  # fmt: skip
     if WORLD > 1:
         kp_desc = tl.make_tensor_descriptor(
@@ -585,6 +625,7 @@ def sp_attn_bwd_dq_kernel(
             dq_acc = _dq_chunk(
                 dq_acc, qb, dob, m_row, d_row, kp_desc, vp_desc, row, c, qmin, qmax, q_pos,
                 S_loc, half, seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN,
+                FAST_EXP,
             )  # fmt: skip
     dq_acc = dq_acc * sm_scale
     dq_desc.store([bh, m0, 0], dq_acc.to(dq.dtype.element_ty).reshape(1, BLOCK_M, D))

@@ -86,6 +86,9 @@ class AttnConfig:
     #: forward only: the unmasked key loop warp-specialised (producer warps issue the
     #: K / V tensor-descriptor loads)
     warp_specialize: bool = False
+    #: the unmasked blocks' exponential (``kernels.attention._exp2``): 0 float32, 1 packed
+    #: float16 pairs, 2 packed bfloat16 pairs
+    fast_exp: int = 0
 
 
 #: Kernel configs on a GPU per (kernel, head_dim): (query block, key block, warps,
@@ -176,8 +179,8 @@ class KernelArgs:
 def _common(a: KernelArgs, cfg: AttnConfig) -> dict:
     return dict(
         H=a.heads, HKV=a.kv_heads, D=a.d, WORLD=a.world, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, CAUSAL=a.causal, VARLEN=a.varlen, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        BLOCK_N=cfg.block_n, CAUSAL=a.causal, VARLEN=a.varlen, FAST_EXP=cfg.fast_exp,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
