@@ -362,10 +362,10 @@ class OpContext:
             self._raise_pending()
 
     def _raise_pending(self) -> None:
-        """``cpu`` backend, after device work of this call has run: raise a fault recorded
-        since the call began, except a mismatch between later calls of peers that ran
-        ahead (:meth:`_later_mismatch`), which this rank raises at its next call, the one
-        in which those peers raise it."""
+        """Where the host has seen this call's device work run (the ``cpu`` backend,
+        host-synchronous transfers): raise a fault recorded since the call began, except a
+        mismatch between later calls of peers that ran ahead (:meth:`_later_mismatch`),
+        which this rank raises at its next call, the one in which those peers raise it."""
         if self.error.fault_pending():
             self._raise_recorded_check()
             if not self._later_mismatch():

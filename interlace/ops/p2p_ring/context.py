@@ -19,13 +19,14 @@ divisible by the world size raises ``InterlaceValueError``.
 Every call fingerprints what its peers depend on (which op, shapes, schedule, chunks;
 ``OpContext._begin_call``) and starts with a device barrier that carries the fingerprint,
 so that ranks that called differently raise ``CallMismatchError`` on every rank, naming the
-field, before any message moves. On the ``cpu`` backend (and any gloo group) the host
-checks the barrier before issuing a transfer, so every rank raises in that call. On a GPU
-the ``symm`` transport's barrier (which also keeps a peer from overwriting data still being
-read) records the mismatch; it is raised by the next call or ``check()``, as for the other
-ops. The ``p2p`` transport over NCCL runs no barrier (a host check there would need a
-device synchronisation per call): a mismatch in its calls is NCCL's to detect (its own
-timeout). ``compute_only`` moves nothing and checks nothing.
+field, before any message moves. On the ``cpu`` backend, and for the ``p2p`` transport
+over a gloo group (whose transfers block the host anyway; on a GPU after a stream
+synchronisation), the host checks the barrier before issuing a transfer, so every rank
+raises in that call. On a GPU the ``symm`` transport's barrier (which also keeps a peer
+from overwriting data still being read) records the mismatch; it is raised by the next call
+or ``check()``, as for the other ops. The ``p2p`` transport over NCCL runs no barrier (a
+host check there would need a device synchronisation per call): a mismatch in its calls is
+NCCL's to detect (its own timeout). ``compute_only`` moves nothing and checks nothing.
 """
 
 from __future__ import annotations
@@ -189,6 +190,9 @@ class P2PRing(OpContext):
             return
         self._barrier()  # every peer is in this call and done with the previous one's data
         if self.group.backend == "cpu":
+            self._raise_pending()
+        elif self.transport == "p2p":  # gloo transfers of GPU tensors: host-synchronous
+            torch.cuda.current_stream(self.group.device).synchronize()
             self._raise_pending()
 
     # ------------------------------------------------------------------ ops
