@@ -300,27 +300,32 @@ def _record(op, s, causal, world, t, t_nowait, t_ref, extra=None) -> dict:
     return rec
 
 
-#: Configs ``--tune`` times per kernel: (block_m, block_n, warps, stages, warp-specialised,
-#: exponential). ``block_m`` is the query block, ``block_n`` the key block (dK / dV: one
-#: key block per program, looping over query blocks); the exponential is
-#: ``AttnConfig.fast_exp``.
+#: Configs ``--tune`` times per kernel: ``AttnConfig``'s fields (block_m, block_n, warps,
+#: stages, warp_specialize, fast_exp, ahead). ``block_m`` is the query block, ``block_n``
+#: the key block (dK / dV: one key block per program, looping over query blocks).
 TUNE = {
     "fwd": (
-        (128, 128, 8, 3, False, 0), (128, 128, 8, 3, False, 1), (128, 128, 8, 3, False, 2),
-        (128, 128, 8, 3, True, 1), (128, 64, 8, 3, False, 1), (64, 128, 4, 3, False, 1),
-        (128, 128, 8, 2, False, 1),
+        (128, 128, 8, 3, False, 0, False), (128, 128, 8, 3, False, 0, True),
+        (128, 128, 8, 3, False, 1, True), (128, 64, 8, 3, False, 0, True),
+        (128, 64, 8, 3, False, 1, True), (128, 128, 8, 2, False, 0, True),
+        (128, 64, 8, 4, False, 0, True), (64, 128, 4, 3, False, 0, True),
     ),
     "dkdv": (
-        (64, 128, 8, 2, False, 0), (64, 128, 8, 2, False, 1), (64, 128, 8, 2, False, 2),
-        (64, 128, 8, 3, False, 0), (64, 128, 8, 3, False, 1), (32, 128, 8, 3, False, 1),
+        (64, 128, 8, 2, False, 0, False), (64, 128, 8, 2, False, 1, False),
+        (64, 128, 8, 3, False, 0, False), (64, 128, 8, 3, False, 1, False),
     ),
-    "dq": (
-        (128, 64, 8, 3, False, 0), (128, 64, 8, 3, False, 1), (128, 64, 8, 3, False, 2),
-        (64, 128, 4, 3, False, 1), (128, 128, 8, 2, False, 1),
-    ),
+    "dq": ((128, 64, 8, 3, False, 0, False), (128, 64, 8, 3, False, 1, False)),
 }  # fmt: skip
 #: Causal: only the fastest non-causal configs of each kernel are timed again.
 TUNE_CAUSAL_TOP = 4
+
+
+def _variant(cfg) -> str:
+    """A config's short name, e.g. ``128x128-w8-s3-ws-e1-ahead``."""
+    name = f"{cfg.block_m}x{cfg.block_n}-w{cfg.num_warps}-s{cfg.num_stages}"
+    name += "-ws" if cfg.warp_specialize else ""
+    name += f"-e{cfg.fast_exp}" if cfg.fast_exp else ""
+    return name + ("-ahead" if cfg.ahead else "")
 
 
 def _tune_one(p, kernel, cfg, iters) -> tuple[float, dict]:
@@ -335,7 +340,7 @@ def _tune_one(p, kernel, cfg, iters) -> tuple[float, dict]:
     return _time_ms(functools.partial(p.dq_only, cfg=cfg), iters=iters), errs
 
 
-def tune(s, iters, deadline: float, world=AS_WORLD) -> list[dict]:
+def tune(s, iters, deadline: float, world=AS_WORLD, kernels=tuple(TUNE)) -> list[dict]:
     """Time each candidate config of each kernel (forward, dK / dV, dQ) with its waits met,
     with the relative errors of its outputs (records ``op: sp_attention_cfg``, ``kernel``);
     non-causal first, then the fastest ``TUNE_CAUSAL_TOP`` of each kernel causal; stops
@@ -346,16 +351,17 @@ def tune(s, iters, deadline: float, world=AS_WORLD) -> list[dict]:
     best: dict[str, list] = {}
     for causal in (False, True):
         p = _PerRank(s, causal, world)
-        for kernel, cands in TUNE.items():
+        for kernel in kernels:
+            cands = TUNE[kernel]
             current = GPU_CONFIGS[(kernel, D)]
             if causal:
                 cands = best.get(kernel, [])[:TUNE_CAUSAL_TOP]
             timed = []
-            for bm, bn, warps, stages, ws, fast_exp in cands:
+            for fields in cands:
                 if time.monotonic() > deadline:
                     print("tune: out of time, stopped", flush=True)
                     return records
-                cfg = AttnConfig(bm, bn, warps, stages, ws, fast_exp)
+                cfg = AttnConfig(*fields)
                 try:
                     t, errs = _tune_one(p, kernel, cfg, iters)
                 except Exception as e:  # noqa: BLE001 - a config that fails to build is skipped
@@ -363,14 +369,13 @@ def tune(s, iters, deadline: float, world=AS_WORLD) -> list[dict]:
                           flush=True)  # fmt: skip
                     torch.cuda.synchronize()
                     continue
-                timed.append((t, (bm, bn, warps, stages, ws, fast_exp)))
+                timed.append((t, fields))
                 flops = _flops(1, HEADS, p.s_loc, s, D, causal)
                 rec = {
                     "op": "sp_attention_cfg", "kernel": kernel, "strategy": "fused",
                     "dtype": "bfloat16", "batch": 1, "heads": HEADS, "kv_heads": KV_HEADS,
                     "d": D, "S": s, "causal": causal, "as_world": world, "waits_met": True,
-                    "variant": f"{bm}x{bn}-w{warps}-s{stages}{'-ws' if ws else ''}"
-                    + (f"-e{fast_exp}" if fast_exp else ""),
+                    "variant": _variant(cfg),
                     "current": cfg == current, "t_ms": round(t, 4),
                     **{k: round(v, 5) for k, v in errs.items()},
                 }  # fmt: skip
@@ -525,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="S 16k only, fewer runs")
     parser.add_argument("--tune", action="store_true", help="time candidate kernel configs")
     parser.add_argument("--tune-only", action="store_true", help="--tune, and nothing else")
+    parser.add_argument("--tune-kernels", default="fwd,dkdv,dq", help="kernels --tune times")
     parser.add_argument("--tune-seconds", type=float, default=120.0, help="time limit of --tune")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--as-world", type=int, default=AS_WORLD)
@@ -541,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     from .records import write_records
 
     if args.tune_only:
-        tuned = tune(seqs[0], iters, time.monotonic() + args.tune_seconds, args.as_world)
+        kernels = tuple(args.tune_kernels.split(","))
+        tuned = tune(seqs[0], iters, time.monotonic() + args.tune_seconds, args.as_world, kernels)
         path = write_records(args.out, device, 1, tuned)
         print(f"results written to {path}")
         return 0

@@ -126,18 +126,18 @@ def test_head_dim_128_gpu(world, causal):
     world.run(_fwd_bwd_body, causal, 0, 4, 2, 128, "bfloat16", "fused", True)
 
 
-def _fast_exp_body(group, fast_exp, causal, dtype_name):
-    """``_fwd_bwd_body`` with every kernel config's exponential ``fast_exp`` on this rank."""
+def _config_body(group, fields, causal, dtype_name, docs=3):
+    """``_fwd_bwd_body`` with ``fields`` set in every kernel config on this rank."""
     import dataclasses
 
     from interlace.ops.attention import sp_attention as sp
 
     saved = dict(sp.GPU_CONFIGS), sp.CPU_CONFIG
-    sp.CPU_CONFIG = dataclasses.replace(sp.CPU_CONFIG, fast_exp=fast_exp)
+    sp.CPU_CONFIG = dataclasses.replace(sp.CPU_CONFIG, **fields)
     for key, cfg in saved[0].items():
-        sp.GPU_CONFIGS[key] = dataclasses.replace(cfg, fast_exp=fast_exp)
+        sp.GPU_CONFIGS[key] = dataclasses.replace(cfg, **fields)
     try:
-        return _fwd_bwd_body(group, causal, 3, 4, 2, 64, dtype_name, "fused", True)
+        return _fwd_bwd_body(group, causal, docs, 4, 2, 64, dtype_name, "fused", True)
     finally:
         sp.GPU_CONFIGS.update(saved[0])
         sp.CPU_CONFIG = saved[1]
@@ -150,9 +150,19 @@ def test_fast_exponential(world, fast_exp, causal):
     """The packed 16-bit exponentials (``AttnConfig.fast_exp``) in the forward, dK / dV and
     dQ kernels, with packed documents (masked and unmasked blocks), within the same
     tolerances; fp16 inputs with the bfloat16 exponential too."""
-    world.run(_fast_exp_body, fast_exp, causal, "bfloat16")
+    world.run(_config_body, {"fast_exp": fast_exp}, causal, "bfloat16")
     if fast_exp == 2 and not causal:
-        world.run(_fast_exp_body, fast_exp, causal, "float16")
+        world.run(_config_body, {"fast_exp": fast_exp}, causal, "float16")
+
+
+@pytest.mark.parametrize("world", W23[:1] + GPU2, indirect=True)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_product_ahead(world, causal):
+    """The forward with the next block's product issued ahead (``AttnConfig.ahead``):
+    whole sequences (several unmasked blocks per chunk) and packed documents (ranges of
+    none or one block)."""
+    world.run(_config_body, {"ahead": True}, causal, "bfloat16", 0)
+    world.run(_config_body, {"ahead": True}, causal, "bfloat16", 3)
 
 
 @pytest.mark.parametrize("world", W23 + GPU2, indirect=True)
