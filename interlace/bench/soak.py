@@ -211,6 +211,12 @@ def soak_body(group, ops, calls: int, m: int, n: int, k: int) -> list[dict]:
     return rows
 
 
+def _print_row(r: dict) -> None:
+    print(f"{r['variant']:16s} {r['calls']:6d} {r['drift']:8.2g} {r['rel_err']:8.2g} "
+          f"{r['mem_growth_bytes']:12d} {r['rss_growth_mb']:7.1f} {r['shm_files']:4d} "
+          f"{r['faults']:6d} {r['us_per_call']:8.1f}", flush=True)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m interlace bench soak", description=__doc__)
     p.add_argument("--out", default=DEFAULT_OUT, help="results folder")
@@ -238,26 +244,26 @@ def main(argv: list[str] | None = None) -> int:
     if share:
         print(f"{args.world} ranks share one GPU: a correctness soak; several-GPU overlap "
               "needs 2+ GPUs")  # fmt: skip
-    with World(args.world, backend, timeout=3600, share_device=share) as world:
-        per_rank = world.run(soak_body, ops, calls, m, n, k)
-    rows = []
-    for ranks in zip(*per_rank, strict=True):
-        row = dict(ranks[0])
-        for key in ("drift", "rel_err", "mem_growth_bytes", "rss_growth_mb", "faults"):
-            row[key] = max(r[key] for r in ranks)
-        row["us_per_call"] = max(r["us_per_call"] for r in ranks)
-        rows.append(row)
-    if backend == "cuda":
-        from .records import device_name, write_records
-
-        write_records(args.out, device_name(), args.world, rows)
     print(f"{'op':16s} {'calls':>6s} {'drift':>8s} {'rel_err':>8s} {'mem_growth_B':>12s} "
-          f"{'rss_MB':>7s} {'shm':>4s} {'faults':>6s} {'us/call':>8s}")  # fmt: skip
+          f"{'rss_MB':>7s} {'shm':>4s} {'faults':>6s} {'us/call':>8s}", flush=True)  # fmt: skip
+    rows = []
+    # one op per run of the world (started once), its record written as soon as it ends:
+    # a run cut short keeps the ops it finished
+    with World(args.world, backend, timeout=3600, share_device=share) as world:
+        for op in ops:
+            ranks = [r[0] for r in world.run(soak_body, [op], calls, m, n, k)]
+            row = dict(ranks[0])
+            for key in ("drift", "rel_err", "mem_growth_bytes", "rss_growth_mb", "faults"):
+                row[key] = max(r[key] for r in ranks)
+            row["us_per_call"] = max(r["us_per_call"] for r in ranks)
+            rows.append(row)
+            if backend == "cuda":
+                from .records import device_name, write_records
+
+                write_records(args.out, device_name(), args.world, [row], False)
+            _print_row(row)
     ok = True
     for r in rows:
-        print(f"{r['variant']:16s} {r['calls']:6d} {r['drift']:8.2g} {r['rel_err']:8.2g} "
-              f"{r['mem_growth_bytes']:12d} {r['rss_growth_mb']:7.1f} {r['shm_files']:4d} "
-              f"{r['faults']:6d} {r['us_per_call']:8.1f}")  # fmt: skip
         ok &= r["drift"] == 0 and r["faults"] == 0 and r["rel_err"] < 2e-2
         ok &= r["mem_growth_bytes"] <= 0
     return 0 if ok else 1
