@@ -345,7 +345,7 @@ def tune(s, iters, deadline: float, world=AS_WORLD, kernels=tuple(TUNE)) -> list
     with the relative errors of its outputs (records ``op: sp_attention_cfg``, ``kernel``);
     non-causal first, then the fastest ``TUNE_CAUSAL_TOP`` of each kernel causal; stops
     at ``deadline`` (``time.monotonic()``)."""
-    from ..ops.attention.sp_attention import GPU_CONFIGS, AttnConfig
+    from ..ops.attention.sp_attention import AttnConfig, config_of
 
     records = []
     best: dict[str, list] = {}
@@ -353,7 +353,7 @@ def tune(s, iters, deadline: float, world=AS_WORLD, kernels=tuple(TUNE)) -> list
         p = _PerRank(s, causal, world)
         for kernel in kernels:
             cands = TUNE[kernel]
-            current = GPU_CONFIGS[(kernel, D)]
+            current = config_of(kernel, D, "cuda", causal)
             if causal:
                 cands = best.get(kernel, [])[:TUNE_CAUSAL_TOP]
             timed = []

@@ -322,8 +322,8 @@ def sp_attn_fwd_kernel(
     H, HKV, D: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     VARLEN: tl.constexpr, WAIT: tl.constexpr, CLEAR: tl.constexpr, WS: tl.constexpr = False,
-    FAST_EXP: tl.constexpr = 0, AHEAD: tl.constexpr = False, TRACE: tl.constexpr = False,
-    tbuf=None,
+    FAST_EXP: tl.constexpr = 0, AHEAD: tl.constexpr = False,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """One program per (query block, batch x head), heaviest query blocks first (later
     positions see more keys under the causal mask). Runs the local chunk, then each

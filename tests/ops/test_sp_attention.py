@@ -132,14 +132,17 @@ def _config_body(group, fields, causal, dtype_name, docs=3):
 
     from interlace.ops.attention import sp_attention as sp
 
-    saved = dict(sp.GPU_CONFIGS), sp.CPU_CONFIG
+    tables = (sp.GPU_CONFIGS, sp.GPU_CONFIGS_CAUSAL)
+    saved = [dict(t) for t in tables], sp.CPU_CONFIG
     sp.CPU_CONFIG = dataclasses.replace(sp.CPU_CONFIG, **fields)
-    for key, cfg in saved[0].items():
-        sp.GPU_CONFIGS[key] = dataclasses.replace(cfg, **fields)
+    for table in tables:
+        for key, cfg in table.items():
+            table[key] = dataclasses.replace(cfg, **fields)
     try:
         return _fwd_bwd_body(group, causal, docs, 4, 2, 64, dtype_name, "fused", True)
     finally:
-        sp.GPU_CONFIGS.update(saved[0])
+        for table, old in zip(tables, saved[0]):
+            table.update(old)
         sp.CPU_CONFIG = saved[1]
 
 

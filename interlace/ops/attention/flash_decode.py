@@ -72,13 +72,17 @@ class DecodeConfig:
     against 0.87, batch 64 with 8k at 1.38 against 1.52; the other configurations timed
     there (block 32 or 128, 4 stages, 8 programs per SM) won no shape by as much. On one
     H100 the 4-per-SM defaults ran at 1.03-1.70 x
-    (benchmarks/results/2026-11-25-h100-80gb-hbm3-w1.json)."""
+    (benchmarks/results/2026-11-25-h100-80gb-hbm3-w1.json).
+
+    ``min_split`` 512: batch 1 with 8k rows per shard (16 splits instead of 32) ran at
+    0.86-0.89 x SDPA against 0.83 with 256 (variants ``n64_s3_m512`` / ``n64_s3_p1`` of
+    the same H200 file); longer shards split alike either way."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
     programs_per_sm: int = 2
-    min_split: int = 256
+    min_split: int = 512
 
 
 #: The CPU emulation runs programs one after another: few, small ones, but several splits

@@ -95,16 +95,25 @@ class AttnConfig:
 
 
 #: Kernel configs on a GPU per (kernel, head_dim): (query block, key block, warps,
-#: stages). Chosen on one H100 (bf16, d 128, S 16k as rank 0 of 4, non-causal) by
-#: ``python -m interlace bench attention --tune`` among 4 candidates per kernel: forward
-#: 128 x 128 with 3 stages 2.29 ms (2 stages 2.71, 128 x 64 2.39); dK/dV 128 keys
-#: against 64 queries (backward 8.1 ms, against 12.3 with 64 keys); dQ 128 x 64 with 3
-#: stages (0.65 ms less than 2 stages). The d 64 configs are the same, not tuned apart.
+#: stages, ...). Chosen by ``python -m interlace bench attention --tune`` (bf16, d 128, S
+#: 16k as rank 0 of 4; records ``sp_attention_cfg`` of
+#: benchmarks/results/2026-11-28-h200-w1.json, one H200): forward 128 x 128, 8 warps, 3
+#: stages (2.24-2.28 ms non-causal; every other candidate, warp-specialised, with packed
+#: exponentials or the next product issued ahead, 2-200 % slower); dQ 128 x 64 with 3
+#: stages (2.50-2.60 ms; packed exponentials within 1 %); dK / dV 128 keys against 64
+#: queries, 3 stages and packed float16 exponentials (4.43 ms against 4.87 with 2
+#: stages). The d 64 configs are the same, not tuned apart.
 GPU_CONFIGS = {
     ("fwd", 64): AttnConfig(128, 128, 8, 3),
     ("fwd", 128): AttnConfig(128, 128, 8, 3),
     ("dq", 64): AttnConfig(128, 64, 8, 3),
     ("dq", 128): AttnConfig(128, 64, 8, 3),
+    ("dkdv", 64): AttnConfig(64, 128, 8, 3, fast_exp=1),
+    ("dkdv", 128): AttnConfig(64, 128, 8, 3, fast_exp=1),
+}
+#: Causal overrides of ``GPU_CONFIGS``: dK / dV with 2 stages and float32 exponentials
+#: (2.32 ms against 2.45-2.71 for the other candidates, same file).
+GPU_CONFIGS_CAUSAL = {
     ("dkdv", 64): AttnConfig(64, 128, 8, 2),
     ("dkdv", 128): AttnConfig(64, 128, 8, 2),
 }
@@ -115,9 +124,11 @@ DELTA_BLOCK = 64
 REDUCE_BLOCK = 32
 
 
-def config_of(kind: str, d: int, backend: str) -> AttnConfig:
+def config_of(kind: str, d: int, backend: str, causal: bool = False) -> AttnConfig:
     if backend != "cuda":
         return CPU_CONFIG
+    if causal and (kind, d) in GPU_CONFIGS_CAUSAL:
+        return GPU_CONFIGS_CAUSAL[(kind, d)]
     return GPU_CONFIGS[(kind, d)]
 
 
@@ -192,7 +203,7 @@ def launch_fwd(a: KernelArgs, q, k, v, k_all, v_all, o, lse, arrival: int, wait:
     """The forward kernel: ``o`` and base-2 ``lse`` of this rank's queries against the local
     K/V and the peers' chunks in ``k_all`` / ``v_all`` ``[W * batch * kv_heads, S_loc, d]``;
     traced (``TRACE`` on) where a recorder is in force (``interlace.trace.record``)."""
-    cfg = cfg or config_of("fwd", a.d, a.backend)
+    cfg = cfg or config_of("fwd", a.d, a.backend, a.causal)
     bh = q.shape[0] * q.shape[1]
     grid = (cdiv(a.s_loc, cfg.block_m), bh)
     traced = {}
@@ -225,7 +236,7 @@ def launch_dkdv(a: KernelArgs, q, k, v, k_all, v_all, do, lse, delta, recv, recv
                 sig_table, arrival: int, dkv_slot: int, wait: bool,
                 cfg: AttnConfig | None = None) -> None:  # fmt: skip
     """The dK/dV kernel: partials of every chunk into its owner's ``recv`` slot ``rank``."""
-    cfg = cfg or config_of("dkdv", a.d, a.backend)
+    cfg = cfg or config_of("dkdv", a.d, a.backend, a.causal)
     bkv = k.shape[0] * k.shape[1]
     n_kb = cdiv(a.s_loc, cfg.block_n)
     K.sp_attn_bwd_dkdv_kernel[(n_kb * a.world, bkv)](
@@ -237,7 +248,7 @@ def launch_dkdv(a: KernelArgs, q, k, v, k_all, v_all, do, lse, delta, recv, recv
 
 def launch_dq(a: KernelArgs, q, k, v, k_all, v_all, do, lse, delta, dq, arrival: int,
               wait: bool, clear: bool, cfg: AttnConfig | None = None) -> None:  # fmt: skip
-    cfg = cfg or config_of("dq", a.d, a.backend)
+    cfg = cfg or config_of("dq", a.d, a.backend, a.causal)
     bh = q.shape[0] * q.shape[1]
     K.sp_attn_bwd_dq_kernel[(cdiv(a.s_loc, cfg.block_m), bh)](
         q, k, v, k_all, v_all, do, lse, delta, dq, a.seg, a.cu, a.sig, a.err, a.rank,
