@@ -20,7 +20,10 @@ then prints the summary. OP and its ``--shape`` fields:
   ``L`` rows per sequence (``L / W`` per rank), every rank merging;
 * ``ep_dispatch``: ``tokens,hidden,experts,topk``: ``EPAllToAll``'s dispatch of
   ``tokens / W`` tokens per rank (random routing), then its combine of the received rows
-  (the experts left out: their output is their input).
+  (the experts left out: their output is their input);
+* ``ep_low_latency``: ``tokens,hidden,experts,topk`` as ``ep_dispatch``, for
+  ``EPLowLatency`` (``tokens / W`` at most 256); ``--strategy`` names its protocol
+  (``flag_in_data``, ``token_flag``; the default: ``auto``).
 
 ``python -m interlace bench trace [--quick]``: on a GPU, the overhead of tracing: the
 per-rank kernel of AG+GEMM ``fused`` and GEMM+RS ``ce_fused`` as rank 0 of 4 with its
@@ -45,7 +48,7 @@ DEFAULT_OUT = "benchmarks/results"
 OPS = {
     "ag_gemm": "AGGemm", "gemm_rs": "GemmRS", "gemm_ar": "GemmAR", "ag_moe": "AGMoE",
     "sp_attention": "SPAttention", "moe_rs": "MoERS", "flash_decode": "FlashDecode",
-    "ep_dispatch": "EPAllToAll",
+    "ep_dispatch": "EPAllToAll", "ep_low_latency": "EPLowLatency",
 }  # fmt: skip
 
 
@@ -80,6 +83,10 @@ SHAPES = {
     "ep_dispatch": ShapeSpec(
         ("tokens", "hidden", "experts", "topk"), "tokens",
         lambda w: (w * 7, 48, 2 * w, 2), lambda w: (w * 4096, 7168, 256, 8),
+    ),
+    "ep_low_latency": ShapeSpec(
+        ("tokens", "hidden", "experts", "topk"), "tokens",
+        lambda w: (w * 7, 48, 2 * w, 2), lambda w: (w * 128, 7168, 256, 8),
     ),
 }  # fmt: skip
 
@@ -129,11 +136,15 @@ def _op_call(group, op, strategy, shape, causal):
         h, routing = ctx(x, ids, weights, wg)
         wd = (torch.randn(experts, inter, hidden, device=dev) / math.sqrt(inter)).to(dtype)
         return _Contexts(ContextSet(ctx, rs), rs), lambda: rs(h, routing, wd)
-    if op == "ep_dispatch":
+    if op in ("ep_dispatch", "ep_low_latency"):
         tokens, hidden, experts, topk = shape
         m = tokens // w
-        ctx = interlace.EPAllToAll(group, max_tokens=m, hidden=hidden, experts=experts,
-                                   topk=topk, dtype=dtype)  # fmt: skip
+        sizes = dict(max_tokens=m, hidden=hidden, experts=experts, topk=topk, dtype=dtype)
+        if op == "ep_dispatch":
+            ctx = interlace.EPAllToAll(group, **sizes)
+        else:  # ``strategy`` names the protocol (the default ``fused``: ``auto``)
+            protocol = "auto" if strategy == "fused" else strategy
+            ctx = interlace.EPLowLatency(group, protocol=protocol, **sizes)
         x = torch.randn(m, hidden, device=dev).to(dtype)
         ids = torch.rand(m, experts, device=dev).argsort(dim=1)[:, :topk].contiguous()
         weights = torch.softmax(torch.randn(m, topk, device=dev), dim=-1)
@@ -214,7 +225,7 @@ def trace_body(group, op, strategy, shape, calls, warmup, prefix, label, meta, c
             torch.cuda.synchronize()
         ctx.check()
         trace = rec.trace()
-        ran = getattr(ctx, "last_strategy", None) or strategy
+        ran = getattr(ctx, "last_strategy", None) or getattr(ctx, "protocol", None) or strategy
     finally:
         ctx.close()
     if group.rank != 0:
@@ -432,10 +443,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the op's shape: M,N,K (ag_gemm, gemm_rs, gemm_ar); "
                         "tokens,hidden,inter,experts,topk (ag_moe, moe_rs); "
                         "batch,heads,S,d[,kv_heads] (sp_attention); batch,heads,L,d[,kv_heads] "
-                        "(flash_decode); tokens,hidden,experts,topk (ep_dispatch); "
-                        "see above")  # fmt: skip
+                        "(flash_decode); tokens,hidden,experts,topk (ep_dispatch, "
+                        "ep_low_latency); see above")  # fmt: skip
     p.add_argument("--causal", action="store_true", help="sp_attention: causal (zigzag)")
-    p.add_argument("--strategy", default="fused")
+    p.add_argument("--strategy", default="fused",
+                   help="the op's strategy; ep_low_latency: its protocol")  # fmt: skip
     p.add_argument("--world-size", type=int, default=None, help="ranks (default: GPUs, >= 2)")
     p.add_argument("--calls", type=int, default=1, help="traced calls")
     p.add_argument("--warmup", type=int, default=2, help="untraced calls first")

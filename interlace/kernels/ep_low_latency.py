@@ -59,6 +59,16 @@ from ..language.primitives import (
     wait_deadline,
     wait_stop,
 )
+from ..language.trace import (
+    EV_END,
+    EV_NOTIFY,
+    EV_START,
+    EV_TILE_END,
+    EV_WAIT_BEGIN,
+    EV_WAIT_END,
+    trace_event,
+    trace_step,
+)  # fmt: skip
 from .ep import FP8_GROUP, quantise_e4m3
 
 LOW32 = tl.constexpr(0xFFFFFFFF)
@@ -183,6 +193,25 @@ def _nth_set(flags, rows, i):
 
 
 @triton.jit
+def trace_phase(TRACE: tl.constexpr, tbuf, KIND: tl.constexpr, before, unit, a, b):
+    """``language.trace.trace_step`` for ``unit`` of a phase whose units are dealt to the
+    ``G`` programs round robin (``unit`` on program ``unit % G``, in the phase's step
+    ``unit // G``) and whose steps come after those of a phase of ``before`` units.
+    Compiles to nothing unless ``TRACE``."""
+    if TRACE:
+        G = tl.num_programs(0)
+        trace_step(TRACE, tbuf, KIND, tl.cdiv(before, G) + unit // G, a, b)
+
+
+@triton.jit
+def _peers(idx, use, E_LOC: tl.constexpr):
+    """Bit ``q`` set for each rank ``q`` (below 63) holding an expert of ``idx`` where
+    ``use``: the ranks whose rows a home token reads (a trace field)."""
+    q = (idx // E_LOC).to(tl.int64)
+    return tl.reduce(tl.where(use & (q < 63), tl.full(q.shape, 1, tl.int64) << q, 0), 0, _or)
+
+
+@triton.jit
 def _finish(epochs, which, epoch):
     """The launch's last program to get here stores the new epoch (every program read the
     old one at its start) and zeroes the arrival counter ``epochs[2 + which]``."""
@@ -201,6 +230,7 @@ def ll_dispatch_kernel(
     H, QW, SW, BAD_SLOT, SLOT_BASE, max_spins,
     E_LOC: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr, BW: tl.constexpr,
     BQ: tl.constexpr, FLAG_IN_DATA: tl.constexpr, FP8: tl.constexpr,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """Send: program ``p`` handles global experts ``p, p + G, ...``: the tokens naming the
     expert (each once), in token order, go to the expert's rank, segment ``(e, rank)``;
@@ -209,7 +239,16 @@ def ll_dispatch_kernel(
     for each expert the token goes to), into a message of e4m3 bytes then its scales. Receive:
     program ``p`` handles segments ``(e, s)``: it reads the count words of sources up to
     ``s`` (the segment's first row in ``recv``), then copies each row as it lands
-    (``FP8``: the scale words into ``recv_scale``)."""
+    (``FP8``: the scale words into ``recv_scale``).
+
+    Traced (``language.trace``; step ``i`` of program ``p`` of ``G`` is tile ``p + i G``):
+    start / end; the send of global expert ``e`` in tile ``e`` (tile end: its rank, rows
+    sent); then, from step ``S = cdiv(n_experts, G)`` on, the receive of segment ``j`` in
+    tile ``S G + j``: its wait (begin: source, local expert; end: source, rows seen so
+    far), whose end is rewritten after each arrival it polls (the count words, each row's
+    meta word, with ``FLAG_IN_DATA`` each chunk of the row's words), so it ends when the
+    segment's last word was seen; then the end of its copies (tile end: source, rows)."""
+    trace_event(TRACE, tbuf, EV_START, 0, 0, 0)
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     epoch = tl.load(epochs) + 1
@@ -268,12 +307,14 @@ def ll_dispatch_kernel(
                     v = tl.load(row_src + w0 + wc, mask=wm)
                     _store_words(row_dst + w0 + wc, v, wm, epoch, FLAG_IN_DATA)
             _publish(meta + i, _word(t * KP + k, epoch), FLAG_IN_DATA)
+        trace_event(TRACE, tbuf, EV_TILE_END, e, d, cnt)
     # ---------------------------------------------------------------- receive
     recv32 = recv.to(tl.pointer_type(tl.int32))
     rs32 = recv_scale.to(tl.pointer_type(tl.int32))
     for j in range(pid, E_LOC * world, G):
         el = j // world
         s = j % world
+        trace_phase(TRACE, tbuf, EV_WAIT_BEGIN, n_experts, j, s, el)
         first = 0
         for s2 in range(s):
             seg2 = (par * E_LOC + el) * world + s2
@@ -282,6 +323,7 @@ def ll_dispatch_kernel(
             first += tl.where(c2 < 0, -1 - c2, c2)
         seg = (par * E_LOC + el) * world + s
         cw = _payload(_poll_word(d_count + seg, epoch, err, rank, SLOT_BASE + s, max_spins))
+        trace_phase(TRACE, tbuf, EV_WAIT_END, n_experts, j, s, 0)
         if cw < 0:
             record_check(err, s, BAD_SLOT, 0)
         cnt = tl.where(cw < 0, -1 - cw, cw)
@@ -296,6 +338,7 @@ def ll_dispatch_kernel(
                 mw = _poll_word(meta + i, epoch, err, rank, SLOT_BASE + s, max_spins)
             else:
                 mw = _poll_acquire(meta + i, epoch, err, rank, SLOT_BASE + s, max_spins)
+            trace_phase(TRACE, tbuf, EV_WAIT_END, n_experts, j, s, i + 1)
             info = _payload(mw)
             row = el * world * T + first + i
             tl.store(recv_src + row, (s * T + info // KP) * KP + info % KP)
@@ -308,13 +351,16 @@ def ll_dispatch_kernel(
                     v = _payload(
                         _poll_row(row_src + c, wm, epoch, err, rank, SLOT_BASE + s, max_spins)
                     )
+                    trace_phase(TRACE, tbuf, EV_WAIT_END, n_experts, j, s, i + 1)
                 else:
                     v = tl.load(row_src.to(tl.pointer_type(tl.int32)) + c, mask=wm)
                 tl.store(row_dst + c, v, mask=c < QW)
                 if FP8:
                     sm = (c >= QW) & wm
                     tl.store(rs32 + tl.cast(row, tl.int64) * SW + (c - QW), v, mask=sm)
+        trace_phase(TRACE, tbuf, EV_TILE_END, n_experts, j, s, cnt)
     _finish(epochs, 0, epoch)
+    trace_event(TRACE, tbuf, EV_END, 0, 0, 0)
 
 
 @triton.jit
@@ -350,13 +396,25 @@ def ll_combine_kernel(
     epochs, err, rank, world, T, HW, SLOT_BASE, ARRIVE_SLOT, max_spins,
     E_LOC: tl.constexpr, KP: tl.constexpr, BW: tl.constexpr, IS_BF16: tl.constexpr,
     FLAG_IN_DATA: tl.constexpr,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """Send: program 0 first stores this call's epoch into ``c_arrive[rank]`` of every
     rank; program ``p`` handles segments ``(e, s)`` of the last dispatch and sends each of
     their rows of ``expert_out [E_LOC, W * T, hidden]`` to row ``(k, t)`` of home rank
     ``s``. Receive: program ``p`` handles home tokens ``p, p + G, ...``: for each distinct
     expert of the token, it waits for that expert's row and adds it, times the sum of
-    the token's weights naming that expert, in fp32. Tokens routed nowhere get 0."""
+    the token's weights naming that expert, in fp32. Tokens routed nowhere get 0.
+
+    Traced (``language.trace``; step ``i`` of program ``p`` of ``G`` is tile ``p + i G``):
+    start / end; program 0's arrival words (notify in step 0: epoch, -1 = every rank); the
+    send of segment ``j`` in tile ``j`` (tile end: home rank, rows sent); with ``S =
+    cdiv(E_LOC W, G)``, program 0's wait for rank ``q``'s arrival word, at its end, in
+    step ``S + q`` (begin / end: ``q``, 0); home token ``t`` in tile ``(S + W) G + t``:
+    its wait (begin: ``t``, the mask of the ranks whose rows it reads; end: ``t``, 0),
+    whose end is rewritten after each arrival it polls (each row's meta word; with
+    ``FLAG_IN_DATA`` each chunk of a row's words, inside the sum), so it ends when the
+    token's last word was seen; then the end of its sum (tile end: ``t``, 0)."""
+    trace_event(TRACE, tbuf, EV_START, 0, 0, 0)
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     epoch = tl.load(epochs + 1) + 1
@@ -366,6 +424,7 @@ def ll_combine_kernel(
         for i in range(world):
             d = (rank + i) % world
             tl.store(peer_ptr_aligned(c_arrive, arrive_tab, rank, d) + rank, _word(0, epoch))
+        trace_event(TRACE, tbuf, EV_NOTIFY, 0, epoch, -1)
     # ---------------------------------------------------------------- send
     eo32 = expert_out.to(tl.pointer_type(tl.int32))
     for j in range(pid, E_LOC * world, G):
@@ -391,6 +450,7 @@ def ll_combine_kernel(
                 else:
                     tl.store(row_dst.to(tl.pointer_type(tl.int32)) + w0 + wc, v, mask=wm)
             _publish(meta + slot, _word(rank, epoch), FLAG_IN_DATA)
+        trace_event(TRACE, tbuf, EV_TILE_END, j, s, cnt)
     # ---------------------------------------------------------------- receive
     cols = tl.arange(0, KP)
     out32 = out.to(tl.pointer_type(tl.int32))
@@ -404,11 +464,13 @@ def ll_combine_kernel(
         earlier = tl.sum((same & (cols[None, :] < cols[:, None])).to(tl.int32), axis=1)
         use = valid & (earlier == 0)
         wsum = tl.sum(tl.where(same, w[None, :], 0.0), axis=1)
+        trace_phase(TRACE, tbuf, EV_WAIT_BEGIN, (E_LOC + G) * world, t, t, _peers(idx, use, E_LOC))
         for k in tl.static_range(KP):
             if tl.sum(tl.where(cols == k, use.to(tl.int32), 0)) != 0:
                 slot = k * T + t
                 if not FLAG_IN_DATA:
                     _poll_acquire(meta + slot, epoch, err, rank, SLOT_BASE + k, max_spins)
+                    trace_phase(TRACE, tbuf, EV_WAIT_END, (E_LOC + G) * world, t, t, 0)
         for w0 in range(0, HW, BW):
             wm = w0 + wc < HW
             acc_lo = tl.zeros([BW], dtype=tl.float32)
@@ -422,6 +484,7 @@ def ll_combine_kernel(
                         v = _payload(
                             _poll_row(ptrs, wm, epoch, err, rank, SLOT_BASE + k, max_spins)
                         )
+                        trace_phase(TRACE, tbuf, EV_WAIT_END, (E_LOC + G) * world, t, t, 0)
                     else:
                         v = tl.load(ptrs.to(tl.pointer_type(tl.int32)), mask=wm, other=0)
                     lo, hi = _unpack(v, IS_BF16)
@@ -430,7 +493,11 @@ def ll_combine_kernel(
             tl.store(
                 out32 + tl.cast(t, tl.int64) * HW + w0 + wc, _pack(acc_lo, acc_hi, IS_BF16), mask=wm
             )
+        trace_phase(TRACE, tbuf, EV_TILE_END, (E_LOC + G) * world, t, t, 0)
     if pid == 0:
         for s in range(world):
+            trace_phase(TRACE, tbuf, EV_WAIT_BEGIN, E_LOC * world, s * G, s, 0)
             _poll_word(c_arrive + s, epoch, err, rank, ARRIVE_SLOT + s, max_spins, AT_LEAST=True)
+            trace_phase(TRACE, tbuf, EV_WAIT_END, E_LOC * world, s * G, s, 0)
     _finish(epochs, 1, epoch)
+    trace_event(TRACE, tbuf, EV_END, 0, 0, 0)

@@ -47,6 +47,9 @@ LAYOUTS = ("segments", "tiles", "steps")
 #: the kernels' names in traces (beside the segment GEMM's, ``_KERNEL_NAMES``)
 GROUPED_GEMM = "moe_gemm"
 ATTENTION_FWD = "sp_attn_fwd"
+#: ``EPLowLatency``'s two kernels (``EPAllToAll``'s names: ``ops.ep.dispatch``, ``combine``)
+EP_LL_DISPATCH = "ep_ll_dispatch"
+EP_LL_COMBINE = "ep_ll_combine"
 
 #: the segment GEMM's flags that name what a launch is (first match)
 _KERNEL_NAMES = (

@@ -16,8 +16,9 @@ chunk q``), the split decode (``split s (seq b, kv head h)``, ``combine (...)``,
 (...)``: a ``copy`` span, the SM stores into the merging ranks) and the decode merge
 (``wait partials of rank q``, then ``merge rank q``) and the expert-parallel all-to-all
 (``wait data of rank q`` / ``wait slot of rank q``, then ``push ...``: ``copy`` spans of
-SM stores into peers, or local ``expand`` / ``layout`` / ``sum`` work) use the same
-categories.
+SM stores into peers, or local ``expand`` / ``layout`` / ``sum`` work) and its
+low-latency mode (``push ...``, ``wait rows of rank q`` / ``wait arrival of rank q``,
+``receive rows ...`` / ``sum token t``) use the same categories.
 """
 
 from __future__ import annotations
@@ -483,11 +484,96 @@ def _ep_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
     return spans, instants, cursor
 
 
+def _ep_ll_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+    """Step ``j`` (tile ``g``) of a program of ``EPLowLatency``'s dispatch or combine
+    kernel (``kernels.ep_low_latency``). Its first ``send_steps`` steps send: the rows of
+    expert ``g`` (dispatch) or of segment ``g`` = (local expert, home rank) (combine) are
+    pushed into the rank that reads them (SM stores: a ``copy`` span, ``args.peers``; into
+    this rank's own memory, a ``store``); program 0 of combine first raises every rank's
+    arrival word (a notify). Then the receives, each a wait and the work after it: the
+    dispatch's segment (local expert, source rank) (``wait rows of rank s``, then
+    ``receive rows of rank s``), or, after program 0's waits for every rank's arrival word
+    (``wait arrival of rank q``, at the launch's end), the combine's home token (``wait
+    rows of rank ...``: the ranks holding its experts, then ``sum token t``). A receive's
+    wait ends when the last word it polls arrived; where the kernel works on the rows as
+    they land (dispatch; combine with the flag in the data) the work before that falls
+    inside it."""
+    spans, instants = [], []
+    kernel, world, grid = info["kernel"], info["world"], info["grid"]
+    sends, e_loc, wbytes = info["send_steps"], info["e_loc"], info["word_bytes"]
+    dispatch = kernel == "ep_ll_dispatch"
+    step = dict(args, tile=g, step=j)
+    if nt[1]:
+        instants.append(Instant(rank, tid, "notify every rank", "notify", t(nt),
+                                dict(step, dest=-1, epoch=nt[2],
+                                     what="combine arrival words")))  # fmt: skip
+    if j < sends:
+        if te[1]:
+            dest, rows = te[2], te[3]
+            if dispatch:  # count word, then each row and its meta word
+                e = g
+                name = f"push tokens to rank {dest} (expert {e})"
+                nbytes = rows * (info["row_words"] * wbytes + 8) + 8
+            else:  # each row and its meta word
+                e = rank * e_loc + g // world
+                name = f"push rows to rank {dest} (expert {e})"
+                nbytes = rows * (info["row_words"] * wbytes + 8)
+            extra, cat = dict(expert=e, rows=rows, bytes=nbytes), "compute"
+            if dest != rank:
+                cat = "copy"
+                extra.update(peer=dest, peers=[dest])
+            else:
+                name = name.replace("push", "store", 1)
+            spans.append(Span(rank, tid, name, cat, cursor, t(te), dict(step, **extra)))
+            cursor = t(te)
+        return spans, instants, cursor
+    if not dispatch and j < sends + world:  # program 0: every rank's arrival word
+        if wb[1] and we[1]:
+            q = wb[2]
+            spans.append(Span(
+                rank, tid, f"wait arrival of rank {q}", "wait", t(wb), t(we),
+                dict(step, peer=q, peers=[q], waits_for="arrival",
+                     what=f"rank {q} started this combine"),
+            ))  # fmt: skip
+        return spans, instants, cursor  # (at the launch's end: the cursor stays)
+    if dispatch:
+        el, src = divmod(g - sends * grid, world)  # segment (local expert, source)
+        e = rank * e_loc + el
+        if wb[1] and we[1]:
+            spans.append(Span(
+                rank, tid, f"wait rows of rank {src}", "wait", t(wb), t(we),
+                dict(step, peer=src, peers=list(range(src + 1)), waits_for="data", expert=e,
+                     rows_seen=we[3], what=f"rank {src}'s rows of expert {e} (and the row "
+                     f"counts of ranks 0 .. {src})"),
+            ))  # fmt: skip
+            cursor = max(cursor, t(we))
+        if te[1]:
+            spans.append(Span(rank, tid, f"receive rows of rank {src}", "compute", cursor,
+                              t(te), dict(step, src=src, expert=e, rows=te[3])))  # fmt: skip
+            cursor = t(te)
+        return spans, instants, cursor
+    if wb[1] and we[1]:
+        mask = wb[3]
+        peers = [q for q in range(min(world, 63)) if mask >> q & 1]
+        who = ", ".join(str(q) for q in peers)
+        spans.append(Span(
+            rank, tid, f"wait rows of rank {who}", "wait", t(wb), t(we),
+            dict(step, token=wb[2], peer=peers[0] if len(peers) == 1 else -1, peers=peers,
+                 waits_for="data", what=f"rank {who}'s rows of token {wb[2]}"),
+        ))  # fmt: skip
+        cursor = max(cursor, t(we))
+    if te[1]:
+        spans.append(Span(rank, tid, f"sum token {te[2]}", "compute", cursor, t(te),
+                          dict(step, token=te[2])))  # fmt: skip
+        cursor = t(te)
+    return spans, instants, cursor
+
+
 #: how a launch's tile slots read: by ``info["slots"]`` where given, else by its layout
 _TILE_DECODERS = {
     "segments": _segment_slots, "tiles": _tile_slots, "steps": _step_slots,
     "finish": _finish_slots, "split_decode": _split_decode_slots, "merge": _merge_slots,
-    "ep": _ep_slots,
+    "ep": _ep_slots, "ep_ll": _ep_ll_slots,
 }  # fmt: skip
 
 

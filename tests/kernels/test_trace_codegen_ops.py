@@ -1,8 +1,10 @@
 """Tracing off costs nothing in ``AGMoE``'s grouped GEMM (``moe_gemm_kernel``, gather mode),
 ``SPAttention``'s forward (``sp_attn_fwd_kernel``), ``MoERS``'s kernels (the grouped GEMM in
 reduce mode, ``moe_finish_kernel``), ``FlashDecode``'s (``split_decode_kernel``,
-``merge_kernel``) and ``EPAllToAll``'s (``kernels.ep``: route, send, layout, expand,
-combine send and receive): compiled with ``TRACE`` off, each is the kernel without its trace hooks,
+``merge_kernel``), ``EPAllToAll``'s (``kernels.ep``: route, send, layout, expand,
+combine send and receive) and ``EPLowLatency``'s (``kernels.ep_low_latency``: dispatch,
+bf16 and FP8, and combine, both protocols): compiled with ``TRACE`` off, each is the kernel
+without its trace hooks,
 instruction for instruction (PTX for Hopper, no GPU needed), and with ``TRACE`` on it reads
 the timer more often than its waits alone.
 
@@ -22,6 +24,7 @@ import pytest
 import interlace.kernels.attention as attention_module
 import interlace.kernels.decode as decode_module
 import interlace.kernels.ep as ep_module
+import interlace.kernels.ep_low_latency as ep_ll_module
 import interlace.kernels.grouped_gemm as grouped_module
 from interlace.testing.codegen import compile_for_hopper, cuda_compile_unavailable
 from tests.kernels.test_trace_codegen import strip_hooks
@@ -53,17 +56,28 @@ def _untraced(module, tmp_path_factory):
     return name, stripped
 
 
+class _Untraced(dict):
+    """``MODULES``' keys -> the module with its hooks removed, imported as a sibling module
+    on first use (a module that fails to strip fails only its own cases)."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp_path_factory, self.names = tmp_path_factory, []
+
+    def __missing__(self, key):
+        name, self[key] = _untraced(MODULES[key], self.tmp_path_factory)
+        self.names.append(name)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def untraced(tmp_path_factory):
-    """The kernel modules with their hooks removed, imported as sibling modules."""
-    names, mods = [], {}
+    """The kernel modules with their hooks removed (``_Untraced``)."""
+    mods = _Untraced(tmp_path_factory)
     try:
-        for key, module in MODULES.items():
-            name, mods[key] = _untraced(module, tmp_path_factory)
-            names.append(name)
         yield mods
     finally:
-        for name in names:
+        for name in mods.names:
             sys.modules.pop(name, None)
 
 
@@ -99,7 +113,7 @@ def _attn(kernel, variant: str, trace: bool) -> dict:
     )  # fmt: skip
     const = dict(
         D=128, WORLD=4, BLOCK_M=128, BLOCK_N=128, CAUSAL=variant == "causal",
-        VARLEN=variant == "varlen", WAIT=True, CLEAR=True, WS=False,
+        VARLEN=variant == "varlen", WAIT=True, CLEAR=True, WS=False, FAST_EXP=0, AHEAD=False,
     )  # fmt: skip
     return _compile(kernel, sig, const, trace, ("q", "k", "v", "k_all", "v_all", "o"),
                     num_stages=3)  # fmt: skip
@@ -193,6 +207,39 @@ def _ep(kernel, variant: str, trace: bool) -> dict:
     return _compile(kernel, sig, const, trace, aligned, num_stages=3, num_warps=4)
 
 
+#: ``kernels.ep_low_latency``'s arguments other than int32 scalars (``d_data`` /
+#: ``c_data``: int64 words with the flag in the data, else int32)
+_EP_LL_TYPES = {
+    "x": BF16, "expert_out": BF16, "out": BF16, "topk_idx": "*i64", "topk_w": "*fp32",
+    "home_w": "*fp32", "recv_scale": "*fp32", "err": "i64",
+    **{n: "*i64" for n in ("d_count", "d_meta", "c_arrive", "c_meta")},
+    **{n: "*i32" for n in ("home_idx", "recv_src", "layout", "counts", "epochs")},
+}  # fmt: skip
+
+
+def _ep_ll(kernel, variant: str, trace: bool) -> dict:
+    """An ``EPLowLatency`` kernel as it launches it on a GPU (hidden 7168, 256 experts over
+    8 ranks, top-8, 128 tokens): ``flag_in_data`` or ``token_flag``, ``fp8_`` before
+    either: the dispatch in e4m3 bytes."""
+    fp8 = variant.startswith("fp8_")
+    flag = variant.endswith("flag_in_data")
+    const = dict(E_LOC=32, KP=8, TP=128, BW=1024, BQ=1024, FLAG_IN_DATA=flag, FP8=fp8,
+                 IS_BF16=True)  # fmt: skip
+    const = {k: v for k, v in const.items() if k in kernel.arg_names}
+    sig = {}
+    for name in kernel.arg_names:
+        if name in const or name in ("TRACE", "tbuf"):
+            continue
+        typ = "*i64" if name.endswith("_tab") else _EP_LL_TYPES.get(name, "i32")
+        if name in ("d_data", "c_data"):
+            typ = "*i64" if flag else "*i32"
+        elif name == "recv":
+            typ = "*u8" if fp8 else BF16
+        sig[name] = typ
+    aligned = tuple(n for n in ("x", "recv", "expert_out", "out", "d_data", "c_data") if n in sig)
+    return _compile(kernel, sig, const, trace, aligned, num_stages=3, num_warps=4)
+
+
 def _compile(kernel, sig, const, trace, aligned, num_stages, num_warps=8) -> dict:
     import triton
 
@@ -223,6 +270,9 @@ CASES = [
     ("ep_send", "plain"), ("ep_send", "fp8"), ("ep_layout", "plain"), ("ep_expand", "plain"),
     ("ep_expand", "src_major"), ("ep_combine_send", "plain"),
     ("ep_combine_send", "src_major"), ("ep_combine_recv", "plain"),
+    ("ep_ll_dispatch", "flag_in_data"), ("ep_ll_dispatch", "token_flag"),
+    ("ep_ll_dispatch", "fp8_flag_in_data"), ("ep_ll_dispatch", "fp8_token_flag"),
+    ("ep_ll_combine", "flag_in_data"), ("ep_ll_combine", "token_flag"),
 ]  # fmt: skip
 #: case -> (its module in ``MODULES``, the kernel, how it is compiled)
 KERNELS = {
@@ -232,16 +282,19 @@ KERNELS = {
     "merge": ("decode", "merge_kernel", _merge),
     **{k: ("ep", f"{k}_kernel", _ep) for k in ("ep_route", "ep_send", "ep_layout",
                                               "ep_expand", "ep_combine_send", "ep_combine_recv")},
+    "ep_ll_dispatch": ("ep_ll", "ll_dispatch_kernel", _ep_ll),
+    "ep_ll_combine": ("ep_ll", "ll_combine_kernel", _ep_ll),
 }  # fmt: skip
 MODULES = {
     "moe": grouped_module, "attn": attention_module, "decode": decode_module, "ep": ep_module,
+    "ep_ll": ep_ll_module,
 }  # fmt: skip
 
 
 def test_stripping_removes_only_hooks():
     """The stripped sources differ from the kernel sources in hook lines (and the hook
     helpers) only."""
-    for key, least in (("moe", 11), ("attn", 6), ("decode", 14), ("ep", 30)):
+    for key, least in (("moe", 11), ("attn", 6), ("decode", 14), ("ep", 30), ("ep_ll", 17)):
         source = inspect.getsource(MODULES[key])
         stripped = _strip(source)
         hooks = [ln for ln in source.splitlines() if ln.strip().startswith("trace_")]
@@ -259,7 +312,9 @@ def test_trace_off_compiles_to_the_kernel_without_hooks(untraced, key, variant):
     assert off == bare, (key, variant)
 
 
-@pytest.mark.parametrize("key, variant", [CASES[i] for i in (0, 2, 4, 6, 7, 10, 11, 12, 15, 19)])
+@pytest.mark.parametrize(
+    "key, variant", [CASES[i] for i in (0, 2, 4, 6, 7, 10, 11, 12, 15, 19, 20, 23, 25)]
+)
 def test_trace_on_reads_the_timer(key, variant):
     module, name, build = KERNELS[key]
     kernel = getattr(MODULES[module], name)

@@ -604,3 +604,121 @@ def test_trace_of_ep_all_to_all(world, tmp_path):
     assert s["op"]["comm_ms"]  # the pushes
     grids = max(ln["grid"] for ln in res["launches"][0])
     assert len(s["ranks"][0]["wait_ms_per_program"]) == grids
+
+
+# ---------------------------------------------------------------------- EPLowLatency
+EP_LL_KERNELS = [hooks.EP_LL_DISPATCH, hooks.EP_LL_COMBINE]
+#: (protocol, fp8)
+EP_LL_CASES = [("flag_in_data", False), ("token_flag", False), ("token_flag", True)]
+
+
+def _ep_ll_trace_body(group, folder, protocol, fp8):
+    """A traced ``EPLowLatency`` dispatch then combine (random top-3 routing over 2 W
+    experts, a different token count on each rank, the experts the identity: each token
+    comes back as itself, FP8: quantised and dequantised, times the sum of its weights),
+    checked against float32; each call with other tokens."""
+    from tests.ops.test_ep import _dequant, _quant
+
+    w, r, dev, dtype = group.world_size, group.rank, group.device, torch.bfloat16
+    t_max, experts, topk = 7, 2 * w, 3
+    hidden = 128 if fp8 else 48
+    n = max(1, t_max - 2 * r)  # ragged: 7, 5, 3, 1 tokens
+    gen = torch.Generator().manual_seed(41 + r)
+    xs = [rand(gen, n, hidden, dtype=dtype, device=dev) for _ in range(3)]
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(n)]).to(dev)
+    wts = torch.softmax(torch.randn(n, topk, generator=gen), -1).to(dev)
+    ctx = interlace.EPLowLatency(group, t_max, hidden, experts, topk, dtype=dtype,
+                                 protocol=protocol, fp8=fp8)  # fmt: skip
+    calls = iter(xs)
+
+    def run():
+        x = next(calls)
+        handle = ctx.dispatch(x, ids, wts)
+        rows = handle.recv_x
+        if fp8:  # the experts' input dequantised (combine takes ``dtype`` rows)
+            rows = _dequant(rows, handle.recv_scale).to(dtype)
+        out = ctx.combine(rows, handle, out=nans(n, hidden, dtype=dtype, device=dev))
+        return x, out, handle.expert_counts.clone()
+
+    try:
+        (x, y, counts), trace, paths = _record(group, "ep_low_latency", _late(group, run),
+                                               folder, len(EP_LL_KERNELS))  # fmt: skip
+        ctx.check()
+    finally:
+        ctx.close()
+    x_ref = _dequant(*_quant(x.float())) if fp8 else x.float()
+    err = rel_err(y, x_ref * wts.float().sum(1, keepdim=True))
+    assert err < 1e-2, f"traced EPLowLatency ({protocol}, fp8 {fp8}): rel err {err:.2e}"
+    assert int(counts.sum()) > 0
+    return dict(_result(group, trace, paths), tokens=n, e_loc=experts // w)
+
+
+def _check_ep_ll(res):
+    """Both launches' programs start and end, every send, received segment and summed
+    token once inside its program; every rank pushed to every rank in both kernels; each
+    wait for rows ends after every rank it reads began pushing them (dispatch: the
+    segment's expert, from the source and every rank before it, whose row counts it
+    reads; combine: the ranks holding the token's experts), and before its step's work;
+    program 0 of combine waits for every rank's arrival word, each ending after that
+    rank's combine started; one wait per segment and per token."""
+    world, spans = res["world"], res["spans"]
+    pushes = [s for s in spans if s.args.get("kernel") in EP_LL_KERNELS and "rows" in s.args
+              and "step" in s.args and s.name.startswith(("push", "store"))]  # fmt: skip
+    for rank, launches in enumerate(res["launches"]):
+        assert [ln["kernel"] for ln in launches] == EP_LL_KERNELS, launches
+        for index, launch in enumerate(launches):
+            _check_launch(res, rank, index, launch)
+        for kernel in EP_LL_KERNELS:
+            pushed = {q for s in pushes if s.rank == rank and s.cat == "copy"
+                      and s.args["kernel"] == kernel for q in s.args["peers"]}  # fmt: skip
+            assert pushed == set(range(world)) - {rank}, (rank, kernel, pushed)
+    waits = [s for s in spans if s.cat == "wait"]
+    for w in waits:
+        assert w.t1 >= w.t0 and w.args["waits_for"] in ("data", "arrival"), w
+        work = [s for s in spans if s.rank == w.rank and s.tid == w.tid
+                and s.args.get("launch") == w.args["launch"] and s.cat != "wait"
+                and s.args.get("step") == w.args["step"]]  # fmt: skip
+        assert all(s.t0 >= w.t1 for s in work), (w, work)
+        kernel = w.args["kernel"]
+        if w.args["waits_for"] == "arrival":  # after the peer's combine began
+            q = w.args["peer"]
+            (start,) = [s for s in spans if s.rank == q and s.cat == "program" and s.tid == 0
+                        and s.args["kernel"] == kernel]  # fmt: skip
+            assert w.tid == 0 and w.t1 >= start.t0 - _tol(res, q, w.rank), (w, start)
+            continue
+        assert w.args["peers"], w
+        for q in w.args["peers"]:
+            if q == w.rank:
+                continue
+            feed = [s for s in pushes if s.rank == q and s.args["kernel"] == kernel
+                    and w.rank in s.args.get("peers", ())
+                    and (kernel == hooks.EP_LL_COMBINE
+                         or s.args["expert"] == w.args["expert"])]  # fmt: skip
+            assert feed, (w, q)
+            assert w.t1 >= min(s.t0 for s in feed) - _tol(res, q, w.rank), (w, feed)
+    by_kernel = {k: [w for w in waits if w.args["kernel"] == k] for k in EP_LL_KERNELS}
+    dispatch = [w for w in by_kernel[hooks.EP_LL_DISPATCH] if w.args["waits_for"] == "data"]
+    assert len(dispatch) == world * res["e_loc"] * world, len(dispatch)
+    arrivals = [w for w in by_kernel[hooks.EP_LL_COMBINE] if w.args["waits_for"] == "arrival"]
+    assert sorted((w.rank, w.args["peer"]) for w in arrivals) == [
+        (r, q) for r in range(world) for q in range(world)
+    ]  # fmt: skip
+    tokens = [w for w in by_kernel[hooks.EP_LL_COMBINE] if w.args["waits_for"] == "data"]
+    assert len(tokens) == res["tokens_all"], (len(tokens), res["tokens_all"])
+
+
+@pytest.mark.parametrize("world", WORLDS, indirect=True)
+@pytest.mark.parametrize(
+    "protocol, fp8", EP_LL_CASES, ids=["flag_in_data", "token_flag", "token_flag_fp8"]
+)
+def test_trace_of_ep_low_latency(world, protocol, fp8, tmp_path):
+    pytest.importorskip("matplotlib", reason="the PNG check needs matplotlib")
+    results = world.run(_ep_ll_trace_body, str(tmp_path), protocol, fp8)
+    res = dict(results[0], tokens_all=sum(r["tokens"] for r in results))
+    assert res["launches"][0][0]["grid"] >= 1
+    _check_ep_ll(res)
+    _check_files(res)
+    s = res["summary"]
+    assert s["op"]["comm_ms"]  # the pushes
+    grids = max(ln["grid"] for ln in res["launches"][0])
+    assert len(s["ranks"][0]["wait_ms_per_program"]) == grids

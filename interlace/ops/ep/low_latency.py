@@ -38,6 +38,10 @@ the device, so calls can be captured in a CUDA graph and replayed; eager calls r
 from CUDA graphs (``eager_graphs``). Ranks call dispatch and combine in the same order;
 a handle is valid until the next dispatch. ``max_tokens`` is at most 256; the dtype is
 bfloat16 or float16; ``hidden`` is even (a multiple of 128 with ``fp8``).
+
+Inside ``interlace.trace.record`` both launches are traced (``TRACE`` on, eager: no graph
+replay; the kernels' slots in ``kernels.ep_low_latency``, their reading in
+``interlace.trace.model``).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import torch
 from ...errors import InterlaceTypeError, InterlaceValueError
 from ...kernels.ep_low_latency import ll_combine_kernel, ll_dispatch_kernel
 from ...runtime import symm_empty
+from .. import _trace
 from .._context import OpContext, sm_count
 from .._launch import launch
 from .dispatch import FP8_GROUP
@@ -209,8 +214,31 @@ class EPLowLatency(EPCallChecks, OpContext):
             self._calls,
         )  # fmt: skip
 
+    def _trace_args(self, kernel: str, sends: int, tokens: int) -> dict:
+        """The ``TRACE`` / ``tbuf`` arguments that trace a launch of ``kernel`` into a
+        buffer of the recorder in force (none where none is: the launch runs untraced).
+        Its programs' steps (``kernels.ep_low_latency``): ``sends`` units dealt round robin
+        (experts, or segments), then the dispatch's segments received, or the combine's
+        arrival waits (program 0, one per rank) and this rank's ``tokens``."""
+        g, w = self.programs, self.world_size
+        segments = self.e_loc * w
+        dispatch = kernel == _trace.EP_LL_DISPATCH
+        after = -(-segments // g) if dispatch else w + -(-tokens // g)
+        info = dict(
+            kernel=kernel, layout="tiles", slots="ep_ll", rank=self.rank, world=w, grid=g,
+            n_tiles=sends + (segments if dispatch else tokens), send_steps=-(-sends // g),
+            experts=self.experts, e_loc=self.e_loc, tokens=tokens, protocol=self.protocol,
+            fp8=self.fp8, word_bytes=8 if self.flag_in_data else 4,
+            row_words=self.qw + self.sw if dispatch else self.hw,
+        )  # fmt: skip
+        tbuf = _trace.buffer(g, -(-sends // g) + after, info)
+        return {} if tbuf is None else dict(TRACE=True, tbuf=tbuf)
+
     def _dispatch(self, n, x, topk_idx, topk_weights) -> None:
         scale = self.recv_scale if self.fp8 else self.recv_src  # placeholder without fp8
+        tr = {}  # the launch's trace arguments: none unless recording
+        if _trace.ACTIVE:  # (the call then runs eagerly, not from its graph: ``_enqueue``)
+            tr = self._trace_args(_trace.EP_LL_DISPATCH, self.experts, n)
         launch(
             ll_dispatch_kernel, self.programs, x, n, topk_idx, topk_weights, self.home_idx,
             self.home_w, self.d_count.local, self.d_count.ptrs, self.d_meta.local,
@@ -220,7 +248,7 @@ class EPLowLatency(EPCallChecks, OpContext):
             self.qw, self.sw, self.pad.offset("bad_index"), self.pad.offset("count"),
             self.max_spins, E_LOC=self.e_loc, KP=self.kp, TP=max(2, next_pow2(self.max_tokens)),
             BW=self.block_words, BQ=self.block_values, FLAG_IN_DATA=self.flag_in_data,
-            FP8=self.fp8, num_warps=4,
+            FP8=self.fp8, num_warps=4, **tr,
         )  # fmt: skip
 
     def combine(self, expert_out: torch.Tensor, handle: EPLowLatencyHandle, out=None):
@@ -260,6 +288,9 @@ class EPLowLatency(EPCallChecks, OpContext):
         return out
 
     def _combine(self, n, expert_out, out) -> None:
+        tr = {}  # the launch's trace arguments: none unless recording
+        if _trace.ACTIVE:
+            tr = self._trace_args(_trace.EP_LL_COMBINE, self.e_loc * self.world_size, n)
         launch(
             ll_combine_kernel, self.programs, expert_out, out, n, self.home_idx, self.home_w,
             self.recv_src, self.layout, self.c_arrive.local, self.c_arrive.ptrs,
@@ -267,7 +298,7 @@ class EPLowLatency(EPCallChecks, OpContext):
             self.epochs, self.error.address, self.rank, self.world_size, self.max_tokens,
             self.hw, self.pad.offset("combine"), self.pad.offset("arrive"), self.max_spins,
             E_LOC=self.e_loc, KP=self.kp, BW=self.block_words, IS_BF16=self.dtype == torch.bfloat16,
-            FLAG_IN_DATA=self.flag_in_data, num_warps=4,
+            FLAG_IN_DATA=self.flag_in_data, num_warps=4, **tr,
         )  # fmt: skip
 
     def __repr__(self) -> str:
