@@ -195,6 +195,7 @@ def soak_body(group, ops, calls: int, m: int, n: int, k: int) -> list[dict]:
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+        out = None  # the last call's result is not growth (``mem0`` was read without one)
         mem1 = torch.cuda.memory_allocated(group.device) if cuda else 0
         ctx.close()
         rows.append({
