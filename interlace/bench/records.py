@@ -20,7 +20,7 @@ import re
 KEY_FIELDS = (
     "op", "strategy", "model", "dtype", "M", "N", "K", "S", "H", "I", "E", "topk", "routing",
     "batch", "heads", "kv_heads", "d", "causal", "kv_len", "tokens", "hidden", "experts",
-    "mode", "as_world", "bytes_per_rank", "variant", "layers", "train",
+    "mode", "as_world", "bytes_per_rank", "variant", "kernel", "layers", "train",
 )  # fmt: skip
 
 DEFAULT_OUT = "benchmarks/results"
