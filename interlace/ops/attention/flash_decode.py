@@ -75,8 +75,9 @@ class DecodeConfig:
     (benchmarks/results/2026-11-25-h100-80gb-hbm3-w1.json).
 
     ``min_split`` 512: batch 1 with 8k rows per shard (16 splits instead of 32) ran at
-    0.86-0.89 x SDPA against 0.83 with 256 (variants ``n64_s3_m512`` / ``n64_s3_p1`` of
-    the same H200 file); longer shards split alike either way."""
+    0.86-0.92 x SDPA against 0.83 with 256 (one H200, two runs:
+    benchmarks/results/history/2026-11-28-h200-w1-decode-min-split-256.log and
+    ``-512.log``); longer shards split alike either way."""
 
     block_n: int = 64
     num_warps: int = 4
