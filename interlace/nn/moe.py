@@ -10,16 +10,18 @@ Two ways to run the experts (``strategy``):
 
 * ``none``: ``all_gather`` of the tokens and routing, a per-expert loop of torch matmuls,
   ``reduce_scatter`` (or ``all_reduce``); differentiable op by op.
-* ``fused`` (sequence parallel only): :class:`~interlace.ops.moe.AGMoE` (all-gather
-  overlapped with the routing-driven grouped GEMM and SwiGLU) then
-  :class:`~interlace.ops.moe.MoERS` (grouped GEMM, top-k weighted sum and reduce-scatter
-  overlapped). Those ops have no autograd: :class:`_FusedExperts` runs them in the forward
-  and, in the backward, recomputes the ``none`` path on the saved inputs and weights and
-  takes its gradients, so training matches ``none`` at the cost of a second forward (its
-  collectives included).
+* ``fused`` (sequence parallel, SiLU-gated experts only): the custom op
+  ``torch.ops.interlace.moe_experts`` (:mod:`interlace.ops.moe.library`), eager and under
+  ``torch.compile`` alike: :class:`~interlace.ops.moe.AGMoE` (all-gather overlapped with
+  the routing-driven grouped GEMM and SwiGLU) then :class:`~interlace.ops.moe.MoERS`
+  (grouped GEMM, top-k weighted sum and reduce-scatter overlapped). Its backward
+  (``moe_experts_backward``) recomputes the ``none`` path on the saved inputs and weights
+  (in float32) and returns its gradients, so training matches ``none`` at the cost of a
+  second forward (its all-gathers included).
 * ``auto``: ``fused`` where :class:`~interlace.ops.moe.MoERS`'s own ``auto`` runs fused (the
   CPU emulation; on GPUs only with ``moe_rs.AUTO_FUSED_ON_GPU``), for bfloat16 / float16
-  weights, sequence parallel and outside ``torch.compile`` tracing; else ``none``.
+  weights, sequence parallel and a SiLU activation, in eager calls and under
+  ``torch.compile`` alike; else ``none``.
 
 The router is plain torch in every strategy. The expert weights are stored as the fused
 ops read them, and the ``none`` path reads the same tensors.
@@ -34,8 +36,7 @@ from torch import nn
 from ..errors import InterlaceTypeError, InterlaceValueError
 from ..ops import autograd as _ops
 from ..ops import library as _library
-from ..ops._context import ContextSet, KeptContext
-from ..ops.moe import AGMoE, MoERS
+from ..ops.moe import library as _moe_library
 from ..ops.moe import moe_rs as _moe_rs
 from ..runtime import Group
 from .linear import copy_to_parallel, shard, sync_sequence_parallel_grads
@@ -44,33 +45,19 @@ from .linear import copy_to_parallel, shard, sync_sequence_parallel_grads
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 
-class _FusedExperts(torch.autograd.Function):
-    """The experts of a sequence-parallel block by AGMoE + MoERS on this rank's tokens;
-    the backward recomputes the block's ``none`` path (``MoEBlock._torch_experts``) under
-    autograd on the saved tensors and returns its gradients."""
-
-    @staticmethod
-    def forward(ctx, block, x, weights, index, gate_up, down):
-        ctx.block = block
-        ctx.save_for_backward(x, weights, index, gate_up, down)
-        ag, rs = block._fused_contexts(x.shape[0]).contexts
-        h, routing = ag(x, index, weights, gate_up)
-        return rs(h, routing, down)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weights, index, gate_up, down = ctx.saved_tensors
-        _, nx, nw, _, ngu, nd = ctx.needs_input_grad
-        leaves = [
-            t.detach().requires_grad_(n)
-            for t, n in zip((x, weights, gate_up, down), (nx, nw, ngu, nd))
-        ]
-        wanted = [t for t in leaves if t.requires_grad]
-        with torch.enable_grad():
-            y = ctx.block._torch_experts(leaves[0], leaves[1], index, leaves[2], leaves[3])
-        grads = iter(torch.autograd.grad(y, wanted, dy, allow_unused=True))
-        gx, gw, ggu, gd = (next(grads) if t.requires_grad else None for t in leaves)
-        return None, gx, gw, None, ggu, gd
+def _computes_silu(act) -> bool:
+    """``act`` is SiLU, the gate activation of the fused ops' SwiGLU (``F.silu``, or any
+    callable that matches it on a few probe values: ``nn.SiLU``, transformers'
+    ``SiLUActivation``)."""
+    if act is F.silu:
+        return True
+    probe = torch.linspace(-6.0, 6.0, 13)
+    out = act(probe)
+    return (
+        isinstance(out, torch.Tensor)
+        and out.shape == probe.shape
+        and bool(torch.allclose(out, F.silu(probe), rtol=1e-5, atol=1e-6))
+    )
 
 
 class MoEBlock(nn.Module):
@@ -85,13 +72,15 @@ class MoEBlock(nn.Module):
     tensors).
 
     ``strategy``: ``none``, ``fused`` or ``auto`` (see the module docstring). ``fused``
-    needs ``sequence_parallel`` (the fused ops take each rank's own tokens; without it
-    ``fused`` raises at construction and ``auto`` runs ``none``) and bfloat16 / float16
-    weights (a float32 block raises on its first call). The fused path builds its own two
-    op contexts on its first call, sized to the next power of two of the tokens per rank,
-    and reuses them; they are rebuilt (at least twice as large) when a call has more
-    tokens, and after a failed call. :meth:`close` frees them (collective: call it on every
-    rank; a later fused call builds new ones).
+    needs ``sequence_parallel`` (the fused ops take each rank's own tokens) and a SiLU
+    ``act`` (the fused ops' SwiGLU): without either, ``fused`` raises at construction and
+    ``auto`` runs ``none``; it also needs bfloat16 / float16 weights (a float32 block raises
+    on its first call). The fused path runs ``torch.ops.interlace.moe_experts``, whose op
+    contexts live in :mod:`interlace.ops.library`'s cache (shared by every block of one
+    group and shape): built on the first call, sized to the next power of two of the
+    tokens per rank, rebuilt (at least twice as large) when a call has more tokens and
+    after a failed call. :meth:`close` frees them (collective: call it on every rank; a
+    later fused call builds new ones).
     ``last_strategy``: what the last call ran."""
 
     STRATEGIES = ("auto", "none", "fused")
@@ -109,6 +98,12 @@ class MoEBlock(nn.Module):
                 "MoEBlock: strategy 'fused' needs sequence_parallel=True (the fused MoE ops "
                 "take each rank's own tokens); use 'none' or 'auto' without it"
             )
+        self._silu = _computes_silu(act)
+        if strategy == "fused" and not self._silu:
+            raise InterlaceValueError(
+                f"MoEBlock: strategy 'fused' needs a SiLU activation (the fused MoE ops apply "
+                f"SwiGLU), got {act!r}; use 'none' or 'auto' with it"
+            )
         w = group.world_size
         if intermediate_size % w:
             raise InterlaceValueError(
@@ -120,7 +115,6 @@ class MoEBlock(nn.Module):
         self.normalize, self.strategy = bool(normalize), strategy
         self.sequence_parallel = bool(sequence_parallel)
         self.last_strategy: str | None = None
-        self._fused = KeptContext(self._build_fused)  # the fused path's AGMoE / MoERS
         kw = dict(dtype=dtype, device=group.device if device is None else device)
         i_loc = self.intermediate_size // w
         self.router = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
@@ -175,35 +169,10 @@ class MoEBlock(nn.Module):
         return cls.from_weights(moe.gate.weight, gate_up, down, top_k, group, **kw)
 
     def close(self) -> None:
-        """Free the fused path's op contexts (collective: call on every rank). Idempotent;
-        the block stays usable (a later fused call builds new contexts)."""
-        self._fused.close()
-
-    def _fused_contexts(self, m: int) -> ContextSet:
-        """The AGMoE / MoERS pair for ``m`` tokens per rank in the weights' dtype (kept,
-        and rebuilt when outgrown or after a failed call: :class:`KeptContext`; every rank
-        decides alike, since sequence-parallel shards have the same rows everywhere)."""
-        return self._fused.get(m, self.gate_up.dtype)
-
-    def _build_fused(self, cap: int, dtype: torch.dtype) -> ContextSet:
-        w = self.group.world_size
-        sizes = dict(
-            max_tokens=cap * w, hidden=self.hidden_size, inter=self.intermediate_size // w,
-            experts=self.num_experts, topk=self.top_k, dtype=dtype, strategy="fused",
-            validate=not self.group.nccl,
-        )  # fmt: skip
-        # The ops' per-call checks (an expert-id read-back and a cross-rank all-reduce: two
-        # host synchronisations per call on NCCL) run only in the CPU emulation: the
-        # router's top-k ids are in range and the sequence-parallel shards have the same
-        # rows on every rank by construction; a mismatch still shows in the call
-        # fingerprints.
-        ag = AGMoE(self.group, **sizes)
-        try:
-            rs = MoERS(self.group, **sizes)
-        except BaseException:
-            ag.close()
-            raise
-        return ContextSet(ag, rs)
+        """Free the fused path's cached op contexts of this block's group (shared with the
+        group's other blocks; collective: call on every rank). Idempotent; the block stays
+        usable (a later fused call builds new contexts)."""
+        _moe_library.close_contexts(self.handle)
 
     def _use_fused(self, rows: int) -> bool:
         if self.strategy == "none" or not self.sequence_parallel or rows == 0:
@@ -217,9 +186,7 @@ class MoEBlock(nn.Module):
                 )
             return True
         on_gpu = self.group.backend == "cuda"
-        return (
-            half and (_moe_rs.AUTO_FUSED_ON_GPU or not on_gpu) and not torch.compiler.is_compiling()
-        )
+        return half and self._silu and (_moe_rs.AUTO_FUSED_ON_GPU or not on_gpu)
 
     def _route(self, x):
         logits = F.linear(x, self.router)
@@ -261,10 +228,9 @@ class MoEBlock(nn.Module):
         weights, index = self._route(x2)
         if self._use_fused(x2.shape[0]):
             self.last_strategy = "fused"
-            y = _FusedExperts.apply(
-                self, x2.contiguous(), weights.contiguous(), index.contiguous(), self.gate_up,
-                self.down,
-            )  # fmt: skip
+            y = torch.ops.interlace.moe_experts(
+                x2, weights, index, self.gate_up, self.down, self.handle, "fused"
+            )
             return y.view(shape)
         self.last_strategy = "none"
         if self.sequence_parallel or self.group.world_size == 1:
