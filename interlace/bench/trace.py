@@ -7,7 +7,10 @@ without GPUs), warms the op up, records ``--calls`` calls and writes
 then prints the summary. OP and its ``--shape`` fields:
 
 * ``ag_gemm``, ``gemm_rs``, ``gemm_ar``: ``M,N,K``, the GEMM each rank runs, as in the
-  results files (``M`` the gathered rows);
+  results files (``M`` the gathered rows); ``gemm_rs`` / ``gemm_ar`` with ``--strategy
+  signal_reorder``: FlashOverlap's signalling GEMM and the comm stream's wave-group waits
+  and collectives (the GEMM is traced where the shape has more than one wave group; the
+  collectives move CUDA tensors, so a GPU per rank, or ``--cpu``);
 * ``ag_moe``: ``tokens,hidden,inter,experts,topk``: gathered tokens (``tokens / W`` per
   rank), hidden size, this rank's intermediate columns, experts, experts per token
   (random routing, SwiGLU);
@@ -255,6 +258,10 @@ def run_trace(op, strategy, shape, world, calls=1, warmup=2, out=DEFAULT_OUT, cp
         twice = "2 x " if unit != world else ""
         raise SystemExit(f"trace: {spec.split} = {fields[spec.split]} must be a multiple of "
                          f"{unit} ({twice}the world size {world})")  # fmt: skip
+    if share and strategy == "signal_reorder":
+        raise SystemExit(f"trace: {op} signal_reorder runs the process group's collectives on "
+                         f"CUDA tensors: it needs a GPU per rank ({world} ranks, {gpus} GPUs), "
+                         f"or --cpu")  # fmt: skip
     device = torch.cuda.get_device_name(0) if gpus else "cpu"
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower().replace("nvidia", "")).strip("-")
     where = "shared" if share else backend
@@ -447,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
                         "ep_low_latency); see above")  # fmt: skip
     p.add_argument("--causal", action="store_true", help="sp_attention: causal (zigzag)")
     p.add_argument("--strategy", default="fused",
-                   help="the op's strategy; ep_low_latency: its protocol")  # fmt: skip
+                   help="the op's strategy (gemm_rs, gemm_ar: signal_reorder too); "
+                        "ep_low_latency: its protocol")  # fmt: skip
     p.add_argument("--world-size", type=int, default=None, help="ranks (default: GPUs, >= 2)")
     p.add_argument("--calls", type=int, default=1, help="traced calls")
     p.add_argument("--warmup", type=int, default=2, help="untraced calls first")

@@ -36,6 +36,7 @@ import triton.language as tl
 from ..language.primitives import INTERPRETED, guard_coord, notify, peer_ptr_aligned, wait
 from ..language.trace import (
     EV_END,
+    EV_NOTIFY,
     EV_START,
     EV_TILE_END,
     EV_WAIT_BEGIN,
@@ -456,6 +457,7 @@ def sp_attn_bwd_dkdv_kernel(
     H, HKV, D: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     VARLEN: tl.constexpr, WAIT: tl.constexpr, FAST_EXP: tl.constexpr = 0,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """This rank's share of dK / dV for one key block of one chunk (one program per
     (chunk, key block), batch x kv head), summed over the GQA group's query heads and this
@@ -463,7 +465,14 @@ def sp_attn_bwd_dkdv_kernel(
     chunk's owner: into slot ``rank`` of its ``recv`` buffer ``[2, WORLD (source),
     batch x kv_heads, S_loc, d]`` with plain stores over NVLink, after which the owner's
     counter ``dkv_slot + rank`` grows by the rows stored (the owner's reduction waits for
-    ``batch x kv_heads x S_loc`` from every source)."""
+    ``batch x kv_heads x S_loc`` from every source).
+
+    Traced: program start / end; step 0: the wait on a peer chunk's arrival flag (begin:
+    chunk's rank, chunk step; end: chunk's rank, the token) and the end of the key
+    block's dK / dV (chunk's rank, key block); step 1: the end of the stores into the
+    owner's ``recv`` (owner, rows) and the owner's counter raised (a notify: owner,
+    rows)."""
+    trace_step(TRACE, tbuf, EV_START, 0, 0, 0)
     pid = tl.program_id(0)
     t = pid // n_kb
     jb = pid % n_kb
@@ -490,7 +499,9 @@ def sp_attn_bwd_dkdv_kernel(
         src_v = v_all + (c * BKV + kv_row).to(tl.int64) * S_loc * D
         ok_load = k_ok
         if WAIT:
+            trace_step(TRACE, tbuf, EV_WAIT_BEGIN, 0, c, t)
             token = wait(sig + arrival + c, 1, err, rank, arrival + c, max_spins)
+            trace_step(TRACE, tbuf, EV_WAIT_END, 0, c, token)
             ok_load = k_ok & (token >= 1)
     kv_offs = k_idx[:, None] * D + cols[None, :]
     kb = tl.load(src_k + kv_offs, mask=ok_load[:, None], other=0.0)
@@ -536,6 +547,7 @@ def sp_attn_bwd_dkdv_kernel(
             CAUSAL, VARLEN, True, FAST_EXP,
         )  # fmt: skip
     dk = dk * sm_scale
+    trace_step(TRACE, tbuf, EV_TILE_END, 0, c, jb)
     # slot ``rank`` (this rank as the source) of the owner's recv buffer
     part = (rank * BKV + kv_row).to(tl.int64) * S_loc * D
     whole = (WORLD * BKV).to(tl.int64) * S_loc * D
@@ -544,8 +556,11 @@ def sp_attn_bwd_dkdv_kernel(
     tl.store(dst_k + kv_offs, dk.to(recv.dtype.element_ty), mask=k_ok[:, None])
     tl.store(dst_v + kv_offs, dv.to(recv.dtype.element_ty), mask=k_ok[:, None])
     rows = tl.minimum(S_loc - n0, BLOCK_N)
+    trace_step(TRACE, tbuf, EV_TILE_END, 1, c, rows)
     owner_sig = tl.load(sig_table + c).to(tl.pointer_type(tl.int32))
     notify(owner_sig + dkv_slot + rank, rows, ADD=True)
+    trace_step(TRACE, tbuf, EV_NOTIFY, 1, c, rows)
+    trace_step(TRACE, tbuf, EV_END, 0, 0, 0)
 
 
 @triton.jit
@@ -607,9 +622,12 @@ def sp_attn_bwd_dq_kernel(
     H, HKV, D: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     VARLEN: tl.constexpr, WAIT: tl.constexpr, CLEAR: tl.constexpr, FAST_EXP: tl.constexpr = 0,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """dQ of one query block (one program per (query block, batch x head)) over every
-    chunk, local first, as ``sp_attn_fwd_kernel``; ``CLEAR`` as there."""
+    chunk, local first, as ``sp_attn_fwd_kernel``; ``CLEAR`` as there. Traced as the
+    forward: program start / end, per chunk step its wait and its end."""
+    trace_step(TRACE, tbuf, EV_START, 0, 0, 0)
     n_mb = tl.num_programs(0)
     pid_m = n_mb - 1 - tl.program_id(0)
     bh = tl.program_id(1)
@@ -647,6 +665,7 @@ def sp_attn_bwd_dq_kernel(
         dq_acc, qb, dob, m_row, d_row, k_desc, v_desc, kv_row, rank, qmin, qmax, q_pos, S_loc,
         half, seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, FAST_EXP,
     )  # fmt: skip
+    trace_step(TRACE, tbuf, EV_TILE_END, 0, rank, pid_m)
     if WORLD > 1:
         kp_desc = tl.make_tensor_descriptor(
             k_all, shape=[WORLD * BKV, S_loc, D], strides=[S_loc * D, D, 1],
@@ -657,27 +676,37 @@ def sp_attn_bwd_dq_kernel(
             block_shape=[1, BLOCK_N, D],
         )  # fmt: skip
         for t in range(1, WORLD):
+            trace_step(TRACE, tbuf, EV_WAIT_BEGIN, t, (rank + WORLD - t) % WORLD, t)
             c, row = _peer_chunk(t, rank, sig, arrival, err, max_spins, BKV, kv_row, WORLD, WAIT)
+            trace_step(TRACE, tbuf, EV_WAIT_END, t, c, row)
             dq_acc = _dq_chunk(
                 dq_acc, qb, dob, m_row, d_row, kp_desc, vp_desc, row, c, qmin, qmax, q_pos,
                 S_loc, half, seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN,
                 FAST_EXP,
             )  # fmt: skip
+            trace_step(TRACE, tbuf, EV_TILE_END, t, c, pid_m)
     dq_acc = dq_acc * sm_scale
     dq_desc.store([bh, m0, 0], dq_acc.to(dq.dtype.element_ty).reshape(1, BLOCK_M, D))
     if CLEAR:
         _exit_clear(sig, arrival, rank, err, max_spins, WORLD)
+    trace_step(TRACE, tbuf, EV_END, 0, 0, 0)
 
 
 @triton.jit
 def sp_attn_bwd_reduce_kernel(
     recv, dk, dv, sig, err, rank, max_spins, dkv_slot, n_rows, expected,
     D: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """dK and dV of this rank's chunk: the sum (float32) of the ``WORLD`` partials in
     ``recv`` ``[2, WORLD, n_rows, d]``, each read once its source's counter reached
     ``expected`` rows. The program that finishes last zeroes the counters and its own
-    finished-program counter (slot ``dkv_slot + WORLD``)."""
+    finished-program counter (slot ``dkv_slot + WORLD``).
+
+    Traced (its events laid out as a grid of one column): program start / end; step ``t``
+    per source (this rank first): the wait on its counter (begin: source, step; end: source,
+    the token) and the end of its partial's sum (source, step)."""
+    trace_step(TRACE, tbuf, EV_START, 0, 0, 0)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
     ok = rows < n_rows
@@ -687,11 +716,14 @@ def sp_attn_bwd_reduce_kernel(
     whole = (WORLD * n_rows).to(tl.int64) * D
     for t in range(WORLD):
         src = (rank + WORLD - t) % WORLD
+        trace_step(TRACE, tbuf, EV_WAIT_BEGIN, t, src, t)
         token = wait(sig + dkv_slot + src, expected, err, rank, dkv_slot + src, max_spins)
+        trace_step(TRACE, tbuf, EV_WAIT_END, t, src, token)
         m = (ok & (token >= expected))[:, None]
         base = (src * n_rows).to(tl.int64) * D
         acc_k += tl.load(recv + base + offs, mask=m, other=0.0).to(tl.float32)
         acc_v += tl.load(recv + whole + base + offs, mask=m, other=0.0).to(tl.float32)
+        trace_step(TRACE, tbuf, EV_TILE_END, t, src, t)
     tl.store(dk + offs, acc_k.to(dk.dtype.element_ty), mask=ok[:, None])
     tl.store(dv + offs, acc_v.to(dv.dtype.element_ty), mask=ok[:, None])
     tl.debug_barrier()
@@ -699,6 +731,7 @@ def sp_attn_bwd_reduce_kernel(
     if arrived == tl.num_programs(0) - 1:
         lanes = tl.arange(0, 64)
         tl.store(sig + dkv_slot + lanes, 0, mask=lanes <= WORLD)
+    trace_step(TRACE, tbuf, EV_END, 0, 0, 0)
 
 
 __all__ = [

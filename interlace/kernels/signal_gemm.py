@@ -47,6 +47,13 @@ import triton
 import triton.language as tl
 
 from ..language.primitives import count_tile
+from ..language.trace import (
+    EV_END,
+    EV_NOTIFY,
+    EV_START,
+    EV_TILE_END,
+    trace_event,
+)  # fmt: skip
 from .gemm import _add_bias, _dot, _load_a, _load_b, _mma, _store_tile, _tile_coords
 
 # tile_map columns (one row per visit index g).
@@ -90,6 +97,15 @@ def _mma_strips(
 
 
 @triton.jit
+def trace_count(TRACE: tl.constexpr, tbuf, g, group, counted):
+    """``language.trace.trace_event``'s notify of tile ``g`` (its group's counter raised)
+    where ``counted`` is not 0. Compiles to nothing unless ``TRACE``."""
+    if TRACE:
+        if counted != 0:
+            trace_event(TRACE, tbuf, EV_NOTIFY, g, group, 0)
+
+
+@triton.jit
 def signal_gemm_kernel(
     a, b, buf, bias, M, N, K, rows_per_rank, world,
     tile_map, n_tiles, counters,
@@ -97,6 +113,7 @@ def signal_gemm_kernel(
     GROUP_M: tl.constexpr, STRIPS: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_BIAS: tl.constexpr, LANES: tl.constexpr, SIGNAL: tl.constexpr,
     TMA_STORE: tl.constexpr = False, SUBTILE: tl.constexpr = False,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """See the module docstring. ``a [M, K]``, ``b [K, N]``, ``buf`` the reordered output
     (flat), ``counters`` int32, one per wave group; ``LANES``: what one finished tile adds
@@ -108,7 +125,13 @@ def signal_gemm_kernel(
     1 once the stores have landed: ``LANES`` = ``num_warps``): after the next tile's main
     loop where that tile is of the same group, else (the program's last tile of its group)
     right after its stores; else plain stores, each thread releasing its own (``LANES`` =
-    the launch's threads)."""
+    the launch's threads).
+
+    Traced (``language.trace``; program ``p``'s tiles ``p, p + programs, ...``): program
+    start / end; per tile its main loop's end (group, row tile) and its group's counter
+    raised (a notify: group, 0), in the tile's own slots where a later tile counts it.
+    The counters are the comm stream's to wait on: the kernel waits for nothing."""
+    trace_event(TRACE, tbuf, EV_START, 0, 0, 0)
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     SUB_M: tl.constexpr = BLOCK_M // STRIPS
@@ -155,12 +178,14 @@ def signal_gemm_kernel(
         acc = _add_bias(acc, bias, col, N, BLOCK_N, HAS_BIAS)
         row_of = tile_map + g * MAP_COLS
         group = tl.load(row_of + MAP_GROUP)
+        trace_event(TRACE, tbuf, EV_TILE_END, g, group, pid_m)
         if TMA_STORE:
             # Every count sits here, after the main loop: one placed before it (reading
             # what the previous tile's epilogue left) ran out of order once the loop was
             # pipelined, one tile per program counted twice (seen on one H200).
             if SIGNAL:  # the previous tile, of this group: its stores are done by now
                 count_tile(counters + tl.maximum(pend, 0), (pend >= 0).to(tl.int32), LANES)
+                trace_count(TRACE, tbuf, g - n_prog, pend, pend >= 0)
             row = tl.load(row_of + MAP_SLOT) * BLOCK_M
             _store_tile(
                 acc, out_desc, out_desc, 0, row, 0, None, None, N, None, out_ty, BLOCK_M,
@@ -174,6 +199,7 @@ def signal_gemm_kernel(
             ) != group  # fmt: skip
             if SIGNAL:
                 count_tile(counters + group, closes.to(tl.int32), LANES)
+                trace_count(TRACE, tbuf, g, group, closes)
             pend = tl.where(closes, -1, group)
         else:
             slot = tl.load(row_of + MAP_SLOT).to(tl.int64)
@@ -189,3 +215,5 @@ def signal_gemm_kernel(
             if SIGNAL:
                 lanes = tl.zeros([LANES], dtype=tl.int32)
                 tl.atomic_add(counters + group + lanes, 1, sem="release", scope="gpu")
+                trace_event(TRACE, tbuf, EV_NOTIFY, g, group, 0)
+    trace_event(TRACE, tbuf, EV_END, 0, 0, 0)

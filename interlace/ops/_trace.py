@@ -1,7 +1,7 @@
 """Where the ops meet the timeline trace (``interlace.trace``): the recorders in force in
 this process, the traced launch of the segment GEMM, trace buffers for the other traced
-kernels (the grouped GEMM of ``AGMoE``, the attention forward of ``SPAttention``), and
-traced copies and stream spans.
+kernels (the grouped GEMM of ``AGMoE``, the attention kernels of ``SPAttention``, the
+``signal_reorder`` GEMM, ...), and traced copies and stream spans.
 
 The trace layer sits above the ops, so the ops only see a recorder through the small
 interface it implements (``kernel_buffer``, ``stream_begin``, ``stream_end``); with no
@@ -39,14 +39,22 @@ def sink():
 #: How the trace decodes a launch's buffer (``info["layout"]``): ``segments``: the segment
 #: GEMM (``info["seg"]``: its segment table; the default); ``tiles``: a persistent kernel
 #: whose program ``p`` runs tiles ``p, p + grid, ...`` each after at most one wait (the
-#: grouped GEMM); ``steps``: a ``(grid_m, columns)`` grid whose buffer holds one block of
-#: ``grid_m`` programs per column, each program's ``j``-th tile slots its step ``j`` (the
-#: attention forward: one step per K/V chunk).
+#: grouped GEMM; the ``signal_reorder`` GEMM); ``steps``: a ``(grid_m, columns)`` grid
+#: whose buffer holds one block of ``grid_m`` programs per column, each program's ``j``-th
+#: tile slots its step ``j`` (the attention forward and dQ: one step per K/V chunk; dK/dV:
+#: its key block, then its push; the backward's reduction, one column: one step per
+#: source rank).
 LAYOUTS = ("segments", "tiles", "steps")
 
 #: the kernels' names in traces (beside the segment GEMM's, ``_KERNEL_NAMES``)
 GROUPED_GEMM = "moe_gemm"
 ATTENTION_FWD = "sp_attn_fwd"
+#: ``SPAttention``'s backward kernels (the ``delta`` kernel before them is not traced)
+ATTENTION_DKDV = "sp_attn_dkdv"
+ATTENTION_DQ = "sp_attn_dq"
+ATTENTION_REDUCE = "sp_attn_reduce"
+#: the ``signal_reorder`` strategy's GEMM (``kernels.signal_gemm``)
+SIGNAL_GEMM = "signal_gemm"
 #: ``EPLowLatency``'s two kernels (``EPAllToAll``'s names: ``ops.ep.dispatch``, ``combine``)
 EP_LL_DISPATCH = "ep_ll_dispatch"
 EP_LL_COMBINE = "ep_ll_combine"

@@ -68,6 +68,7 @@ from ..kernels.rmsnorm import reorder_rows_kernel
 from ..kernels.signal_gemm import MAP_COLS, signal_gemm_kernel
 from ..language.primitives import wait_kernel
 from ..runtime import ErrorWord, Group, SignalPad, default_max_spins, fork, join, use_stream
+from . import _trace
 from . import segment_gemm as _gemm
 from ._context import OpContext, cdiv, sm_count
 from ._launch import install_scratch_allocator, launch
@@ -549,12 +550,24 @@ class SignalReorderGemm(OpContext):
 
     def enqueue_group(self, lay: Layout, counter: int, expected: int, first: int, count: int):
         """On the current stream: wait until ``counters[counter] == expected`` and reset it
-        (one program, bounded), then the collective on tiles ``[first, first + count)``."""
+        (one program, bounded), then the collective on tiles ``[first, first + count)``.
+        Where a recorder is in force, each is a span of the stream (``chunk_wait``, then
+        the collective as a ``copy``)."""
+        span = _trace.begin() if _trace.ACTIVE else None
         launch(
             wait_kernel, 1, self.counters, counter, 1, expected, self.error.address, self.rank,
             self.max_spins, RESET=True,
         )  # fmt: skip
+        if span is not None:
+            _trace.end(span, "chunk_wait", name=f"wait group {counter}", group=counter,
+                       counter_slot=counter, tiles=count)  # fmt: skip
+            span = _trace.begin()
         self._collective(lay, first, count)
+        if span is not None:
+            _trace.end(
+                span, "copy", name=f"{lay.op} group {counter}", group=counter, tiles=count,
+                collective=lay.op, peer=-1, bytes=lay.group_bytes(count, self.dtype.itemsize),
+            )  # fmt: skip
 
     def _adds_bias(self, lay: Layout, bias) -> bool:
         """Bias once in a sum: rank 0 adds it before the reduction; all-to-all adds it on
@@ -563,11 +576,24 @@ class SignalReorderGemm(OpContext):
 
     def launch_gemm(self, plan: Plan, a, b, bias=None, signal: bool = True) -> None:
         """The signalling GEMM alone, on the current stream (it raises the counters; only
-        the wait kernels reset them). ``signal=False``: no counters (probes only)."""
+        the wait kernels reset them). ``signal=False``: no counters (probes only). Traced
+        (``TRACE`` on) where a recorder is in force (``interlace.trace.record``)."""
         lay, cfg = plan.layout, plan.cfg
         if plan.use_tma and a.is_cuda:
             install_scratch_allocator()
         has_bias = self._adds_bias(lay, bias)
+        traced = {}
+        if _trace.ACTIVE:  # program p: tiles p, p + programs, ... (one per wave)
+            info = dict(
+                kernel=_trace.SIGNAL_GEMM, layout="tiles", slots="signal_gemm",
+                grid=lay.programs, rank=self.rank, world=lay.world, n_tiles=lay.n_tiles,
+                collective=lay.op, M=lay.m, N=lay.n, K=self.k, block_m=cfg.block_m,
+                block_n=cfg.block_n, group_m=cfg.group_m, tiles_m=lay.tiles_m,
+                tiles_n=lay.tiles_n, groups=[list(g) for g in plan.groups], signal=signal,
+            )  # fmt: skip
+            tbuf = _trace.buffer(lay.programs, lay.n_waves, info)
+            if tbuf is not None:
+                traced = dict(TRACE=True, tbuf=tbuf)
         launch(
             signal_gemm_kernel, lay.programs, a, b, self.send,
             bias if has_bias else self.send, lay.m, lay.n, self.k,
@@ -575,7 +601,7 @@ class SignalReorderGemm(OpContext):
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m, STRIPS=lay.strips, USE_TMA=plan.use_tma, HAS_BIAS=has_bias,
             LANES=plan.lanes, SIGNAL=signal, TMA_STORE=plan.tma_store, SUBTILE=cfg.subtile,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **traced,
         )  # fmt: skip
 
     def _collective(self, lay: Layout, first: int, count: int) -> None:

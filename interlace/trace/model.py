@@ -11,14 +11,19 @@ column), one per stream that ran traced transfers, and ``exposed communication``
 counter), ``signal`` (a stream wrote a peer's flag, at its copy's end). The grouped GEMM
 (``wait tokens of rank q``, then its tile; reduce mode: its tiles, then ``notify every
 rank``), ``MoERS``'s finish (``wait contributions of every rank``, then its tiles), the
-attention forward (per query block and K/V chunk: ``wait chunk of rank q``, then ``block b
-chunk q``), the split decode (``split s (seq b, kv head h)``, ``combine (...)``, ``push
-(...)``: a ``copy`` span, the SM stores into the merging ranks) and the decode merge
-(``wait partials of rank q``, then ``merge rank q``) and the expert-parallel all-to-all
-(``wait data of rank q`` / ``wait slot of rank q``, then ``push ...``: ``copy`` spans of
-SM stores into peers, or local ``expand`` / ``layout`` / ``sum`` work) and its
-low-latency mode (``push ...``, ``wait rows of rank q`` / ``wait arrival of rank q``,
-``receive rows ...`` / ``sum token t``) use the same categories.
+attention forward and dQ (per query block and K/V chunk: ``wait chunk of rank q``, then
+``block b chunk q``), dK/dV (``wait chunk of rank q``, ``dK/dV block j chunk q``, ``push
+dK/dV to rank q``: a ``copy`` span, then ``notify rank q``) and its reduction (``wait
+partials of rank q``, then ``add rank q``), the ``signal_reorder`` GEMM (``tile g``, then
+``notify group i``: its wave group's counter, which the comm stream's ``wait group i``
+waits for before the group's collective, a ``copy`` span), the split decode (``split s
+(seq b, kv head h)``, ``combine (...)``, ``push (...)``: a ``copy`` span, the SM stores
+into the merging ranks) and the decode merge (``wait partials of rank q``, then ``merge
+rank q``) and the expert-parallel all-to-all (``wait data of rank q`` / ``wait slot of
+rank q``, then ``push ...``: ``copy`` spans of SM stores into peers, or local ``expand`` /
+``layout`` / ``sum`` work) and its low-latency mode (``push ...``, ``wait rows of rank
+q`` / ``wait arrival of rank q``, ``receive rows ...`` / ``sum token t``) use the same
+categories.
 """
 
 from __future__ import annotations
@@ -198,8 +203,10 @@ def _decode_block(info: dict, rows: list, rank: int, shift: int, index: int, col
             continue
         tid = col * grid + p  # the program's track: a 2-D grid's programs column by column
         args = dict(launch=index, kernel=name, program=tid)
-        if layout == "steps":
-            args.update(column=col, block=grid - 1 - p)
+        if layout == "steps":  # (the forward and dQ run their query blocks last first)
+            args.update(column=col)
+            if "slots" not in info:
+                args.update(block=grid - 1 - p)
         if end[1]:
             spans.append(Span(rank, tid, f"{name} program {tid}", "program", t(start), t(end),
                               args))  # fmt: skip
@@ -414,6 +421,89 @@ def _step_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
     return spans, [], cursor
 
 
+def _dkdv_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+    """Step ``j`` of a dK/dV program (one per (chunk, key block), batch x kv head): step 0
+    its wait for the chunk's K/V (a peer's chunk) and the key block's dK / dV; step 1 the
+    push of the partial into the chunk owner's receive buffer (SM stores into its memory:
+    a ``copy`` span, ``args.peers``; the owner's own, a ``store``) and the owner's counter
+    raised (a notify); tile ids number (program, step)."""
+    spans, instants = [], []
+    tile = tid * 2 + j
+    step = dict(args, tile=tile, step=j)
+    if wb[1] and we[1]:
+        c = we[2]
+        spans.append(Span(
+            rank, tid, f"wait chunk of rank {c}", "wait", t(wb), t(we),
+            dict(step, chunk=c, peer=c, peers=[c], token=we[3], what=f"rank {c}'s K/V"),
+        ))  # fmt: skip
+        cursor = max(cursor, t(we))
+    if te[1]:
+        c = te[2]
+        cat = "compute"
+        if j == 0:
+            name, extra = f"dK/dV block {te[3]} chunk {c}", dict(key_block=te[3])
+        else:  # te[3]: the rows pushed (dK and dV)
+            nbytes = 2 * te[3] * info["d"] * info["itemsize"]
+            name, extra = "store dK/dV (own chunk)", dict(rows=te[3], bytes=nbytes)
+            if c != rank:
+                name, cat = f"push dK/dV to rank {c}", "copy"
+                extra.update(peer=c, peers=[c])
+        spans.append(Span(rank, tid, name, cat, cursor, t(te), dict(step, chunk=c, **extra)))
+        cursor = t(te)
+    if nt[1]:
+        dest = nt[2]
+        instants.append(Instant(rank, tid, f"notify rank {dest}", "notify", t(nt),
+                                dict(step, dest=dest, rows=nt[3],
+                                     what="dK/dV partial rows")))  # fmt: skip
+    return spans, instants, cursor
+
+
+def _attn_reduce_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+    """Step ``j`` of a program of the attention backward's reduction: its wait for the
+    dK/dV partials of source rank ``q`` (its counter reaching every row; this rank's own
+    first), then their sum into the program's rows."""
+    spans = []
+    rows = [tid * info["block_r"], min(info["rows"], (tid + 1) * info["block_r"])]
+    step = dict(args, tile=tid * info["world"] + j, step=j)
+    if wb[1] and we[1]:
+        q = we[2]
+        spans.append(Span(
+            rank, tid, f"wait partials of rank {q}", "wait", t(wb), t(we),
+            dict(step, peer=q, peers=[q], token=we[3], what=f"rank {q}'s dK/dV partials"),
+        ))  # fmt: skip
+        cursor = max(cursor, t(we))
+    if te[1]:
+        q = te[2]
+        spans.append(Span(rank, tid, f"add rank {q}", "compute", cursor, t(te),
+                          dict(step, src=q, rows=rows)))  # fmt: skip
+        cursor = t(te)
+    return spans, [], cursor
+
+
+def _signal_gemm_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+    """Tile ``g`` of the ``signal_reorder`` GEMM (program ``g % grid``): its main loop
+    (``args.group``: its wave group, ``args.row_tile`` / ``col_tile``), then its group's
+    counter raised (a notify to this rank's comm stream; with the TMA stores a tile is
+    counted after the next tile's main loop, unless it is the program's last of its
+    group)."""
+    spans, instants = [], []
+    if te[1]:
+        tiles_m, tiles_n, group_m = info["tiles_m"], info["tiles_n"], info["group_m"]
+        per = group_m * tiles_n  # (the grouped tile order, ``kernels.gemm._tile_coords``)
+        first = (g // per) * group_m
+        col = (g % per) // min(tiles_m - first, group_m)
+        spans.append(Span(
+            rank, tid, f"tile {g}", "compute", cursor, t(te),
+            dict(args, tile=g, group=te[2], row_tile=te[3], col_tile=col),
+        ))  # fmt: skip
+        cursor = t(te)
+    if nt[1]:
+        instants.append(Instant(rank, tid, f"notify group {nt[2]}", "notify", t(nt),
+                                dict(args, tile=g, group=nt[2], dest=rank,
+                                     what="wave-group counter")))  # fmt: skip
+    return spans, instants, cursor
+
+
 #: expert-parallel all-to-all kernels: what a step's wait waits for (``data``: rows or
 #: routing a peer pushes in this call; ``slot``: a peer freeing the slot written next)
 _EP_WAITS = {
@@ -573,7 +663,8 @@ def _ep_ll_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
 _TILE_DECODERS = {
     "segments": _segment_slots, "tiles": _tile_slots, "steps": _step_slots,
     "finish": _finish_slots, "split_decode": _split_decode_slots, "merge": _merge_slots,
-    "ep": _ep_slots, "ep_ll": _ep_ll_slots,
+    "ep": _ep_slots, "ep_ll": _ep_ll_slots, "dkdv": _dkdv_slots,
+    "attn_reduce": _attn_reduce_slots, "signal_gemm": _signal_gemm_slots,
 }  # fmt: skip
 
 
@@ -623,7 +714,9 @@ def build_trace(everyone: list[dict], label: str = "", meta=None, shared: str | 
             tid = TID_STREAM + names.index(track)
             tracks[(r, tid)] = track
             peer = m.get("peer")
-            name = f"copy to rank {peer}" if kind == "copy" else kind.replace("_", " ")
+            name = m.get("name") or (
+                f"copy to rank {peer}" if kind == "copy" else kind.replace("_", " ")
+            )
             spans.append(Span(r, tid, name, kind, t0 - shift, t1 - shift, dict(m)))
             if kind == "copy" and m.get("signal_slot") is not None:
                 instants.append(Instant(r, tid, f"signal rank {peer}", "signal", t1 - shift,

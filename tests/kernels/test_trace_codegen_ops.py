@@ -1,16 +1,18 @@
 """Tracing off costs nothing in ``AGMoE``'s grouped GEMM (``moe_gemm_kernel``, gather mode),
-``SPAttention``'s forward (``sp_attn_fwd_kernel``), ``MoERS``'s kernels (the grouped GEMM in
-reduce mode, ``moe_finish_kernel``), ``FlashDecode``'s (``split_decode_kernel``,
-``merge_kernel``), ``EPAllToAll``'s (``kernels.ep``: route, send, layout, expand,
-combine send and receive) and ``EPLowLatency``'s (``kernels.ep_low_latency``: dispatch,
-bf16 and FP8, and combine, both protocols): compiled with ``TRACE`` off, each is the kernel
+``SPAttention``'s forward (``sp_attn_fwd_kernel``) and backward (dK/dV, dQ, the reduction),
+``MoERS``'s kernels (the grouped GEMM in reduce mode, ``moe_finish_kernel``),
+``FlashDecode``'s (``split_decode_kernel``, ``merge_kernel``), ``EPAllToAll``'s
+(``kernels.ep``: route, send, layout, expand, combine send and receive),
+``EPLowLatency``'s (``kernels.ep_low_latency``: dispatch, bf16 and FP8, and combine, both
+protocols) and the ``signal_reorder`` GEMM (``signal_gemm_kernel``: TMA stores counted per
+warp, plain stores released per thread): compiled with ``TRACE`` off, each is the kernel
 without its trace hooks,
 instruction for instruction (PTX for Hopper, no GPU needed), and with ``TRACE`` on it reads
 the timer more often than its waits alone.
 
 As in ``test_trace_codegen.py``, the kernel without hooks is rebuilt from the module's own
-source (the hooks removed by ``language.trace``'s conventions; the attention module's own
-``trace_step`` helper removed whole)."""
+source (the hooks removed by ``language.trace``'s conventions; the hook helpers of the
+attention and signal-GEMM modules, ``trace_step`` and ``trace_count``, removed whole)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import interlace.kernels.decode as decode_module
 import interlace.kernels.ep as ep_module
 import interlace.kernels.ep_low_latency as ep_ll_module
 import interlace.kernels.grouped_gemm as grouped_module
+import interlace.kernels.signal_gemm as signal_module
 from interlace.testing.codegen import compile_for_hopper, cuda_compile_unavailable
 from tests.kernels.test_trace_codegen import strip_hooks
 
@@ -117,6 +120,72 @@ def _attn(kernel, variant: str, trace: bool) -> dict:
     )  # fmt: skip
     return _compile(kernel, sig, const, trace, ("q", "k", "v", "k_all", "v_all", "o"),
                     num_stages=3)  # fmt: skip
+
+
+def _attn_bwd(kernel, variant: str, trace: bool) -> dict:
+    """A backward kernel of ``SPAttention`` as ``launch_dkdv`` / ``launch_dq`` /
+    ``launch_reduce`` launch it on a GPU (d 128, ``GPU_CONFIGS``): ``full`` (dK/dV: packed
+    float16 exponentials, 3 stages), ``causal`` (dK/dV: float32 exponentials, 2 stages) or
+    ``varlen``."""
+    from interlace.ops.attention.sp_attention import REDUCE_BLOCK, config_of
+
+    i32, name = "i32", kernel.__name__
+    if name == "sp_attn_bwd_reduce_kernel":
+        sig = dict(recv=BF16, dk=BF16, dv=BF16, sig="*i32", err="i64")
+        for arg in ("rank", "max_spins", "dkv_slot", "n_rows", "expected"):
+            sig[arg] = i32
+        const = dict(D=128, WORLD=4, BLOCK=REDUCE_BLOCK)
+        return _compile(kernel, sig, const, trace, ("recv", "dk", "dv"), num_stages=3,
+                        num_warps=4)  # fmt: skip
+    kind = "dkdv" if name == "sp_attn_bwd_dkdv_kernel" else "dq"
+    causal = variant == "causal"
+    cfg = config_of(kind, 128, "cuda", causal)
+    sig = {}
+    for arg in kernel.arg_names:
+        if arg in ("TRACE", "tbuf"):
+            continue
+        if arg in ("q", "k", "v", "k_all", "v_all", "do", "recv", "dq"):
+            sig[arg] = BF16
+        elif arg in ("lse", "delta"):
+            sig[arg] = "*fp32"
+        elif arg in ("seg", "cu", "sig"):
+            sig[arg] = "*i32"
+        elif arg in ("recv_table", "sig_table"):
+            sig[arg] = "*i64"
+        elif arg in ("sm_scale", "qk_scale"):
+            sig[arg] = "fp32"
+        else:
+            sig[arg] = "i64" if arg == "err" else i32
+    const = dict(
+        D=128, WORLD=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+        VARLEN=variant == "varlen", WAIT=True, CLEAR=True, FAST_EXP=cfg.fast_exp,
+    )  # fmt: skip
+    const = {k: v for k, v in const.items() if k in kernel.arg_names}
+    for arg in const:
+        sig.pop(arg)
+    aligned = tuple(n for n in ("q", "k", "v", "k_all", "v_all", "do", "recv", "dq") if n in sig)
+    return _compile(kernel, sig, const, trace, aligned, num_stages=cfg.num_stages,
+                    num_warps=cfg.num_warps)  # fmt: skip
+
+
+def _signal(kernel, variant: str, trace: bool) -> dict:
+    """The ``signal_reorder`` GEMM as ``SignalReorderGemm.launch_gemm`` launches it on a GPU
+    (the default tile, bias added): ``ar`` (the all-reduce layout: TMA stores, each warp
+    counting), ``rs`` (four strips: plain stores, each thread releasing) or ``ar_plain``
+    (no TMA: rows of N not 16-byte aligned)."""
+    strips = 4 if variant == "rs" else 1
+    tma = variant != "ar_plain"
+    tma_store = tma and strips == 1
+    sig = dict(a=BF16, b=BF16, buf=BF16, bias=BF16, tile_map="*i32", counters="*i32")
+    for arg in ("M", "N", "K", "rows_per_rank", "world", "n_tiles"):
+        sig[arg] = "i32"
+    const = dict(
+        BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, STRIPS=strips, USE_TMA=tma,
+        HAS_BIAS=True, LANES=8 if tma_store else 256, SIGNAL=True, TMA_STORE=tma_store,
+        SUBTILE=False,
+    )  # fmt: skip
+    aligned = ("a", "b", "buf", "K", "rows_per_rank") + (("N",) if tma else ())
+    return _compile(kernel, sig, const, trace, aligned, num_stages=3)
 
 
 def _finish(kernel, variant: str, trace: bool) -> dict:
@@ -273,6 +342,9 @@ CASES = [
     ("ep_ll_dispatch", "flag_in_data"), ("ep_ll_dispatch", "token_flag"),
     ("ep_ll_dispatch", "fp8_flag_in_data"), ("ep_ll_dispatch", "fp8_token_flag"),
     ("ep_ll_combine", "flag_in_data"), ("ep_ll_combine", "token_flag"),
+    ("attn_dkdv", "full"), ("attn_dkdv", "causal"), ("attn_dkdv", "varlen"),
+    ("attn_dq", "causal"), ("attn_dq", "varlen"), ("attn_reduce", "w4"), ("signal", "ar"),
+    ("signal", "rs"), ("signal", "ar_plain"),
 ]  # fmt: skip
 #: case -> (its module in ``MODULES``, the kernel, how it is compiled)
 KERNELS = {
@@ -284,17 +356,22 @@ KERNELS = {
                                               "ep_expand", "ep_combine_send", "ep_combine_recv")},
     "ep_ll_dispatch": ("ep_ll", "ll_dispatch_kernel", _ep_ll),
     "ep_ll_combine": ("ep_ll", "ll_combine_kernel", _ep_ll),
+    "attn_dkdv": ("attn", "sp_attn_bwd_dkdv_kernel", _attn_bwd),
+    "attn_dq": ("attn", "sp_attn_bwd_dq_kernel", _attn_bwd),
+    "attn_reduce": ("attn", "sp_attn_bwd_reduce_kernel", _attn_bwd),
+    "signal": ("signal", "signal_gemm_kernel", _signal),
 }  # fmt: skip
 MODULES = {
     "moe": grouped_module, "attn": attention_module, "decode": decode_module, "ep": ep_module,
-    "ep_ll": ep_ll_module,
+    "ep_ll": ep_ll_module, "signal": signal_module,
 }  # fmt: skip
 
 
 def test_stripping_removes_only_hooks():
     """The stripped sources differ from the kernel sources in hook lines (and the hook
     helpers) only."""
-    for key, least in (("moe", 11), ("attn", 6), ("decode", 14), ("ep", 30), ("ep_ll", 17)):
+    for key, least in (("moe", 11), ("attn", 19), ("decode", 14), ("ep", 30), ("ep_ll", 17),
+                       ("signal", 6)):  # fmt: skip
         source = inspect.getsource(MODULES[key])
         stripped = _strip(source)
         hooks = [ln for ln in source.splitlines() if ln.strip().startswith("trace_")]
@@ -313,7 +390,8 @@ def test_trace_off_compiles_to_the_kernel_without_hooks(untraced, key, variant):
 
 
 @pytest.mark.parametrize(
-    "key, variant", [CASES[i] for i in (0, 2, 4, 6, 7, 10, 11, 12, 15, 19, 20, 23, 25)]
+    "key, variant",
+    [CASES[i] for i in (0, 2, 4, 6, 7, 10, 11, 12, 15, 19, 20, 23, 25, 26, 27, 29, 31, 32, 33)],
 )
 def test_trace_on_reads_the_timer(key, variant):
     module, name, build = KERNELS[key]
@@ -321,5 +399,5 @@ def test_trace_on_reads_the_timer(key, variant):
     on = build(kernel, variant, trace=True)
     off = build(kernel, variant, trace=False)
     assert on["ptx"].count("%globaltimer") > off["ptx"].count("%globaltimer"), (key, variant)
-    if key in ("moe", "attn"):
+    if key in ("moe", "attn", "attn_dkdv", "attn_dq", "signal"):
         assert "wgmma" in on["ptx"], "the traced kernel still uses Hopper's wgmma"

@@ -385,7 +385,7 @@ def test_signal_gemm_is_software_pipelined(strips):
                counters="*i32")  # fmt: skip
     consts = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, STRIPS=strips, USE_TMA=True,
                   HAS_BIAS=False, LANES=8 if tma_store else 256, SIGNAL=True,
-                  TMA_STORE=tma_store, SUBTILE=False)  # fmt: skip
+                  TMA_STORE=tma_store, SUBTILE=False, TRACE=False, tbuf=None)  # fmt: skip
     for name in consts:
         sig.pop(name)
     out = compile_for_hopper(kernel, sig, consts, aligned=("a", "b", "buf", "N", "K",

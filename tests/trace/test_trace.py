@@ -1,8 +1,10 @@
 """Traces of AG+GEMM and GEMM+RS (``fused``, ``ce_fused``), AGMoE, the SPAttention
-forward, MoERS (``fused``), FlashDecode (every rank merging, and one owner) and
-EPAllToAll's dispatch and combine recorded in
+forward and backward, MoERS (``fused``), FlashDecode (every rank merging, and one owner),
+EPAllToAll's dispatch and combine, EPLowLatency and the ``signal_reorder`` GEMM+AR /
+GEMM+RS recorded in
 the CPU emulation (W = 2) and, marked ``gpu``, in a world whose ranks share one GPU
-(W = 4): the traced call is still correct; the trace holds every tile of every program of
+(W = 4; ``signal_reorder``, whose collectives run on CUDA tensors: a GPU per rank, W = 2
+and 4): the traced call is still correct; the trace holds every tile of every program of
 every launch (and every program's start and end); each wait closes after the data it
 waits for began moving (the copy that feeds it; MoERS: every rank's GEMM tiles; the
 decode merge and the EP all-to-all: the peer's pushes), and before the work it guards;
@@ -722,3 +724,239 @@ def test_trace_of_ep_low_latency(world, protocol, fp8, tmp_path):
     assert s["op"]["comm_ms"]  # the pushes
     grids = max(ln["grid"] for ln in res["launches"][0])
     assert len(s["ranks"][0]["wait_ms_per_program"]) == grids
+
+
+# ---------------------------------------------------------------------- SPAttention backward
+ATTN_KERNELS = [hooks.ATTENTION_FWD, hooks.ATTENTION_DKDV, hooks.ATTENTION_DQ,
+                hooks.ATTENTION_REDUCE]  # fmt: skip
+#: steps per program of each attention kernel (``None``: one per rank)
+ATTN_STEPS = {hooks.ATTENTION_DKDV: 2}
+
+
+def _attn_bwd_trace_body(group, folder):
+    """A traced ``SPAttention`` forward and backward (causal zigzag, GQA 2 / 1, S_loc not a
+    multiple of the block; rank 0 starting both late), the gradients checked against
+    float32 autograd of the whole sequence; each call on fresh leaves."""
+    from tests.ops.test_sp_attention import _case
+
+    s_loc = 20
+    (q, k, v, do), refs, _ = _case(group, 23, 1, 2, 1, 64, s_loc, True, 0, torch.bfloat16)
+    ctx = interlace.ops.attention.SPAttention(group, 2, 1, 64, max_tokens=s_loc)
+
+    def run():
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        o = ctx(*leaves, causal=True)
+        if group.rank == 0:
+            time.sleep(LATE_S)
+        o.backward(do)
+        return o.detach(), [x.grad for x in leaves]
+
+    try:
+        (o, grads), trace, paths = _record(group, "sp_attention_bwd", _late(group, run),
+                                           folder, len(ATTN_KERNELS))  # fmt: skip
+        ctx.check()
+    finally:
+        ctx.close()
+    err = rel_err(o.cpu(), refs[0])
+    assert err < 1e-2, f"traced SPAttention forward: rel err {err:.2e}"
+    for name, g, ref in zip("qkv", grads, refs[1:]):
+        assert torch.isfinite(g).all(), f"traced SPAttention: d{name} not finite"
+        err = rel_err(g.cpu(), ref)
+        assert err < 2e-2, f"traced SPAttention: d{name} rel err {err:.2e}"
+    return _result(group, trace, paths)
+
+
+def _check_attn_bwd(res):
+    """Every launch's programs start and end, each step once inside its program (tile
+    ``p * steps + j``); each wait ends before the work it guards: dK/dV's and dQ's waits for
+    a peer's chunk before that step's compute, and after that peer's backward copies into
+    this rank began; the reduction's wait for source ``q`` before its sum, and after every
+    push (or own store) of ``q``'s partials into this rank ended. dK/dV: one push per
+    program, a ``copy`` into the chunk's owner for a peer's chunk, and one notify to that
+    owner after it."""
+    world, spans = res["world"], res["spans"]
+
+    def launch_spans(rank, kernel):
+        return [s for s in spans if s.rank == rank and s.args.get("kernel") == kernel]
+
+    fwd_end, pushes = {}, {}
+    for rank, launches in enumerate(res["launches"]):
+        assert [ln["kernel"] for ln in launches] == ATTN_KERNELS, launches
+        for index, launch in enumerate(launches):
+            mine = [s for s in spans if s.rank == rank and s.args.get("launch") == index]
+            programs = {s.tid: s for s in mine if s.cat == "program"}
+            assert sorted(programs) == list(range(launch["grid"])), (rank, index, programs)
+            work = [s for s in mine if s.cat in ("compute", "copy")]
+            got = sorted(s.args["tile"] for s in work)
+            assert got == list(range(launch["tiles"])) and got, (rank, index, got, launch)
+            steps = ATTN_STEPS.get(launch["kernel"], world)
+            assert launch["tiles"] == steps * launch["grid"], launch
+            for s in work:
+                assert s.args["tile"] // steps == s.tid, s
+                prog = programs[s.tid]
+                assert prog.t0 <= s.t0 <= s.t1 <= prog.t1, s
+        fwd_end[rank] = max(s.t1 for s in launch_spans(rank, hooks.ATTENTION_FWD)
+                            if s.cat == "program")  # fmt: skip
+        dkdv = launch_spans(rank, hooks.ATTENTION_DKDV)
+        pushes[rank] = [s for s in dkdv if s.args.get("step") == 1]
+        assert len(pushes[rank]) == res["launches"][rank][1]["grid"], pushes[rank]
+        notes = [i for i in res["instants"] if i.rank == rank
+                 and i.args.get("kernel") == hooks.ATTENTION_DKDV]  # fmt: skip
+        assert len(notes) == len(pushes[rank]), notes
+        for p in pushes[rank]:
+            c = p.args["chunk"]
+            assert (p.cat == "copy") == (c != rank) and p.args["rows"] > 0, p
+            if c != rank:
+                assert p.args["peers"] == [c], p
+            (note,) = [i for i in notes if i.tid == p.tid]
+            assert note.args["dest"] == c and note.t >= p.t1, (note, p)
+    counted = {hooks.ATTENTION_DKDV: 0, hooks.ATTENTION_DQ: 0, hooks.ATTENTION_REDUCE: 0}
+    for w in (s for s in spans if s.cat == "wait"):
+        kernel, rank = w.args["kernel"], w.rank
+        assert w.t1 >= w.t0, w
+        guarded = [
+            s
+            for s in spans
+            if s.rank == rank
+            and s.tid == w.tid
+            and s.cat == "compute"
+            and s.args["launch"] == w.args["launch"]
+            and s.args["tile"] == w.args["tile"]
+        ]
+        assert len(guarded) == 1 and guarded[0].t0 >= w.t1, (w, guarded)  # fmt: skip
+        q = w.args["peer"]
+        if kernel == hooks.ATTENTION_FWD:
+            continue
+        counted[kernel] += 1
+        if kernel == hooks.ATTENTION_REDUCE:
+            feed = [p for p in pushes[q] if p.args["chunk"] == rank]
+            assert feed, (w, q)
+            assert w.t1 >= max(p.t1 for p in feed) - _tol(res, q, rank), (w, feed)
+            continue
+        assert q != rank, w
+        copies = [s for s in spans if s.rank == q and s.cat == "copy" and "tile" not in s.args
+                  and s.args.get("peer") == rank
+                  and s.t0 >= fwd_end[q] - _tol(res, q, q)]  # the backward's  # fmt: skip
+        assert copies, (w, q)
+        assert w.t1 >= min(s.t0 for s in copies) - _tol(res, q, rank), (w, copies)
+    grids = {ln["kernel"]: ln["grid"] for ln in res["launches"][0]}
+    # dK/dV: the programs of peers' chunks (W - 1 of W); dQ: W - 1 per program; the
+    # reduction: W per program
+    assert (
+        counted[hooks.ATTENTION_DKDV] == world * grids[hooks.ATTENTION_DKDV] * (world - 1) // world
+    )
+    assert counted[hooks.ATTENTION_DQ] == world * grids[hooks.ATTENTION_DQ] * (world - 1)
+    assert counted[hooks.ATTENTION_REDUCE] == world * grids[hooks.ATTENTION_REDUCE] * world
+
+
+@pytest.mark.parametrize("world", WORLDS, indirect=True)
+def test_trace_of_attention_backward(world, tmp_path):
+    pytest.importorskip("matplotlib", reason="the PNG check needs matplotlib")
+    (res, *_) = world.run(_attn_bwd_trace_body, str(tmp_path))
+    _check_attn_bwd(res)
+    _check_files(res)
+    s = res["summary"]
+    assert s["op"]["comm_ms"] and s["op"]["wait_ms_max"] > 0  # the copies and pushes
+    grids = max(ln["grid"] for ln in res["launches"][0])
+    assert len(s["ranks"][0]["wait_ms_per_program"]) == grids
+
+
+# ---------------------------------------------------------------------- signal_reorder
+#: the process group's collectives move CUDA tensors: a GPU per rank (``own_gpu``)
+SR_WORLDS = [
+    pytest.param(("cpu", 2), id="cpu2"),
+    pytest.param(("cuda", 2), id="cuda2", marks=pytest.mark.gpu),
+    pytest.param(("cuda", 4), id="cuda4", marks=pytest.mark.gpu),
+]
+
+
+def _signal_reorder_trace_body(group, folder, op):
+    """A traced ``signal_reorder`` GEMM+AR (``ar``: wave groups of 2 and 1 waves, so that
+    a program's tile is counted after its next tile's main loop) or GEMM+RS (``rs``: the
+    default partition), ragged rows, a bias, the output poisoned, checked against float32;
+    each call with other inputs. On a GPU the GEMM leaves most SMs free (few programs, so
+    that the shape has several waves)."""
+    from interlace.ops.signal_reorder import SignalReorderGemmAR, SignalReorderGemmRS
+    from tests.ops.test_signal_reorder import _gpu_programs_kw, _reference
+
+    w, dev, dtype = group.world_size, group.device, torch.bfloat16
+    m_loc, n, k = (300, 520, 264) if group.backend == "cuda" else (37, 40, 32)
+    cls = SignalReorderGemmAR if op == "ar" else SignalReorderGemmRS
+    ctx = cls(group, max_m=w * m_loc, n=n, k=k, dtype=dtype, **_gpu_programs_kw(group))
+    gen = torch.Generator().manual_seed(29 + group.rank)
+    bias = rand(torch.Generator().manual_seed(2), n, dtype=dtype, device=dev)
+    waves = ctx.waves(w * m_loc, n)
+    assert waves >= 3, waves
+    partition = [2, waves - 2] if op == "ar" else None
+    calls = []
+
+    def run():
+        a = rand(gen, w * m_loc, k, dtype=dtype, device=dev)
+        b = rand(gen, k, n, dtype=dtype, device=dev, scale=0.2)
+        out = nans(*ctx.out_shape(w * m_loc, n), dtype=dtype, device=dev)
+        calls.append((a, b))
+        return ctx(a, b, bias=bias, out=out, partition=partition)
+
+    try:
+        y, trace, paths = _record(group, f"signal_reorder_{op}", run, folder)
+        plan = ctx.plan(w * m_loc, n, partition)
+        groups = [list(g) for g in plan.groups]
+        ctx.check()
+    finally:
+        ctx.close()
+    a, b = calls[1]
+    err = rel_err(y, _reference(group, op, a, b, bias))
+    assert err < 1e-2, f"traced signal_reorder {op}: rel err {err:.2e}"
+    assert len(groups) > 1, groups
+    return dict(_result(group, trace, paths), groups=groups)
+
+
+def _check_signal_reorder(res):
+    """The GEMM's programs start and end, every tile once inside its program (tile ``g`` on
+    program ``g % grid``), each tile's group counter raised once (a notify of its group,
+    after its main loop); per wave group one wait on the comm stream (the host in the
+    emulation), ending after every tile of the group ended, then the group's collective
+    (a ``copy``) after the wait, in group order."""
+    groups = res["groups"]
+    group_of = {g: i for i, (first, count) in enumerate(groups)
+                for g in range(first, first + count)}  # fmt: skip
+    clock = res["clock"]
+    for rank, launches in enumerate(res["launches"]):
+        assert [ln["kernel"] for ln in launches] == [hooks.SIGNAL_GEMM], launches
+        _, tiles = _check_launch(res, rank, 0, launches[0])
+        by_tile = {s.args["tile"]: s for s in tiles}
+        for g, s in by_tile.items():
+            assert s.args["group"] == group_of[g], s
+        notes = [i for i in res["instants"] if i.rank == rank and i.cat == "notify"]
+        assert sorted(i.args["tile"] for i in notes) == sorted(by_tile), notes
+        for i in notes:
+            tile = by_tile[i.args["tile"]]
+            assert i.args["group"] == group_of[tile.args["tile"]] and i.t >= tile.t1, (i, tile)
+            assert i.tid == tile.tid, (i, tile)
+        stream = sorted((s for s in res["spans"] if s.rank == rank
+                         and s.cat in ("chunk_wait", "copy") and "tile" not in s.args),
+                        key=lambda s: s.t0)  # fmt: skip
+        assert [(s.cat, s.args["group"]) for s in stream] == [
+            (cat, i) for i in range(len(groups)) for cat in ("chunk_wait", "copy")
+        ], stream  # fmt: skip
+        tol = clock["stream_uncertainty_ns"][rank]
+        for wait, coll in zip(stream[::2], stream[1::2]):
+            i = wait.args["group"]
+            assert wait.name == f"wait group {i}" and wait.t1 >= wait.t0, wait
+            ends = [s.t1 for g, s in by_tile.items() if group_of[g] == i]
+            assert wait.t1 >= max(ends) - tol, (wait, ends)
+            assert coll.t0 >= wait.t1 and coll.args["bytes"] > 0, (wait, coll)
+            assert coll.args["tiles"] == groups[i][1], coll
+
+
+@pytest.mark.own_gpu  # the process group's collectives on CUDA tensors
+@pytest.mark.parametrize("world", SR_WORLDS, indirect=True)
+@pytest.mark.parametrize("op", ["ar", "rs"])
+def test_trace_of_signal_reorder(world, op, tmp_path):
+    pytest.importorskip("matplotlib", reason="the PNG check needs matplotlib")
+    (res, *_) = world.run(_signal_reorder_trace_body, str(tmp_path), op)
+    _check_signal_reorder(res)
+    _check_files(res)
+    s = res["summary"]
+    assert s["op"]["comm_ms"] and s["op"]["overlap_ratio"] is not None  # the collectives
+    assert len(s["ranks"][0]["wait_ms_per_program"]) == res["launches"][0][0]["grid"]

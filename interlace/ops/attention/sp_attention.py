@@ -232,36 +232,72 @@ def launch_delta(a: KernelArgs, o, do, delta) -> None:
     )
 
 
+def _traced(a: KernelArgs, kernel: str, grid_m: int, columns: int, steps: int,
+            **info) -> dict:  # fmt: skip
+    """``TRACE`` and a trace buffer for a launch of ``kernel`` on a ``(grid_m, columns)``
+    grid of ``steps`` steps per program where a recorder is in force
+    (``interlace.trace.record``); else nothing (an untraced launch)."""
+    if not _trace.ACTIVE:
+        return {}
+    info = dict(
+        info, kernel=kernel, layout="steps", grid=grid_m * columns, grid_m=grid_m,
+        rank=a.rank, world=a.world, S_loc=a.s_loc, d=a.d, causal=a.causal,
+    )  # fmt: skip
+    tbuf = _trace.buffer(grid_m, steps, info, columns=columns)
+    return {} if tbuf is None else dict(TRACE=True, tbuf=tbuf)
+
+
 def launch_dkdv(a: KernelArgs, q, k, v, k_all, v_all, do, lse, delta, recv, recv_table,
                 sig_table, arrival: int, dkv_slot: int, wait: bool,
                 cfg: AttnConfig | None = None) -> None:  # fmt: skip
-    """The dK/dV kernel: partials of every chunk into its owner's ``recv`` slot ``rank``."""
+    """The dK/dV kernel: partials of every chunk into its owner's ``recv`` slot ``rank``;
+    traced where a recorder is in force (two steps per program: its key block, then the
+    push to the chunk's owner)."""
     cfg = cfg or config_of("dkdv", a.d, a.backend, a.causal)
     bkv = k.shape[0] * k.shape[1]
     n_kb = cdiv(a.s_loc, cfg.block_n)
+    traced = _traced(
+        a, _trace.ATTENTION_DKDV, n_kb * a.world, bkv, 2, slots="dkdv",
+        n_tiles=2 * n_kb * a.world * bkv, key_blocks=n_kb, block_n=cfg.block_n,
+        itemsize=recv.element_size(),
+    )  # fmt: skip
     K.sp_attn_bwd_dkdv_kernel[(n_kb * a.world, bkv)](
         q, k, v, k_all, v_all, do, lse, delta, recv, recv_table, a.seg, a.cu, a.sig,
         sig_table, a.err, a.rank, a.max_spins, arrival, dkv_slot, a.sm_scale,
-        a.sm_scale * K.LOG2E, a.s_loc, a.half, n_kb, WAIT=wait, **_common(a, cfg),
+        a.sm_scale * K.LOG2E, a.s_loc, a.half, n_kb, WAIT=wait, **_common(a, cfg), **traced,
     )  # fmt: skip
 
 
 def launch_dq(a: KernelArgs, q, k, v, k_all, v_all, do, lse, delta, dq, arrival: int,
               wait: bool, clear: bool, cfg: AttnConfig | None = None) -> None:  # fmt: skip
+    """The dQ kernel; traced as the forward where a recorder is in force (one step per
+    K/V chunk)."""
     cfg = cfg or config_of("dq", a.d, a.backend, a.causal)
     bh = q.shape[0] * q.shape[1]
-    K.sp_attn_bwd_dq_kernel[(cdiv(a.s_loc, cfg.block_m), bh)](
+    grid_m = cdiv(a.s_loc, cfg.block_m)
+    traced = _traced(
+        a, _trace.ATTENTION_DQ, grid_m, bh, a.world, batch_heads=bh, block_m=cfg.block_m,
+        block_n=cfg.block_n,
+    )  # fmt: skip
+    K.sp_attn_bwd_dq_kernel[(grid_m, bh)](
         q, k, v, k_all, v_all, do, lse, delta, dq, a.seg, a.cu, a.sig, a.err, a.rank,
         a.max_spins, arrival, a.sm_scale, a.sm_scale * K.LOG2E, a.s_loc, a.half, WAIT=wait,
-        CLEAR=clear, **_common(a, cfg),
+        CLEAR=clear, **_common(a, cfg), **traced,
     )  # fmt: skip
 
 
 def launch_reduce(a: KernelArgs, recv, dk, dv, dkv_slot: int, n_rows: int) -> None:
+    """The owner's sum of every source's dK/dV partials; traced where a recorder is in
+    force (one step per source)."""
     block = REDUCE_BLOCK if a.backend == "cuda" else 16
-    K.sp_attn_bwd_reduce_kernel[(cdiv(n_rows, block),)](
+    grid = cdiv(n_rows, block)
+    traced = _traced(
+        a, _trace.ATTENTION_REDUCE, grid, 1, a.world, slots="attn_reduce",
+        n_tiles=grid * a.world, rows=n_rows, block_r=block,
+    )  # fmt: skip
+    K.sp_attn_bwd_reduce_kernel[(grid,)](
         recv, dk, dv, a.sig, a.err, a.rank, a.max_spins, dkv_slot, n_rows, n_rows,
-        D=a.d, WORLD=a.world, BLOCK=block, num_warps=4,
+        D=a.d, WORLD=a.world, BLOCK=block, num_warps=4, **traced,
     )  # fmt: skip
 
 
