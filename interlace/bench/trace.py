@@ -26,7 +26,15 @@ then prints the summary. OP and its ``--shape`` fields:
   (the experts left out: their output is their input);
 * ``ep_low_latency``: ``tokens,hidden,experts,topk`` as ``ep_dispatch``, for
   ``EPLowLatency`` (``tokens / W`` at most 256); ``--strategy`` names its protocol
-  (``flag_in_data``, ``token_flag``; the default: ``auto``).
+  (``flag_in_data``, ``token_flag``; the default: ``auto``);
+* ``all_gather``, ``reduce_scatter``, ``all_reduce``: ``numel``, the elements in all (the
+  gathered result, each rank's reduce-scatter input, the all-reduced tensor);
+  ``--strategy`` names the method (the default: the context's); the copy engine's
+  transfers and their flags are what these record (the load-based methods run one kernel
+  with no per-tile events);
+* ``p2p_ring``: ``M,N,K`` as ``ag_gemm`` / ``gemm_rs``, for ``P2PRing`` with the ``symm``
+  transport; ``--strategy`` names the ring op (``ag_gemm`` or ``gemm_rs``, the default);
+  its transfers are what it records.
 
 ``python -m interlace bench trace [--quick]``: on a GPU, the overhead of tracing: the
 per-rank kernel of AG+GEMM ``fused`` and GEMM+RS ``ce_fused`` as rank 0 of 4 with its
@@ -51,7 +59,8 @@ DEFAULT_OUT = "benchmarks/results"
 OPS = {
     "ag_gemm": "AGGemm", "gemm_rs": "GemmRS", "gemm_ar": "GemmAR", "ag_moe": "AGMoE",
     "sp_attention": "SPAttention", "moe_rs": "MoERS", "flash_decode": "FlashDecode",
-    "ep_dispatch": "EPAllToAll", "ep_low_latency": "EPLowLatency",
+    "ep_dispatch": "EPAllToAll", "ep_low_latency": "EPLowLatency", "all_gather": "AllGather",
+    "reduce_scatter": "ReduceScatter", "all_reduce": "AllReduce", "p2p_ring": "P2PRing",
 }  # fmt: skip
 
 
@@ -73,6 +82,9 @@ _MOE = ShapeSpec(
     ("tokens", "hidden", "inter", "experts", "topk"), "tokens",
     lambda w: (w * 11, 32, 16, 4, 2), lambda w: (w * 2048, 2048, 384, 32, 2),
 )  # fmt: skip
+#: the collectives: ``numel`` elements in all (all-gather: the gathered result; reduce-
+#: scatter: each rank's input; all-reduce: the tensor), split over the ranks
+_NUMEL = ShapeSpec(("numel",), "numel", lambda w: (w * 96,), lambda w: (w * (1 << 24),))
 SHAPES = {
     "ag_gemm": _GEMM, "gemm_rs": _GEMM, "gemm_ar": _GEMM, "ag_moe": _MOE, "moe_rs": _MOE,
     "sp_attention": ShapeSpec(
@@ -91,6 +103,7 @@ SHAPES = {
         ("tokens", "hidden", "experts", "topk"), "tokens",
         lambda w: (w * 7, 48, 2 * w, 2), lambda w: (w * 128, 7168, 256, 8),
     ),
+    "all_gather": _NUMEL, "reduce_scatter": _NUMEL, "all_reduce": _NUMEL, "p2p_ring": _GEMM,
 }  # fmt: skip
 
 
@@ -157,6 +170,25 @@ def _op_call(group, op, strategy, shape, causal):
             return ctx.combine(handle.recv_x, handle)
 
         return ctx, dispatch_combine
+    if op in ("all_gather", "reduce_scatter", "all_reduce"):
+        (numel,) = shape
+        method = {} if strategy == "fused" else {"method": strategy}  # ``fused``: the default
+        cls = getattr(interlace, OPS[op])
+        per_rank = numel if op == "all_reduce" else numel // w
+        ctx = cls(group, max_numel=per_rank, dtype=dtype, **method)
+        x = torch.randn(per_rank if op == "all_gather" else numel, device=dev).to(dtype)
+        return ctx, lambda: ctx(x)
+    if op == "p2p_ring":  # ``strategy`` names the ring op (``fused``: gemm_rs)
+        m, n, k = shape
+        ring_op = "gemm_rs" if strategy == "fused" else strategy
+        if ring_op not in ("ag_gemm", "gemm_rs"):
+            raise SystemExit(f"trace p2p_ring: --strategy must be ag_gemm or gemm_rs, got "
+                             f"{strategy!r}")  # fmt: skip
+        ctx = interlace.P2PRing(group, dtype, transport="symm")  # its copies are recorded
+        rows = m // w if ring_op == "ag_gemm" else m
+        a = torch.randn(rows, k, device=dev).to(dtype)
+        b = (torch.randn(k, n, device=dev) / math.sqrt(k)).to(dtype)
+        return ctx, lambda: getattr(ctx, ring_op)(a, b)
     if op == "flash_decode":
         batch, heads, length, d, kv_heads = shape
         ctx = interlace.FlashDecode(group, batch, heads, kv_heads, d, strategy=strategy)
@@ -451,11 +483,13 @@ def main(argv: list[str] | None = None) -> int:
                         "tokens,hidden,inter,experts,topk (ag_moe, moe_rs); "
                         "batch,heads,S,d[,kv_heads] (sp_attention); batch,heads,L,d[,kv_heads] "
                         "(flash_decode); tokens,hidden,experts,topk (ep_dispatch, "
-                        "ep_low_latency); see above")  # fmt: skip
+                        "ep_low_latency); numel (all_gather, reduce_scatter, all_reduce); "
+                        "M,N,K (p2p_ring); see above")  # fmt: skip
     p.add_argument("--causal", action="store_true", help="sp_attention: causal (zigzag)")
     p.add_argument("--strategy", default="fused",
                    help="the op's strategy (gemm_rs, gemm_ar: signal_reorder too); "
-                        "ep_low_latency: its protocol")  # fmt: skip
+                        "ep_low_latency: its protocol; the collectives: their method; "
+                        "p2p_ring: its op, ag_gemm or gemm_rs")  # fmt: skip
     p.add_argument("--world-size", type=int, default=None, help="ranks (default: GPUs, >= 2)")
     p.add_argument("--calls", type=int, default=1, help="traced calls")
     p.add_argument("--warmup", type=int, default=2, help="untraced calls first")

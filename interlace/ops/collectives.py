@@ -35,9 +35,10 @@ from ..kernels.collective import (
     reduce_arrivals_kernel,
     reduce_pull_kernel,
 )
-from ..runtime import Group, copy_and_signal, fork, join, symm_empty, use_stream
+from ..runtime import Group, fork, join, symm_empty, use_stream
 from ._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext, cdiv, persistent_grid
 from ._launch import PreparedLaunch, launch
+from ._trace import copy_and_signal  # recorded as a copy where a recorder is in force
 
 COPY_BLOCK = 4096
 REDUCE_BLOCK = 2048

@@ -5,8 +5,9 @@ While a recorder is in force (``ops._trace.ACTIVE``) every segment-GEMM launch o
 process, and every launch of the MoE grouped GEMM (``AGMoE``, ``MoERS``), ``MoERS``'s finish
 kernel, ``SPAttention``'s forward and backward kernels, the ``signal_reorder`` GEMM,
 ``FlashDecode``'s decode and merge kernels, ``EPAllToAll``'s dispatch and combine kernels
-and ``EPLowLatency``'s, is made with ``TRACE`` on into a fresh buffer (``language.trace`` describes its layout,
-``ops._trace.LAYOUTS`` how each kernel fills it, ``model`` how its slots read), every
+and ``EPLowLatency``'s, is made with ``TRACE`` on into a fresh buffer (``language.trace``
+describes its layout, ``ops._trace.LAYOUTS`` how each kernel fills it, ``model`` how its
+slots read), every
 traced copy-engine transfer and chunk wait is bracketed by CUDA events on its stream (host
 clock readings on the CPU backend), and eager calls skip their CUDA-graph replays (each
 call runs its own launches). Calls captured in a CUDA graph are not traced.

@@ -960,3 +960,41 @@ def test_trace_of_signal_reorder(world, op, tmp_path):
     s = res["summary"]
     assert s["op"]["comm_ms"] and s["op"]["overlap_ratio"] is not None  # the collectives
     assert len(s["ranks"][0]["wait_ms_per_program"]) == res["launches"][0][0]["grid"]
+
+
+# ------------------------------------------------------- collectives and P2PRing (CLI)
+#: (op, strategy as the CLI takes it, copies per rank and call: a function of W)
+COPY_CASES = [
+    pytest.param("all_gather", "fused", lambda w: w - 1, id="all_gather"),  # a push per peer
+    pytest.param("reduce_scatter", "fused", lambda w: w - 1, id="reduce_scatter"),  # per peer
+    pytest.param("p2p_ring", "gemm_rs", lambda w: w - 1, id="ring_gemm_rs"),  # per ring step
+    pytest.param("p2p_ring", "ag_gemm", lambda w: w - 1, id="ring_ag_gemm"),  # per ring step
+]
+
+
+@pytest.mark.parametrize("world", WORLDS[:1], indirect=True)
+@pytest.mark.parametrize(
+    "op, strategy, copies", COPY_CASES, ids=lambda c: getattr(c, "__name__", c)
+)
+def test_trace_of_copy_engine_ops(world, op, strategy, copies, tmp_path):
+    """``trace all_gather / reduce_scatter / p2p_ring`` (the CLI's body, W 2 in the CPU
+    emulation): every rank's copies to every peer are in the trace as ``copy`` spans, the
+    summary counts them and their time, and the Chrome JSON is well-formed."""
+    from interlace.bench.trace import SHAPES, trace_body
+
+    w = world.world_size
+    shape = SHAPES[op].cpu(w)
+    prefix = str(tmp_path / op)
+    res = world.run(trace_body, op, strategy, shape, 1, 1, prefix, op, {})[0]
+    ranks = res["summary"]["ranks"]
+    assert len(ranks) == w
+    for r in ranks:
+        assert r["copies"] >= copies(w), (op, r)
+        assert r["comm_ms"] > 0 and r["bytes_copied"] > 0, (op, r)
+    with open(res["paths"]["json"]) as f:
+        events = json.load(f)["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X" and e["cat"] == "copy"]
+    peers = {(e["pid"], e["args"]["peer"]) for e in spans}
+    assert peers == {(r, q) for r in range(w) for q in range(w) if q != r}, peers
+    for e in events:
+        assert {"ph", "pid", "tid"} <= set(e) and (e["ph"] == "M" or {"ts", "dur"} <= set(e))

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ...language.primitives import wait_kernel
-from ...runtime import copy_and_signal, fork, join, use_stream
+from ...runtime import fork, join, use_stream
+from .._trace import copy_and_signal  # recorded as a copy where a recorder is in force
 
 ON_COMPUTE = object()  # a signal consumed on the compute stream
 
