@@ -113,39 +113,43 @@ def _cached(key: tuple):
     return ctx
 
 
+def _cached_or_grown(key: tuple, need: int, capacity_of, build, multiple: int = 1):
+    """The cached context under ``key`` when it can take ``need`` (``capacity_of(ctx)``);
+    else ``build(capacity)``, cached under ``key``: for a new key, or after a failure, of
+    at least the old capacity; when the cached one is too small, of at least twice its
+    capacity (the old one closed first: collective, every rank outgrows it on the same
+    call). Capacities are ``grown_capacity(need, multiple)`` or more."""
+    ctx = _cached(key)
+    if ctx is not None and not ctx._closed and capacity_of(ctx) >= need:
+        return ctx
+    if ctx is None or ctx._closed:  # new, or rebuilt after a failure: as large as it was
+        cap = max(grown_capacity(need, multiple), capacity_of(ctx) if ctx is not None else 0)
+    else:
+        cap = max(grown_capacity(need, multiple), 2 * capacity_of(ctx))
+        ctx.close()
+    ctx = _contexts[key] = build(cap)
+    return ctx
+
+
 def _gemm_context(cls, group: Group, handle: int, strategy: str, rows: int, n: int, k: int, dtype):
     """The cached ``cls`` context (AGGemm: ``rows`` gathered rows; GemmRS / GemmAR: ``rows``
     input rows) able to run a call of this size; rebuilt larger when it is not, and rebuilt
     (as large) when it failed."""
-    key = (cls.op_name, handle, dtype, strategy, n, k)
-    ctx = _cached(key)
-    if ctx is not None and not ctx._closed and ctx.max_m >= rows:
-        return ctx
-    w = group.world_size
-    if ctx is None or ctx._closed:  # new, or rebuilt after a failure: as large as it was
-        cap = max(grown_capacity(rows, w), ctx.max_m if ctx is not None else 0)
-    else:
-        cap = max(grown_capacity(rows, w), 2 * ctx.max_m)
-        ctx.close()  # collective: every rank outgrows it on the same call
-    ctx = _contexts[key] = cls(group, max_m=cap, n=n, k=k, dtype=dtype, strategy=strategy)
-    return ctx
+    return _cached_or_grown(
+        (cls.op_name, handle, dtype, strategy, n, k), rows, lambda c: c.max_m,
+        lambda cap: cls(group, max_m=cap, n=n, k=k, dtype=dtype, strategy=strategy),
+        group.world_size,
+    )  # fmt: skip
 
 
 def _collective_context(cls, group: Group, handle: int, method: str, numel: int, dtype):
     """The cached collective context of capacity ``numel`` (per-rank input for all-gather
     and all-reduce, per-rank output for reduce-scatter), rebuilt larger when needed."""
-    key = (cls.op_name, handle, dtype, method, 0, 0)
-    ctx = _cached(key)
-    if ctx is not None and not ctx._closed and ctx.max_numel >= numel:
-        return ctx
-    if ctx is None or ctx._closed:  # new, or rebuilt after a failure: as large as it was
-        cap = max(grown_capacity(numel, 1), ctx.max_numel if ctx is not None else 0)
-    else:
-        cap = max(grown_capacity(numel, 1), 2 * ctx.max_numel)
-        ctx.close()
     kw = {} if method == "default" else {"method": method}
-    ctx = _contexts[key] = cls(group, max_numel=cap, dtype=dtype, **kw)
-    return ctx
+    return _cached_or_grown(
+        (cls.op_name, handle, dtype, method, 0, 0), numel, lambda c: c.max_numel,
+        lambda cap: cls(group, max_numel=cap, dtype=dtype, **kw),
+    )  # fmt: skip
 
 
 def contexts() -> dict[tuple, object]:

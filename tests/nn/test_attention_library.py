@@ -20,7 +20,7 @@ from interlace.ops import library
 from interlace.ops.attention import library as attn_library
 from interlace.ops.attention import zigzag_shard
 from tests.nn._models import TOL, leaf, rel, seeded, worlds
-from tests.ops._helpers import expect_error
+from tests.ops._helpers import expect_error, recording
 
 ops = torch.ops.interlace
 D = 64  # the kernels' smallest head dim
@@ -172,18 +172,6 @@ class _Block(nn.Module):
         return x + self.attn(self.norm(x), position_embeddings=(cos, sin))[0]
 
 
-def _recording(name: str, graphs: list):
-    """A compile backend that keeps each graph's call targets, then compiles with
-    ``name``."""
-    inner = torch._dynamo.lookup_backend(name)
-
-    def backend(gm, example_inputs):
-        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
-        return inner(gm, example_inputs)
-
-    return backend
-
-
 def _compile_body(group, strategy, backend):
     w, dev = group.world_size, group.device
     hidden, heads, kv_heads, b, s_loc = 32, 4, 2, 2, 6
@@ -201,7 +189,7 @@ def _compile_body(group, strategy, backend):
     x_local, g_local = (inn.shard_sequence(t, group, True).detach() for t in (x, g))
     graphs: list = []
     torch._dynamo.reset()
-    compiled = torch.compile(block, fullgraph=True, backend=_recording(backend, graphs))
+    compiled = torch.compile(block, fullgraph=True, backend=recording(backend, graphs))
     results = []
     for fn in (block, compiled, compiled):  # eager, then the compiled graph twice
         xl = leaf(x_local)
@@ -386,7 +374,7 @@ def _decode_compile_body(group, strategy, backend):
     step = _DecodeStep(h, strategy, hidden, dev)
     graphs: list = []
     torch._dynamo.reset()
-    compiled = torch.compile(step, fullgraph=True, backend=_recording(backend, graphs))
+    compiled = torch.compile(step, fullgraph=True, backend=recording(backend, graphs))
     for call, ragged in enumerate([False, True]):
         _, shards, _, kv_lens = _decode_inputs(group, 2, 50 * call, ragged)
         k, v = shards[group.rank]

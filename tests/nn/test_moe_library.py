@@ -19,7 +19,7 @@ from interlace.errors import InterlaceValueError
 from interlace.ops import library
 from interlace.ops.moe import moe_rs
 from tests.nn._models import TOL, leaf, rel, seeded, worlds
-from tests.ops._helpers import expect_error
+from tests.ops._helpers import expect_error, recording
 
 ops = torch.ops.interlace
 #: experts, hidden, intermediate columns per rank, top-k
@@ -147,18 +147,6 @@ def test_opcheck(world):
     world.run(_opcheck_body)
 
 
-def _recording(name: str, graphs: list):
-    """A compile backend that keeps each graph's call targets, then compiles with
-    ``name``."""
-    inner = torch._dynamo.lookup_backend(name)
-
-    def backend(gm, example_inputs):
-        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
-        return inner(gm, example_inputs)
-
-    return backend
-
-
 def _expected_path(group, strategy: str) -> str:
     """What an eager MoEBlock of bfloat16 weights with ``strategy`` runs."""
     if strategy == "auto":
@@ -185,7 +173,7 @@ def _compile_body(group, strategy, backend):
     fused = expected == "fused"
     graphs: list = []
     torch._dynamo.reset()
-    compiled = torch.compile(block, fullgraph=fused, backend=_recording(backend, graphs))
+    compiled = torch.compile(block, fullgraph=fused, backend=recording(backend, graphs))
     results, paths = [], []
     for fn in (block, compiled, compiled):  # eager, then the compiled graph twice
         block.last_strategy = None

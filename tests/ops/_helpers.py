@@ -110,3 +110,15 @@ def expect_error(exc, text, fn, *args, **kwargs):
         assert text in str(e), f"{text!r} not in {e}"
     else:
         raise AssertionError(f"no {exc.__name__} for {text}")
+
+
+def recording(name: str, graphs: list):
+    """A ``torch.compile`` backend that keeps each graph's call targets (as strings) in
+    ``graphs``, then compiles with the backend ``name``."""
+    inner = torch._dynamo.lookup_backend(name)
+
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return inner(gm, example_inputs)
+
+    return backend

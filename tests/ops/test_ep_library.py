@@ -18,7 +18,7 @@ from interlace.ops import library
 from interlace.ops.ep import EPAllToAll, EPLowLatency, EPMoE
 from interlace.ops.ep import library as ep_library
 from tests.nn._models import TOL, leaf, rel, seeded, worlds
-from tests.ops._helpers import expect_error
+from tests.ops._helpers import expect_error, recording
 
 ops = torch.ops.interlace
 #: hidden, local experts per rank, top-k, max_tokens per rank
@@ -310,18 +310,6 @@ def test_opcheck(world):
 
 
 # ---------------------------------------------------------------------------- torch.compile
-def _recording(name: str, graphs: list):
-    """A compile backend that keeps each graph's call targets, then compiles with
-    ``name``."""
-    inner = torch._dynamo.lookup_backend(name)
-
-    def backend(gm, example_inputs):
-        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
-        return inner(gm, example_inputs)
-
-    return backend
-
-
 def _inference_step(x, idx, ws, weight, h: int, experts: int):
     """Dispatch, a grouped linear map, combine; then ``ep_moe`` of the result and a
     low-latency dispatch / linear map / combine of that."""
@@ -346,7 +334,7 @@ def _compile_body(group, backend):
     full_w = torch.cat([_weight(s, 600) for s in range(w)]).float()
     graphs: list = []
     torch._dynamo.reset()
-    rec = _recording(backend, graphs)
+    rec = recording(backend, graphs)
     infer = torch.compile(_inference_step, fullgraph=True, backend=rec)
     train = torch.compile(_training_step, fullgraph=True, backend=rec)
     tol = 1e-6 if backend == "aot_eager" else TOL  # (aot_eager runs the eager kernels)

@@ -64,8 +64,7 @@ import torch
 
 from ...errors import InterlaceValueError
 from ...runtime import Group
-from .._context import grown_capacity
-from ..library import _cached, _contexts, group_of
+from ..library import _cached_or_grown, group_of
 from .flash_decode import FlashDecode
 from .sp_attention import STRATEGIES, SPAttention
 
@@ -102,21 +101,13 @@ def _attention_context(
     b, heads, s_loc, d = q.shape
     kv_heads, tokens = k.shape[1], b * s_loc
     key = (SPAttention.op_name, handle, q.dtype, strategy, heads, kv_heads, d)
-    ctx = _cached(key)
-    if ctx is not None and not ctx._closed and ctx.max_tokens >= tokens:
-        return ctx
-    if ctx is None or ctx._closed:  # new, or rebuilt after a failure: as large as it was
-        cap = max(grown_capacity(tokens), ctx.max_tokens if ctx is not None else 0)
-    else:
-        cap = max(grown_capacity(tokens), 2 * ctx.max_tokens)
-        ctx.close()  # collective: every rank outgrows it on the same call
     # the per-call shape agreement (a host all-reduce, a synchronisation on NCCL) runs
     # where the group is not NCCL; on NCCL the call fingerprints catch a mismatch
-    ctx = _contexts[key] = SPAttention(
-        group, heads, kv_heads, d, max_tokens=cap, dtype=q.dtype, strategy=strategy,
-        validate=not group.nccl,
+    return _cached_or_grown(
+        key, tokens, lambda c: c.max_tokens,
+        lambda cap: SPAttention(group, heads, kv_heads, d, max_tokens=cap, dtype=q.dtype,
+                                strategy=strategy, validate=not group.nccl),
     )  # fmt: skip
-    return ctx
 
 
 def _context_of(q: Tensor, k: Tensor, group: int, strategy: str) -> SPAttention:
@@ -261,16 +252,11 @@ def _decode_context(group: Group, handle: int, strategy: str, q: Tensor, k: Tens
     (no owner). The softmax scale is an argument of each call."""
     b, heads, d = q.shape
     key = (FlashDecode.op_name, handle, q.dtype, strategy, heads, k.shape[1], d)
-    ctx = _cached(key)
-    if ctx is None or ctx._closed or ctx.max_batch < b:
-        if ctx is None or ctx._closed:  # new, or rebuilt after a failure: as large as it was
-            cap = max(grown_capacity(b), ctx.max_batch if ctx is not None else 0)
-        else:
-            cap = max(grown_capacity(b), 2 * ctx.max_batch)
-            ctx.close()  # collective: every rank outgrows it on the same call
-        ctx = FlashDecode(group, cap, heads, k.shape[1], d, dtype=q.dtype, strategy=strategy)
-        _contexts[key] = ctx
-    return ctx
+    return _cached_or_grown(
+        key, b, lambda c: c.max_batch,
+        lambda cap: FlashDecode(group, cap, heads, k.shape[1], d, dtype=q.dtype,
+                                strategy=strategy),
+    )  # fmt: skip
 
 
 def _unit_last(t: Tensor) -> Tensor:

@@ -44,8 +44,8 @@ import torch
 
 from ...errors import InterlaceValueError
 from ...runtime import Group
-from .._context import ContextSet, grown_capacity
-from ..library import _all_gather, _cached, _contexts, _reduce_scatter, group_of
+from .._context import ContextSet
+from ..library import _all_gather, _cached_or_grown, _contexts, _reduce_scatter, group_of
 from .ag_moe import AGMoE
 from .moe_rs import MoERS
 
@@ -115,30 +115,26 @@ def _experts_context(group: Group, handle: int, strategy: str, m: int, topk: int
     rebuilt (as large) after a failure (``library._cached``)."""
     e, hidden, cols = gate_up.shape
     key = (OP_NAME, handle, gate_up.dtype, strategy, hidden, cols // 2, e, topk)
-    ctx = _cached(key)
-    if ctx is not None and not ctx._closed and ctx.max_m >= m:
-        return ctx
-    if ctx is None or ctx._closed:  # new, or rebuilt after a failure: as large as it was
-        cap = max(grown_capacity(m), ctx.max_m if ctx is not None else 0)
-    else:
-        cap = max(grown_capacity(m), 2 * ctx.max_m)
-        ctx.close()  # collective: every rank outgrows it on the same call
-    sizes = dict(
-        max_tokens=cap * group.world_size, hidden=hidden, inter=cols // 2, experts=e,
-        topk=topk, dtype=gate_up.dtype, strategy=strategy, validate=not group.nccl,
-    )  # fmt: skip
-    # The ops' per-call checks (an expert-id read-back and a cross-rank all-reduce: two
-    # host synchronisations per call on NCCL) run only where the group is not NCCL: the
-    # router's top-k ids are in range and the sequence-parallel shards have the same rows
-    # on every rank by construction; a mismatch still shows in the call fingerprints.
-    ag = AGMoE(group, **sizes)
-    try:
-        rs = MoERS(group, **sizes)
-    except BaseException:
-        ag.close()
-        raise
-    ctx = _contexts[key] = ExpertContexts(ag, rs)
-    return ctx
+
+    def build(cap: int) -> ExpertContexts:
+        # The ops' per-call checks (an expert-id read-back and a cross-rank all-reduce: two
+        # host synchronisations per call on NCCL) run only where the group is not NCCL:
+        # the router's top-k ids are in range and the sequence-parallel shards have the
+        # same rows on every rank by construction; a mismatch still shows in the call
+        # fingerprints.
+        sizes = dict(
+            max_tokens=cap * group.world_size, hidden=hidden, inter=cols // 2, experts=e,
+            topk=topk, dtype=gate_up.dtype, strategy=strategy, validate=not group.nccl,
+        )  # fmt: skip
+        ag = AGMoE(group, **sizes)
+        try:
+            rs = MoERS(group, **sizes)
+        except BaseException:
+            ag.close()
+            raise
+        return ExpertContexts(ag, rs)
+
+    return _cached_or_grown(key, m, lambda c: c.max_m, build)
 
 
 def close_contexts(group: int) -> None:
