@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 import weakref
 
 import torch
@@ -62,6 +63,10 @@ CAUSE_CHECK = 5
 FAULT_WORDS = 8  # [state, rank, cause, slot, seen, expected, -, -]
 CALL_WORDS = 16  # [fingerprint, n_fields, fields...]
 MAX_CALL_FIELDS = CALL_WORDS - 2
+#: How long a rank describing a call mismatch waits for every peer's ``call`` slot to be
+#: written (a peer that has not started its call yet writes it soon after), so that every
+#: rank names the same difference.
+CALL_SLOT_WAIT_S = 2.0
 ERROR_WORDS = 16  # [state, rank, slot, seen, cause, expected, group(i64), call(i64), ...]
 
 
@@ -227,8 +232,13 @@ class ErrorWord:
         return WaitTimeoutError(op, rank, describe(slot), seen, seen_on=me)
 
     def _mismatch_text(self, op: str, rank: int, seen: int, expected: int) -> str:
-        """Name what differs between the ranks' calls, from their ``call`` slots."""
+        """Name what differs between the ranks' calls, from their ``call`` slots (read
+        again until every rank's is written, for at most ``CALL_SLOT_WAIT_S``)."""
         calls = describe_calls(self.pad) if self.pad is not None else None
+        deadline = time.monotonic() + CALL_SLOT_WAIT_S
+        while calls is not None and not calls.complete() and time.monotonic() < deadline:
+            time.sleep(0.002)
+            calls = describe_calls(self.pad)
         if calls:
             text = calls.difference(op)
             if text:
@@ -293,25 +303,36 @@ class CallRecord:
     ):  # fmt: skip
         self.names, self.fingerprints, self.per_rank = names, fingerprints, per_rank
 
+    def complete(self) -> bool:
+        """Every rank's slot holds a call (a rank that has not begun one has fingerprint
+        0)."""
+        return all(fp != 0 for fp in self.fingerprints)
+
     def difference(self, op: str) -> str | None:
         """``"rank 1 called gemm_rs with M = 256, rank 0 with M = 128"`` for the first
-        pair of ranks whose descriptors differ, or None."""
-        base = self.per_rank[0]
-        for r, fields in enumerate(self.per_rank[1:], start=1):
+        pair of ranks whose descriptors differ (ranks without a call left out), or
+        None."""
+        called = [r for r, fp in enumerate(self.fingerprints) if fp != 0]
+        if not called:
+            return None
+        first = called[0]
+        base = self.per_rank[first]
+        for r in called[1:]:
+            fields = self.per_rank[r]
             if fields == base:
-                mine, theirs = self.fingerprints[r] & 0xFF, self.fingerprints[0] & 0xFF
+                mine, theirs = self.fingerprints[r] & 0xFF, self.fingerprints[first] & 0xFF
                 if mine != theirs:  # the same arguments, not the same call
                     return (
-                        f"rank {r} is at call {mine} of this {op} context, rank 0 at call "
-                        f"{theirs} (counted modulo 256): a rank skipped or added a call"
+                        f"rank {r} is at call {mine} of this {op} context, rank {first} at "
+                        f"call {theirs} (counted modulo 256): a rank skipped or added a call"
                     )
                 continue
             if len(fields) != len(base) or self.names is None:
-                return f"rank {r} called {op} differently from rank 0 ({fields} vs {base})"
+                return f"rank {r} called {op} differently from rank {first} ({fields} vs {base})"
             diffs = [(n, a, b) for n, a, b in zip(self.names, fields, base, strict=True) if a != b]
             parts_r = ", ".join(f"{n} = {_show(n, a)}" for n, a, _ in diffs)
             parts_0 = ", ".join(f"{n} = {_show(n, b)}" for n, _, b in diffs)
-            return f"rank {r} called {op} with {parts_r}, rank 0 with {parts_0}"
+            return f"rank {r} called {op} with {parts_r}, rank {first} with {parts_0}"
         return None
 
 

@@ -521,3 +521,12 @@ def test_mismatch_text_names_fields_and_ranks():
         "M = 128, strategy = fused", text  # fmt: skip
     same = signals.CallRecord(("M",), [0x105, 0x106], [[8], [8]])
     assert "rank 1 is at call 6" in same.difference("ag_gemm")
+    # a rank that has not begun its call yet (an empty slot) is not named as the odd one
+    late = signals.CallRecord(("M",), [0x101, 0, 0x201], [[8], [], [16]])
+    assert not late.complete()
+    assert late.difference("gemm_rs") == "rank 2 called gemm_rs with M = 16, rank 0 with M = 8"
+    first_late = signals.CallRecord(("M",), [0, 0x101, 0x201], [[], [8], [16]])
+    assert first_late.difference("gemm_rs") == (
+        "rank 2 called gemm_rs with M = 16, rank 1 with M = 8"
+    )
+    assert signals.CallRecord(("M",), [0, 0], [[], []]).difference("gemm_rs") is None
