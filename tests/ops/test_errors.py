@@ -84,7 +84,9 @@ def _rand(group, *shape, seed=0):
 
 def _check(results, cls, bound_s=None, text=()):
     names = [r[0] for r in results]
-    assert all(n == cls.__name__ for n in names), results
+    assert all(n == cls.__name__ for n in names), "\n".join(
+        f"rank {i}: {r[0]}: {r[1]}" for i, r in enumerate(results)
+    )
     for _, msg, dt, *_ in results:
         for t in text:
             assert t in msg, (t, msg)
