@@ -18,15 +18,16 @@ kernels never wait.
 
 Records (``op`` ``sp_attention`` / ``sp_attention_bwd``, ``strategy`` ``fused``): batch,
 heads, kv_heads, d, S, causal, ``t_ms`` (kernels with their flag waits, all met),
-``t_nowait_ms`` (the same kernels compiled without waits), ``tflops`` (useful FLOPs: causal
-counts the visible half), ``as_world``, ``waits_met``, ``ref: sdpa``, ``t_ref_ms``,
-``ref_backend``, ``t_sdpa_<backend>_ms`` for every SDPA timing (``default`` = no backend
-forced). The backward is the delta, dK/dV, dQ and reduction kernels. Host-cost records
-(``mode: host``, ``host_us``) time one eager forward call of a one-rank context, replayed
-from a CUDA graph (``variant: graph_replay``, the default) and launched kernel by kernel
-(``variant: launches``). ``--tune`` times candidate configs of the forward, dK / dV and
-dQ kernels (records ``op`` ``sp_attention_cfg``, ``kernel``, with the relative errors of
-the outputs; ``--tune-only``: nothing else).
+``t_nowait_ms`` (the same kernels compiled without waits, timed interleaved with them),
+``tflops`` (useful FLOPs: causal counts the visible half), ``as_world``, ``waits_met``,
+``ref: sdpa``, ``t_ref_ms``, ``ref_backend``, ``t_sdpa_<backend>_ms`` for every SDPA
+timing (``default`` = no backend forced). The backward is the delta, dK/dV, dQ and
+reduction kernels. Host-cost records (``mode: host``, ``host_us``) time one eager forward
+call of a one-rank context, replayed from a CUDA graph (``variant: graph_replay``, the
+default) and launched kernel by kernel (``variant: launches``). ``--tune`` times
+candidate configs of the forward, dK / dV and dQ kernels (records ``op``
+``sp_attention_cfg``, ``kernel``, with the relative errors of the outputs;
+``--tune-only``: nothing else).
 
 Several GPUs: every rank runs ``fused``, ``none`` (NCCL all-gather + SDPA) and ``ring``
 forward on its shard, same run; records add ``t_none_ms`` and ``t_ring_ms``.
@@ -44,7 +45,7 @@ import time
 import torch
 
 from ..runtime.signals import ERROR_WORDS
-from .timing import host_us, median_ms
+from .timing import host_us, median_ms, paired_median_ms
 
 AS_WORLD = 4
 SEQS = (16384, 32768, 65536)
@@ -402,10 +403,14 @@ def one_gpu(seqs, iters, world=AS_WORLD) -> list[dict]:
             p = _PerRank(s, causal, world)
             errs = p.check() if s == seqs[0] else {}
             p.flags_up()
-            t_fwd = _time_ms(p.fwd, iters=iters)
-            t_fwd_nw = _time_ms(functools.partial(p.fwd, wait=False), iters=iters)
-            t_bwd = _time_ms(p.bwd, setup=p.flags_up, iters=iters)
-            t_bwd_nw = _time_ms(functools.partial(p.bwd, wait=False), setup=p.flags_up, iters=iters)
+            # with and without the flag waits interleaved: their ratio is the waits' cost
+            t_fwd, t_fwd_nw = paired_median_ms(
+                None, [p.fwd, functools.partial(p.fwd, wait=False)], iters=iters, warmup=3
+            )
+            t_bwd, t_bwd_nw = paired_median_ms(
+                None, [p.bwd, functools.partial(p.bwd, wait=False)], iters=iters, warmup=3,
+                setup=p.flags_up,
+            )  # fmt: skip
             del p
             torch.cuda.empty_cache()
             ref = _sdpa_times(s, causal, world, iters)

@@ -44,20 +44,25 @@ def median_ms(group, fn, iters: int = 20, warmup: int = 5, setup=None) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def paired_median_ms(group, fns, iters: int = 20, warmup: int = 5) -> list[float]:
+def paired_median_ms(group, fns, iters: int = 20, warmup: int = 5, setup=None) -> list[float]:
     """Median time of each of ``fns`` in ms on this rank, each run timed as ``median_ms``
     times one (device idle, ranks aligned, CUDA events around one call), the runs
     interleaved: run ``i`` of every callable before run ``i + 1`` of any, so that slow
     drifts of the machine during a run (clocks, the allocator, other tenants) reach each
-    alike. (Timed minutes apart, the same eager call at M = 2048 moved by up to 20 %.)"""
+    alike. (Timed minutes apart, the same eager call at M = 2048 moved by up to 20 %.)
+    ``setup()``, when given, runs before every call (warm-up too), untimed."""
     for fn in fns:
         for _ in range(warmup):
+            if setup is not None:
+                setup()
             fn()
     events = [[] for _ in fns]
     for _ in range(iters):
         for j, fn in enumerate(fns):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             _align(group)
+            if setup is not None:
+                setup()
             start.record()
             fn()
             end.record()
