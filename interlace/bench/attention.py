@@ -302,31 +302,33 @@ def _record(op, s, causal, world, t, t_nowait, t_ref, extra=None) -> dict:
 
 
 #: Configs ``--tune`` times per kernel: ``AttnConfig``'s fields (block_m, block_n, warps,
-#: stages, warp_specialize, fast_exp, ahead). ``block_m`` is the query block, ``block_n``
+#: stages, warp_specialize, fast_exp). ``block_m`` is the query block, ``block_n``
 #: the key block (dK / dV: one key block per program, looping over query blocks).
 TUNE = {
     "fwd": (
-        (128, 128, 8, 3, False, 0, False), (128, 128, 8, 3, False, 0, True),
-        (128, 128, 8, 3, False, 1, True), (128, 64, 8, 3, False, 0, True),
-        (128, 64, 8, 3, False, 1, True), (128, 128, 8, 2, False, 0, True),
-        (128, 64, 8, 4, False, 0, True), (64, 128, 4, 3, False, 0, True),
+        (128, 128, 8, 3, False, 0), (128, 128, 8, 3, True, 0), (128, 128, 8, 3, False, 1),
+        (128, 128, 8, 3, False, 2), (128, 128, 8, 2, False, 0), (128, 64, 8, 3, False, 0),
+        (128, 64, 4, 3, False, 0), (64, 128, 4, 3, False, 0), (256, 64, 8, 3, True, 0),
     ),
     "dkdv": (
-        (64, 128, 8, 2, False, 0, False), (64, 128, 8, 2, False, 1, False),
-        (64, 128, 8, 3, False, 0, False), (64, 128, 8, 3, False, 1, False),
+        (64, 128, 8, 2, False, 0), (64, 128, 8, 2, False, 1), (64, 128, 8, 3, False, 0),
+        (64, 128, 8, 3, False, 1), (32, 128, 8, 3, False, 1), (64, 64, 4, 3, False, 0),
     ),
-    "dq": ((128, 64, 8, 3, False, 0, False), (128, 64, 8, 3, False, 1, False)),
+    "dq": (
+        (128, 64, 8, 3, False, 0), (128, 64, 8, 3, False, 1), (64, 128, 4, 3, False, 0),
+        (128, 128, 8, 2, False, 0),
+    ),
 }  # fmt: skip
 #: Causal: only the fastest non-causal configs of each kernel are timed again.
 TUNE_CAUSAL_TOP = 4
 
 
 def _variant(cfg) -> str:
-    """A config's short name, e.g. ``128x128-w8-s3-ws-e1-ahead``."""
+    """A config's short name, e.g. ``128x128-w8-s3-ws-e1``."""
     name = f"{cfg.block_m}x{cfg.block_n}-w{cfg.num_warps}-s{cfg.num_stages}"
     name += "-ws" if cfg.warp_specialize else ""
     name += f"-e{cfg.fast_exp}" if cfg.fast_exp else ""
-    return name + ("-ahead" if cfg.ahead else "")
+    return name
 
 
 def _tune_one(p, kernel, cfg, iters) -> tuple[float, dict]:

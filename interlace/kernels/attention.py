@@ -199,53 +199,19 @@ def _fwd_blocks(acc, l_i, m_i, q, k_desc, v_desc, row, j0, n, jlo, jf_lo, jf_hi,
 
 
 @triton.jit
-def _fwd_unmasked_ahead(acc, l_i, m_i, q, k_desc, v_desc, row, j0, n, qk_scale,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                        FAST_EXP: tl.constexpr):  # fmt: skip
-    """The unmasked loop of ``_fwd_blocks`` with the next block's ``Q K^T`` issued before
-    this block's softmax, so that the tensor cores can compute it while the softmax runs
-    (a product is asynchronous until its first use). The last step computes its last
-    block's product once more (clamped index) and drops it."""
-    if n > 0:
-        k = k_desc.load([row, j0 * BLOCK_N, 0]).reshape(BLOCK_N, D)
-        qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32))
-        for t in tl.range(0, n):
-            n1 = (j0 + tl.minimum(t + 1, n - 1)) * BLOCK_N
-            k1 = k_desc.load([row, n1, 0]).reshape(BLOCK_N, D)
-            qk1 = _dot(q, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], tl.float32))
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = _exp2(qk * qk_scale - m_new[:, None], FAST_EXP)
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
-            acc = acc * alpha[:, None]
-            v = v_desc.load([row, (j0 + t) * BLOCK_N, 0]).reshape(BLOCK_N, D)
-            acc = _dot(p.to(v.dtype), v, acc)
-            m_i = m_new
-            qk = qk1
-    return acc, l_i, m_i
-
-
-@triton.jit
 def _fwd_chunk(acc, l_i, m_i, q, k_desc, v_desc, row, c, qmin, qmax, q_pos, S_loc, half,
                seg, cu, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                D: tl.constexpr, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
-               VARLEN: tl.constexpr, WS: tl.constexpr, FAST_EXP: tl.constexpr,
-               AHEAD: tl.constexpr):  # fmt: skip
+               VARLEN: tl.constexpr, WS: tl.constexpr, FAST_EXP: tl.constexpr):  # fmt: skip
     vlo, vhi, flo, fhi = _fwd_window(qmin, qmax, S_loc, seg, cu, WORLD, CAUSAL, VARLEN)
     jlo, jf_lo, jf_hi, jhi = _block_ranges(
         vlo, vhi, flo, fhi, c, S_loc, half, BLOCK_N, WORLD, CAUSAL
     )
-    if AHEAD:
-        acc, l_i, m_i = _fwd_unmasked_ahead(
-            acc, l_i, m_i, q, k_desc, v_desc, row, jf_lo, jf_hi - jf_lo, qk_scale, BLOCK_M,
-            BLOCK_N, D, FAST_EXP,
-        )  # fmt: skip
-    else:
-        acc, l_i, m_i = _fwd_blocks(
-            acc, l_i, m_i, q, k_desc, v_desc, row, jf_lo, jf_hi - jf_lo, jlo, jf_lo, jf_hi,
-            q_pos, c, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN,
-            False, WS, FAST_EXP,
-        )  # fmt: skip
+    acc, l_i, m_i = _fwd_blocks(
+        acc, l_i, m_i, q, k_desc, v_desc, row, jf_lo, jf_hi - jf_lo, jlo, jf_lo, jf_hi,
+        q_pos, c, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN,
+        False, WS, FAST_EXP,
+    )  # fmt: skip
     n_masked = (jf_lo - jlo) + (jhi - jf_hi)
     acc, l_i, m_i = _fwd_blocks(
         acc, l_i, m_i, q, k_desc, v_desc, row, jlo, n_masked, jlo, jf_lo, jf_hi, q_pos,
@@ -323,8 +289,7 @@ def sp_attn_fwd_kernel(
     H, HKV, D: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     VARLEN: tl.constexpr, WAIT: tl.constexpr, CLEAR: tl.constexpr, WS: tl.constexpr = False,
-    FAST_EXP: tl.constexpr = 0, AHEAD: tl.constexpr = False,
-    TRACE: tl.constexpr = False, tbuf=None,
+    FAST_EXP: tl.constexpr = 0, TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """One program per (query block, batch x head), heaviest query blocks first (later
     positions see more keys under the causal mask). Runs the local chunk, then each
@@ -367,7 +332,6 @@ def sp_attn_fwd_kernel(
     acc, l_i, m_i = _fwd_chunk(
         acc, l_i, m_i, qb, k_desc, v_desc, kv_row, rank, qmin, qmax, q_pos, S_loc, half,
         seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, WS, FAST_EXP,
-        AHEAD,
     )  # fmt: skip
     trace_step(TRACE, tbuf, EV_TILE_END, 0, rank, pid_m)
     if WORLD > 1:
@@ -386,7 +350,7 @@ def sp_attn_fwd_kernel(
             acc, l_i, m_i = _fwd_chunk(
                 acc, l_i, m_i, qb, kp_desc, vp_desc, row, c, qmin, qmax, q_pos, S_loc, half,
                 seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, WS,
-                FAST_EXP, AHEAD,
+                FAST_EXP,
             )  # fmt: skip
             trace_step(TRACE, tbuf, EV_TILE_END, t, c, pid_m)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

@@ -116,7 +116,7 @@ def _attn(kernel, variant: str, trace: bool) -> dict:
     )  # fmt: skip
     const = dict(
         D=128, WORLD=4, BLOCK_M=128, BLOCK_N=128, CAUSAL=variant == "causal",
-        VARLEN=variant == "varlen", WAIT=True, CLEAR=True, WS=False, FAST_EXP=0, AHEAD=False,
+        VARLEN=variant == "varlen", WAIT=True, CLEAR=True, WS=False, FAST_EXP=0,
     )  # fmt: skip
     return _compile(kernel, sig, const, trace, ("q", "k", "v", "k_all", "v_all", "o"),
                     num_stages=3)  # fmt: skip

@@ -158,16 +158,6 @@ def test_fast_exponential(world, fast_exp, causal):
         world.run(_config_body, {"fast_exp": fast_exp}, causal, "float16")
 
 
-@pytest.mark.parametrize("world", W23[:1] + GPU2, indirect=True)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_forward_product_ahead(world, causal):
-    """The forward with the next block's product issued ahead (``AttnConfig.ahead``):
-    whole sequences (several unmasked blocks per chunk) and packed documents (ranges of
-    none or one block)."""
-    world.run(_config_body, {"ahead": True}, causal, "bfloat16", 0)
-    world.run(_config_body, {"ahead": True}, causal, "bfloat16", 3)
-
-
 @pytest.mark.parametrize("world", W23 + GPU2, indirect=True)
 @pytest.mark.parametrize("strategy", ["none", "ring"])
 def test_baselines(world, strategy):

@@ -89,9 +89,6 @@ class AttnConfig:
     #: the unmasked blocks' exponential (``kernels.attention._exp2``): 0 float32, 1 packed
     #: float16 pairs, 2 packed bfloat16 pairs
     fast_exp: int = 0
-    #: forward only: the next key block's ``Q K^T`` issued before this block's softmax
-    #: (``kernels.attention._fwd_unmasked_ahead``)
-    ahead: bool = False
 
 
 #: Kernel configs on a GPU per (kernel, head_dim): (query block, key block, warps,
@@ -219,8 +216,7 @@ def launch_fwd(a: KernelArgs, q, k, v, k_all, v_all, o, lse, arrival: int, wait:
     K.sp_attn_fwd_kernel[grid](
         q, k, v, k_all, v_all, o, lse, a.seg, a.cu, a.sig, a.err, a.rank, a.max_spins,
         arrival, a.sm_scale * K.LOG2E, a.s_loc, a.half, WAIT=wait, CLEAR=clear,
-        WS=cfg.warp_specialize and a.backend == "cuda", AHEAD=cfg.ahead, **_common(a, cfg),
-        **traced,
+        WS=cfg.warp_specialize and a.backend == "cuda", **_common(a, cfg), **traced,
     )  # fmt: skip
 
 
