@@ -195,39 +195,6 @@ def _common(a: KernelArgs, cfg: AttnConfig) -> dict:
     )  # fmt: skip
 
 
-def launch_fwd(a: KernelArgs, q, k, v, k_all, v_all, o, lse, arrival: int, wait: bool,
-               clear: bool, cfg: AttnConfig | None = None) -> None:  # fmt: skip
-    """The forward kernel: ``o`` and base-2 ``lse`` of this rank's queries against the local
-    K/V and the peers' chunks in ``k_all`` / ``v_all`` ``[W * batch * kv_heads, S_loc, d]``;
-    traced (``TRACE`` on) where a recorder is in force (``interlace.trace.record``)."""
-    cfg = cfg or config_of("fwd", a.d, a.backend, a.causal)
-    bh = q.shape[0] * q.shape[1]
-    grid = (cdiv(a.s_loc, cfg.block_m), bh)
-    traced = {}
-    if _trace.ACTIVE:  # recorded where a recorder is in force: one step per K/V chunk
-        info = dict(
-            kernel=_trace.ATTENTION_FWD, layout="steps", grid=grid[0] * bh, grid_m=grid[0],
-            rank=a.rank, world=a.world, batch_heads=bh, S_loc=a.s_loc, d=a.d,
-            causal=a.causal, block_m=cfg.block_m, block_n=cfg.block_n,
-        )  # fmt: skip
-        tbuf = _trace.buffer(grid[0], a.world, info, columns=bh)
-        if tbuf is not None:
-            traced = dict(TRACE=True, tbuf=tbuf)
-    K.sp_attn_fwd_kernel[grid](
-        q, k, v, k_all, v_all, o, lse, a.seg, a.cu, a.sig, a.err, a.rank, a.max_spins,
-        arrival, a.sm_scale * K.LOG2E, a.s_loc, a.half, WAIT=wait, CLEAR=clear,
-        WS=cfg.warp_specialize and a.backend == "cuda", **_common(a, cfg), **traced,
-    )  # fmt: skip
-
-
-def launch_delta(a: KernelArgs, o, do, delta) -> None:
-    bh = o.shape[0] * o.shape[1]
-    block = DELTA_BLOCK if a.backend == "cuda" else 16
-    K.sp_attn_bwd_delta_kernel[(cdiv(a.s_loc, block), bh)](
-        o, do, delta, a.s_loc, D=a.d, BLOCK=block
-    )
-
-
 def _traced(a: KernelArgs, kernel: str, grid_m: int, columns: int, steps: int,
             **info) -> dict:  # fmt: skip
     """``TRACE`` and a trace buffer for a launch of ``kernel`` on a ``(grid_m, columns)``
@@ -241,6 +208,33 @@ def _traced(a: KernelArgs, kernel: str, grid_m: int, columns: int, steps: int,
     )  # fmt: skip
     tbuf = _trace.buffer(grid_m, steps, info, columns=columns)
     return {} if tbuf is None else dict(TRACE=True, tbuf=tbuf)
+
+
+def launch_fwd(a: KernelArgs, q, k, v, k_all, v_all, o, lse, arrival: int, wait: bool,
+               clear: bool, cfg: AttnConfig | None = None) -> None:  # fmt: skip
+    """The forward kernel: ``o`` and base-2 ``lse`` of this rank's queries against the local
+    K/V and the peers' chunks in ``k_all`` / ``v_all`` ``[W * batch * kv_heads, S_loc, d]``;
+    traced (``TRACE`` on) where a recorder is in force (``interlace.trace.record``)."""
+    cfg = cfg or config_of("fwd", a.d, a.backend, a.causal)
+    bh = q.shape[0] * q.shape[1]
+    grid = (cdiv(a.s_loc, cfg.block_m), bh)
+    traced = _traced(  # one step per K/V chunk
+        a, _trace.ATTENTION_FWD, grid[0], bh, a.world, batch_heads=bh, block_m=cfg.block_m,
+        block_n=cfg.block_n,
+    )  # fmt: skip
+    K.sp_attn_fwd_kernel[grid](
+        q, k, v, k_all, v_all, o, lse, a.seg, a.cu, a.sig, a.err, a.rank, a.max_spins,
+        arrival, a.sm_scale * K.LOG2E, a.s_loc, a.half, WAIT=wait, CLEAR=clear,
+        WS=cfg.warp_specialize and a.backend == "cuda", **_common(a, cfg), **traced,
+    )  # fmt: skip
+
+
+def launch_delta(a: KernelArgs, o, do, delta) -> None:
+    bh = o.shape[0] * o.shape[1]
+    block = DELTA_BLOCK if a.backend == "cuda" else 16
+    K.sp_attn_bwd_delta_kernel[(cdiv(a.s_loc, block), bh)](
+        o, do, delta, a.s_loc, D=a.d, BLOCK=block
+    )
 
 
 def launch_dkdv(a: KernelArgs, q, k, v, k_all, v_all, do, lse, delta, recv, recv_table,
