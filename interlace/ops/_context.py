@@ -2,17 +2,18 @@
 call fingerprints and life cycle (``close()``, context-manager use, ``check()``).
 
 Faults across ranks (``interlace.errors.CrossRankError``): every call of an op runs
-``_begin()`` first (refuses a closed or failed context, raises a fault recorded since the
+``_begin()`` first (refuses a closed or failed context, notes a fault recorded since the
 last call), then its argument checks, then ``_begin_call(**fields)`` just before it
-enqueues device work: the fields the peers depend on (shapes, strategy, ...) become the
-call's fingerprint, written in stream order into this rank's ``call`` slot, which device
-barriers carry (a peer that called differently is reported at once) and which the host
-reads to name the difference. ``_end()`` raises a fault the call's waits recorded (at
-once on the ``cpu`` backend; on ``cuda`` at the next call or ``check()``, which wait for
-the device). After a fault the context refuses every call (``ContextFailedError``):
-close it and build a new one on every rank. An exception other than these escaping a
-call on one rank after ``_begin_call`` is reported to the group as an abort, so its peers
-stop at once. A check of the call's arguments that the kernels make alike on every rank
+enqueues device work (it raises the noted fault, named with this call's fields): the
+fields the peers depend on (shapes, strategy, ...) become the call's fingerprint,
+written in stream order into this rank's ``call`` slot, which device barriers carry (a
+peer that called differently is reported at once) and which the host reads to name the
+difference. ``_end()`` raises a fault the call's waits recorded (at once on the ``cpu``
+backend; on ``cuda`` at the next call or ``check()``, which wait for the device). After
+a fault the context refuses every call (``ContextFailedError``): close it and build a
+new one on every rank. An exception other than these escaping a call on one rank after
+``_begin_call`` is reported to the group as an abort, so its peers stop at once. A check
+of the call's arguments that the kernels make alike on every rank
 (``primitives.record_check``, e.g. an expert-parallel capacity overflow) raises the op's
 own error (``_check_error``) instead, and leaves the context usable.
 """
@@ -277,13 +278,16 @@ class OpContext:
         raise err
 
     def _begin(self) -> None:
-        """Start of every call: refuse a closed or failed context, raise a fault recorded
-        since the last call (no device sync), and note whether this call is being
-        captured in a CUDA graph."""
+        """Start of every call: refuse a closed or failed context, note a fault recorded
+        since the last call (no device sync; ``_begin_call`` or ``_end`` raises it), and
+        note whether this call is being captured in a CUDA graph."""
         self._refuse_if_unusable()
+        self._fault_at_begin = False
         if self.error.fault_pending():
             self._raise_recorded_check()
-            self._fail()
+            # raised by ``_begin_call``, once this call's field names are known, so that
+            # a rank that had not begun this call names the peers' difference as they do
+            self._fault_at_begin = True
         self._capture = self.group.backend == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
 
     # ------------------------------------------------------------------ call fingerprints
@@ -339,10 +343,14 @@ class OpContext:
                 self._call_written = None if self._capture else key
             stream_write_value32(self._call_slot, 0, fp)
         self.pad.call_names = tuple(fields)
+        if self._fault_at_begin:
+            self._fault_at_begin = False
+            self._fail()
         self.error.in_call = True
         return fp
 
     _capture = False
+    _fault_at_begin = False
     eager_graphs = False
     #: The value this call's copies raise their peers' flags to, where the consumer checks
     #: it (``primitives.call_flag``): the fingerprint's op-and-arguments part, the same
@@ -358,6 +366,9 @@ class OpContext:
         any rank recorded raises now, on every rank. On ``cuda`` it raises at the next
         call or ``check()``."""
         self.error.in_call = False
+        if self._fault_at_begin:  # a call that had no device work to fingerprint
+            self._fault_at_begin = False
+            self._fail()
         if self.group.backend == "cpu":
             self._raise_pending()
 

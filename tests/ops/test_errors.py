@@ -77,6 +77,16 @@ def _after_failure(ctx, call) -> list[str]:
     return seen
 
 
+def _call_then_refused(group, ctx, call, late_s: float = 0.0):
+    """``_outcome`` of the call on this rank (the last rank ``late_s`` later), then, once
+    every rank is done, ``_after_failure``."""
+    if group.rank == group.world_size - 1:
+        time.sleep(late_s)
+    out = _outcome(ctx, call)
+    group.host_barrier()
+    return (*out, _after_failure(ctx, call))
+
+
 def _rand(group, *shape, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g).to(torch.bfloat16).to(group.device)
@@ -103,7 +113,9 @@ COLLECTIVES = {"all_gather": interlace.AllGather, "reduce_scatter": interlace.Re
                "all_reduce": interlace.AllReduce}  # fmt: skip
 
 
-def _mismatch_body(group, op, strategy, field):
+def _mismatch_body(group, op, strategy, field, late_s=0.0):
+    """``late_s``: the last rank starts its call that much later, after its peers have
+    found the difference."""
     w, r = group.world_size, group.rank
     k, n = 8, 16
     if op == "ag_gemm":
@@ -125,9 +137,7 @@ def _mismatch_body(group, op, strategy, field):
         cols = n if (r == 0 or field != "N") else n - 2
         a, b = _rand(group, m, k, seed=r), _rand(group, k, cols, seed=9)
         call = lambda: ctx(a, b)  # noqa: E731
-    out = _outcome(ctx, call)
-    group.host_barrier()
-    return (*out, _after_failure(ctx, call))
+    return _call_then_refused(group, ctx, call, late_s)
 
 
 @pytest.mark.parametrize("world", PARAMS, indirect=True)
@@ -151,6 +161,17 @@ def test_mismatched_calls_raise_on_every_rank(world, op, strategy, field):
     assert all(r[3] == ["refused", "closed"] for r in results), results
 
 
+@pytest.mark.parametrize("world", [pytest.param(("cpu", 3), id="cpu3")], indirect=True)
+@pytest.mark.parametrize("op, strategy, field", [("all_gather", "ce_push", "numel"),
+                                                 ("gemm_rs", "fused", "M")])  # fmt: skip
+def test_a_rank_that_calls_after_the_fault_names_the_same_difference(world, op, strategy, field):
+    """Ranks 0 and 1 differ; rank 2 begins its call only after they have recorded the
+    mismatch: it raises the same CallMismatchError, naming the field, as they do."""
+    results = world.run(_mismatch_body, op, strategy, field, 1.0)
+    _check(results, CallMismatchError, bound_s=LONG_BOUND_US / 2e6, text=(op, f"{field} = "))
+    assert len({msg.split(" (raised on")[0] for _, msg, *_ in results}) == 1, results
+
+
 def _ring_mismatch_body(group, op, transport, field):
     """A P2PRing call whose ``field`` differs on the last rank."""
     w, r = group.world_size, group.rank
@@ -169,9 +190,7 @@ def _ring_mismatch_body(group, op, transport, field):
         s = 4 * w if (odd and field == "S") else 2 * w
         q = _rand(group, 1, 2, s, 8, seed=r)
         call = lambda: ctx.attn_a2a(q, q, q)  # noqa: E731
-    out = _outcome(ctx, call)
-    group.host_barrier()
-    return (*out, _after_failure(ctx, call))
+    return _call_then_refused(group, ctx, call)
 
 
 @pytest.mark.parametrize("world", PARAMS, indirect=True)
@@ -208,9 +227,7 @@ def _signal_reorder_mismatch_body(group, op, field):
         assert waves >= 2, waves
         partition = [waves] if odd else [1] * waves
     call = lambda: ctx(a, b, partition=partition)  # noqa: E731
-    out = _outcome(ctx, call)
-    group.host_barrier()
-    return (*out, _after_failure(ctx, call))
+    return _call_then_refused(group, ctx, call)
 
 
 @pytest.mark.parametrize("world", CPU_PARAMS, indirect=True)
