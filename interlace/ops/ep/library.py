@@ -75,7 +75,8 @@ import torch
 
 from ...errors import InterlaceValueError
 from .._context import ContextSet
-from ..library import _all_gather, _cached, _contexts, _reduce_scatter, group_of
+from ..library import _cached, _contexts, group_of
+from ..token_grads import gather_tokens
 from .dispatch import EPAllToAll
 from .ep_moe import EPMoE
 from .layout import EPHandle
@@ -244,7 +245,7 @@ def _ep_moe_backward(dy, x, topk_idx, topk_weights, weight, group: int, max_toke
     _check_routing(MOE, x, topk_idx, topk_weights)
     _check_weight(x, weight)
     g = group_of(group)
-    w, (n, hidden), k = g.world_size, x.shape, topk_idx.shape[1]
+    w, (n, hidden) = g.world_size, x.shape
     e_loc, t = weight.shape[0], int(max_tokens)
     if n > t:
         raise InterlaceValueError(f"ep_moe: {n} tokens, more than max_tokens = {t}")
@@ -252,40 +253,21 @@ def _ep_moe_backward(dy, x, topk_idx, topk_weights, weight, group: int, max_toke
     def empty():  # (a fresh one each: a custom op's outputs may not alias each other)
         return dy.new_empty(0)
 
-    # every rank's tokens and output gradients (one gather in the tokens' dtype) and
-    # routing (one float32 gather: expert ids are exact in float32), padded to max_tokens
-    # rows per rank; a padding row names no expert
-    tokens = x.new_zeros(t, 2 * hidden)
-    tokens[:n, :hidden], tokens[:n, hidden:] = x, dy
-    route = torch.full((t, 2 * k), -1.0, dtype=torch.float32, device=x.device)
-    route[:n, :k], route[:n, k:] = topk_weights, topk_idx
-    if w > 1:
-        tokens, route = _all_gather(tokens, group, "default"), _all_gather(route, group, "default")
-    tokens = tokens.float()
-    xs, dys = tokens[:, :hidden], tokens[:, hidden:]
-    ws, ids = route[:, :k], route[:, k:].long()
-    d_tokens = xs.new_zeros(xs.shape[0], hidden + k)  # dx of every gathered token, then dweights
+    tg = gather_tokens(x, dy, topk_weights, topk_idx, group, w, t)
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
     for e in range(e_loc):
-        token, slot = torch.where(ids == g.rank * e_loc + e)
+        token, slot = torch.where(tg.ids == g.rank * e_loc + e)
         if token.numel() == 0:
             continue
-        a, d, we = xs[token], dys[token], weight[e].float()
-        wv = ws[token, slot][:, None]
+        a, d, we = tg.x[token], tg.dy[token], weight[e].float()
+        wv = tg.weights[token, slot][:, None]
         if need_weights:  # d(weight of (t, slot)) = <x[t] @ W[e], dy[t]>
-            d_tokens[token, hidden + slot] = ((a @ we) * d).sum(1)
+            tg.grads[token, hidden + slot] = ((a @ we) * d).sum(1)
         if need_x:  # dx[t] += weight * dy[t] @ W[e].T
-            d_tokens[:, :hidden].index_add_(0, token, (wv * d) @ we.t())
+            tg.grads[:, :hidden].index_add_(0, token, (wv * d) @ we.t())
         if need_weight:  # dW[e] = sum of weight * x[t].T dy[t]
             dw[e] = a.t() @ (wv * d)
-    dx, dweights = empty(), empty()
-    if need_x or need_weights:  # the gathers' backward: sum every rank's share, in float32
-        mine = d_tokens if w == 1 else _reduce_scatter(d_tokens, group, "default")
-        own = dict(memory_format=torch.contiguous_format, copy=True)  # (not views of mine)
-        if need_x:
-            dx = mine[:n, :hidden].to(x.dtype, **own)
-        if need_weights:
-            dweights = mine[:n, hidden:].to(topk_weights.dtype, **own)
+    dx, dweights = tg.scatter_home(x.dtype, topk_weights.dtype, need_x, need_weights, empty)
     dweight = dw.to(weight.dtype) if need_weight else empty()
     return dx, dweights, dweight
 

@@ -45,7 +45,8 @@ import torch
 from ...errors import InterlaceValueError
 from ...runtime import Group
 from .._context import ContextSet
-from ..library import _all_gather, _cached_or_grown, _contexts, _reduce_scatter, group_of
+from ..library import _cached_or_grown, _contexts, group_of
+from ..token_grads import gather_tokens
 from .ag_moe import AGMoE
 from .moe_rs import MoERS
 
@@ -157,11 +158,6 @@ def _moe_experts(x, weights, index, gate_up, down, group: int, strategy: str) ->
     return ctx.rs(h, routing, down.contiguous())
 
 
-def _gather_rows(t: Tensor, group: int, world: int) -> Tensor:
-    """Every rank's rows of ``t`` (rank order); ``t`` itself on one rank."""
-    return t if world == 1 else _all_gather(t.contiguous(), group, "default")
-
-
 def _moe_experts_backward(dy, x, weights, index, gate_up, down, group: int, need_x: bool,
                           need_weights: bool, need_gate_up: bool, need_down: bool
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
@@ -169,7 +165,7 @@ def _moe_experts_backward(dy, x, weights, index, gate_up, down, group: int, need
     (see the module docstring); an unneeded one is empty."""
     _check_dims(x, weights, index, gate_up, down)
     g = group_of(group)
-    w, (m, hidden), k = g.world_size, x.shape, index.shape[1]
+    w, (m, hidden) = g.world_size, x.shape
     e, inter = down.shape[0], down.shape[1]
 
     def empty():  # (a fresh one each: a custom op's outputs may not alias each other)
@@ -181,30 +177,22 @@ def _moe_experts_backward(dy, x, weights, index, gate_up, down, group: int, need
             torch.zeros_like(t, memory_format=torch.contiguous_format) if need else empty()
             for t, need in zip((x, weights, gate_up, down), needs)
         )
-    # every rank's tokens with their output gradients (one gather in the tokens' dtype) and
-    # routing (one float32 gather: the expert ids travel bit for bit as float32 words)
-    tokens = _gather_rows(torch.cat([x, dy.to(x.dtype)], 1), group, w).float()
-    route = torch.cat([weights.float(), index.to(torch.int32).view(torch.float32)], 1)
-    route = _gather_rows(route, group, w)
-    xs, dys = tokens[:, :hidden], tokens[:, hidden:]
-    ws, ids = route[:, :k], route[:, k:].contiguous().view(torch.int32)
-    rows = xs.shape[0]
-    d_tokens = xs.new_zeros(rows, hidden + k)  # dx of every gathered token, then dweights
+    t = gather_tokens(x, dy, weights, index, group, w, m)
     dgu = torch.zeros(gate_up.shape, dtype=torch.float32, device=x.device)
     dd = torch.zeros(down.shape, dtype=torch.float32, device=x.device)
     for ex in range(e):
-        token, slot = torch.where(ids == ex)
+        token, slot = torch.where(t.ids == ex)
         if token.numel() == 0:
             continue
-        a, gu, dn = xs[token], gate_up[ex].float(), down[ex].float()
+        a, gu, dn = t.x[token], gate_up[ex].float(), down[ex].float()
         gate, up = (a @ gu).split(inter, dim=1)
         sig = torch.sigmoid(gate)
         act = gate * sig  # silu(gate)
         s = act * up  # [n, I/W]: the SwiGLU rows
-        dyr = dys[token]
+        dyr = t.dy[token]
         if need_weights:  # d(weight) = <s @ down, dy> of each (token, slot)
-            d_tokens[token, hidden + slot] = ((s @ dn) * dyr).sum(1)
-        dz = dyr * ws[token, slot][:, None]  # gradient of s @ down
+            t.grads[token, hidden + slot] = ((s @ dn) * dyr).sum(1)
+        dz = dyr * t.weights[token, slot][:, None]  # gradient of s @ down
         if need_down:
             dd[ex] = s.t() @ dz
         if need_x or need_gate_up:
@@ -214,15 +202,8 @@ def _moe_experts_backward(dy, x, weights, index, gate_up, down, group: int, need
             if need_gate_up:
                 dgu[ex] = a.t() @ dh
             if need_x:
-                d_tokens[:, :hidden].index_add_(0, token, dh @ gu.t())
-    dx, dweights = empty(), empty()
-    if need_x or need_weights:  # the gathers' backward: sum every rank's share, in float32
-        mine = d_tokens if w == 1 else _reduce_scatter(d_tokens, group, "default")
-        own = dict(memory_format=torch.contiguous_format, copy=True)  # (not views of mine)
-        if need_x:
-            dx = mine[:, :hidden].to(x.dtype, **own)
-        if need_weights:
-            dweights = mine[:, hidden:].to(weights.dtype, **own)
+                t.grads[:, :hidden].index_add_(0, token, dh @ gu.t())
+    dx, dweights = t.scatter_home(x.dtype, weights.dtype, need_x, need_weights, empty)
     dgate_up = dgu.to(gate_up.dtype) if need_gate_up else empty()
     ddown = dd.to(down.dtype) if need_down else empty()
     return dx, dweights, dgate_up, ddown
