@@ -196,6 +196,7 @@ def _decode_block(info: dict, rows: list, rank: int, shift: int, index: int, col
     def t(ev):
         return ev[0] - shift
 
+    tile_slots = _TILE_DECODERS[info.get("slots", layout)]
     for p in range(grid):
         ev = rows[1 + p * stride : 1 + (p + 1) * stride]
         start, end = ev[0], ev[1]
@@ -215,13 +216,13 @@ def _decode_block(info: dict, rows: list, rank: int, shift: int, index: int, col
             spans.append(Span(rank, tid, "entry barrier", "wait", t(ev[2]), t(ev[3]),
                               dict(args, what="entry barrier")))  # fmt: skip
             cursor = t(ev[3])
-        tile_slots = _TILE_DECODERS[info.get("slots", layout)]
         for j in range(cap):
-            wb, we, te, nt = ev[HEADER.value + PER_TILE.value * j :][:4]
-            g = j * grid + p
-            sp, ins, cursor = tile_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t)
-            spans += sp
-            instants += ins
+            tile = _Tile(rank, tid, args, j * grid + p, j,
+                         ev[HEADER.value + PER_TILE.value * j :][:4], cursor, t)  # fmt: skip
+            tile_slots(info, tile)
+            spans += tile.spans
+            instants += tile.instants
+            cursor = tile.cursor
         if ev[4][1] and ev[5][1]:
             what = "peers' broadcasts" if layout == "segments" else "every arrival (exit)"
             spans.append(Span(rank, tid, "final waits", "wait", t(ev[4]), t(ev[5]),
@@ -229,35 +230,66 @@ def _decode_block(info: dict, rows: list, rank: int, shift: int, index: int, col
     return spans, instants
 
 
-def _segment_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+class _Tile:
+    """One tile's four event slots of program ``tid`` (``wb`` / ``we``: its wait's begin
+    and end, ``te``: its work's end, ``nt``: its notify; each ``[time, set, a, b]``),
+    made into spans and instants on the program's track by a decoder of its launch's
+    layout. ``cursor``: where the program's next work span starts (its previous event);
+    ``args``: what every span of the tile carries (``g``: the tile id, ``j``: the slot)."""
+
+    def __init__(self, rank, tid, args, g, j, slots, cursor, t):
+        self.rank, self.tid, self.args, self.g, self.j = rank, tid, args, g, j
+        self.wb, self.we, self.te, self.nt = slots
+        self.cursor, self.t = cursor, t
+        self.spans: list[Span] = []
+        self.instants: list[Instant] = []
+
+    @property
+    def waited(self) -> bool:
+        """The tile recorded both ends of a wait."""
+        return bool(self.wb[1] and self.we[1])
+
+    def wait(self, name: str, move: bool = True, **extra) -> None:
+        """A ``wait`` span from ``wb`` to ``we``; the program's work resumes after it
+        (``move=False``: a wait at the launch's end, after the work)."""
+        self.spans.append(Span(self.rank, self.tid, name, "wait", self.t(self.wb),
+                               self.t(self.we), dict(self.args, **extra)))  # fmt: skip
+        if move:
+            self.cursor = max(self.cursor, self.t(self.we))
+
+    def work(self, name: str, cat: str = "compute", **extra) -> None:
+        """The tile's work (``compute``, or ``copy`` for SM stores into a peer) from the
+        cursor to ``te``."""
+        self.spans.append(Span(self.rank, self.tid, name, cat, self.cursor, self.t(self.te),
+                               dict(self.args, **extra)))  # fmt: skip
+        self.cursor = self.t(self.te)
+
+    def notify(self, name: str, **extra) -> None:
+        """A ``notify`` instant at ``nt``."""
+        self.instants.append(Instant(self.rank, self.tid, name, "notify", self.t(self.nt),
+                                     dict(self.args, **extra)))  # fmt: skip
+
+
+def _segment_slots(info, s: _Tile) -> None:
     """One tile's slots of the segment GEMM (a wait where the program met a segment)."""
-    spans, instants = [], []
-    table = info["seg"]
-    if we[1]:
-        s = we[2]
-        waited = not info["one_loop"] or wb[2] != s
-        row = table[s] if 0 <= s < len(table) else None
+    table, g, rank = info["seg"], s.g, s.rank
+    if s.we[1]:
+        seg = s.we[2]
+        waited = not info["one_loop"] or s.wb[2] != seg
+        row = table[seg] if 0 <= seg < len(table) else None
         if waited and row is not None and row[SEG_WAIT_COUNT.value] > 0:
             kind, owner = row[SEG_KIND.value], row[SEG_OWNER.value]
-            spans.append(Span(
-                rank, tid, f"wait chunk {s}", "wait", t(wb), t(we),
-                dict(args, segment=s, tile=g, what=_who(kind, owner, rank),
-                     peer=owner if kind == KIND_STORE.value else -1,
-                     kind=int(kind), rows=[row[SEG_ROW0.value],
-                     row[SEG_ROW0.value] + row[SEG_ROWS.value]], token=we[3]),
-            ))  # fmt: skip
-        cursor = max(cursor, t(we))
-    if te[1]:
-        s = te[2]
-        spans.append(Span(rank, tid, f"tile {g}", "compute", cursor, t(te),
-                          dict(args, tile=g, segment=s)))  # fmt: skip
-        cursor = t(te)
-    if nt[1]:
-        dest = nt[3]
+            s.wait(f"wait chunk {seg}", segment=seg, tile=g, what=_who(kind, owner, rank),
+                   peer=owner if kind == KIND_STORE.value else -1, kind=int(kind),
+                   rows=[row[SEG_ROW0.value], row[SEG_ROW0.value] + row[SEG_ROWS.value]],
+                   token=s.we[3])  # fmt: skip
+        s.cursor = max(s.cursor, s.t(s.we))
+    if s.te[1]:
+        s.work(f"tile {g}", tile=g, segment=s.te[2])
+    if s.nt[1]:
+        dest = s.nt[3]
         label = "every peer" if dest == -1 else f"rank {dest}"
-        instants.append(Instant(rank, tid, f"notify {label}", "notify", t(nt),
-                                dict(args, segment=nt[2], dest=dest)))  # fmt: skip
-    return spans, instants, cursor
+        s.notify(f"notify {label}", segment=s.nt[2], dest=dest)
 
 
 def _sources(rank: int, world: int, lo: int, hi: int) -> list[int]:
@@ -265,243 +297,176 @@ def _sources(rank: int, world: int, lo: int, hi: int) -> list[int]:
     return [(rank + p) % world for p in range(lo, hi + 1)]
 
 
-def _tile_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+def _tile_slots(info, s: _Tile) -> None:
     """One tile's slots of the grouped GEMM: its wait for the token shards it reads (where
     it reads a peer's), then its compute. Reduce mode (``MoERS``): no waits; a tile's rows
     belong to the tokens of ``owners``, and the last program's raise of every owner's
     contribution counter is a notify (in its first tile's slots)."""
-    spans, instants = [], []
-    world = info["world"]
-    if wb[1] and we[1]:
-        lo, hi = wb[2], wb[3]
+    world, g, rank = info["world"], s.g, s.rank
+    if s.waited:
+        lo, hi = s.wb[2], s.wb[3]
         if hi >= lo:  # the tile reads peers' tokens: arrival positions lo .. hi
             peers = _sources(rank, world, lo, hi)
             who = ", ".join(str(q) for q in peers)
-            spans.append(Span(
-                rank, tid, f"wait tokens of rank {who}", "wait", t(wb), t(we),
-                dict(args, tile=g, positions=[lo, hi], peers=peers,
-                     peer=peers[0] if len(peers) == 1 else -1,
-                     what=f"rank {who}'s tokens", token=we[3]),
-            ))  # fmt: skip
-        cursor = max(cursor, t(we))
-    if te[1]:
-        q, e = te[2], te[3]
+            s.wait(f"wait tokens of rank {who}", tile=g, positions=[lo, hi], peers=peers,
+                   peer=peers[0] if len(peers) == 1 else -1, what=f"rank {who}'s tokens",
+                   token=s.we[3])  # fmt: skip
+        s.cursor = max(s.cursor, s.t(s.we))
+    if s.te[1]:
+        q, e = s.te[2], s.te[3]
         first, last = info["tiles"][q][2:4]
         if info.get("mode") == "reduce":  # rows added into this rank's accumulator
             who = dict(owners=_sources(rank, world, first, last))
         else:  # rows gathered from these peers' token shards
             who = dict(peers=_sources(rank, world, max(first, 1), last))
-        spans.append(Span(
-            rank, tid, f"tile {g}", "compute", cursor, t(te),
-            dict(args, tile=g, row_tile=q, expert=e, positions=[first, last], **who),
-        ))  # fmt: skip
-        cursor = t(te)
-    if nt[1]:
-        what = dict(args, slot=nt[2], dest=nt[3], what="contributions")
-        instants.append(Instant(rank, tid, "notify every rank", "notify", t(nt), what))
-    return spans, instants, cursor
+        s.work(f"tile {g}", tile=g, row_tile=q, expert=e, positions=[first, last], **who)
+    if s.nt[1]:
+        s.notify("notify every rank", slot=s.nt[2], dest=s.nt[3], what="contributions")
 
 
-def _finish_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+def _finish_slots(info, s: _Tile) -> None:
     """One tile of ``MoERS``'s finish kernel: the program's wait for every rank's
     contribution (in its first tile's slots), then the tile's sum of every rank's
     accumulator rows of this rank's tokens (peer reads)."""
-    spans = []
-    world = info["world"]
-    if wb[1] and we[1]:
-        spans.append(Span(
-            rank, tid, "wait contributions of every rank", "wait", t(wb), t(we),
-            dict(args, tile=g, peer=-1, peers=[q for q in range(world) if q != rank],
-                 what="every rank's contributions", slot=wb[2], token=we[3]),
-        ))  # fmt: skip
-        cursor = max(cursor, t(we))
-    if te[1]:
-        rt, ct = te[2], te[3]
+    world, g = info["world"], s.g
+    if s.waited:
+        s.wait("wait contributions of every rank", tile=g, peer=-1,
+               peers=[q for q in range(world) if q != s.rank],
+               what="every rank's contributions", slot=s.wb[2], token=s.we[3])  # fmt: skip
+    if s.te[1]:
+        rt, ct = s.te[2], s.te[3]
         bm, bn = info["block_m"], info["block_n"]
-        spans.append(Span(
-            rank, tid, f"tile {g}", "compute", cursor, t(te),
-            dict(args, tile=g, rows=[rt * bm, min(info["M"], (rt + 1) * bm)],
-                 cols=[ct * bn, min(info["N"], (ct + 1) * bn)], peers=list(range(world))),
-        ))  # fmt: skip
-        cursor = t(te)
-    return spans, [], cursor
+        s.work(f"tile {g}", tile=g, rows=[rt * bm, min(info["M"], (rt + 1) * bm)],
+               cols=[ct * bn, min(info["N"], (ct + 1) * bn)], peers=list(range(world)))  # fmt: skip
 
 
 #: the split-decode kernel's tile slots of a program: its split, the combine, the push
 _DECODE_STEPS = ("split", "combine", "push")
 
 
-def _split_decode_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+def _split_decode_slots(info, s: _Tile) -> None:
     """One of a split-decode program's three tiles: its split (``split s (seq b, kv head
     h)``); in the group's last program the combine of the splits and the push of the
     group's partial into the merging ranks (SM stores into their memory: a ``copy`` span,
     after a wait for the owner's acknowledgement in the one-owner mode; the owner's own,
     a ``store``); the launch's last program's arrival flags (a notify)."""
-    spans, instants = [], []
-    world, owner = info["world"], info["owner"]
-    if wb[1] and we[1]:
-        spans.append(Span(
-            rank, tid, f"wait ack of rank {owner}", "wait", t(wb), t(we),
-            dict(args, tile=g, step="push", peer=owner, peers=[owner], ack_at_least=wb[3],
-                 what=f"rank {owner}'s merge of this buffer parity"),
-        ))  # fmt: skip
-        cursor = max(cursor, t(we))
-    if te[1]:
-        bh, hkv = te[3], info["kv_heads"]
+    world, owner, g, j = info["world"], info["owner"], s.g, s.j
+    if s.waited:
+        what = f"rank {owner}'s merge of this buffer parity"
+        s.wait(f"wait ack of rank {owner}", tile=g, step="push", peer=owner, peers=[owner],
+               ack_at_least=s.wb[3], what=what)  # fmt: skip
+    if s.te[1]:
+        bh, hkv = s.te[3], info["kv_heads"]
         where = f"seq {bh // hkv}, kv head {bh % hkv}"
         step = _DECODE_STEPS[j]
-        name = f"split {te[2]} ({where})" if j == 0 else f"{step} ({where})"
-        extra = dict(split=te[2]) if j == 0 else {}
+        name = f"split {s.te[2]} ({where})" if j == 0 else f"{step} ({where})"
+        extra = dict(split=s.te[2]) if j == 0 else {}
         cat = "compute"
         if step == "push":
             dests = list(range(world)) if owner is None else [owner]
-            peers = [q for q in dests if q != rank]
+            peers = [q for q in dests if q != s.rank]
             if peers:  # (the owner's push stays in its own memory: a store)
                 nbytes = info["group_heads"] * (info["head_dim"] + 1) * 4 * len(peers)
                 extra = dict(peer=peers[0] if len(peers) == 1 else -1, peers=peers, bytes=nbytes)
                 cat = "copy"
             else:
                 name = f"store ({where})"
-        spans.append(Span(rank, tid, name, cat, cursor, t(te),
-                          dict(args, tile=g, step=step, seq=bh // hkv, kv_head=bh % hkv,
-                               **extra)))  # fmt: skip
-        cursor = t(te)
-    if nt[1]:
-        dest = nt[3]
+        s.work(name, cat, tile=g, step=step, seq=bh // hkv, kv_head=bh % hkv, **extra)
+    if s.nt[1]:
+        dest = s.nt[3]
         label = "every rank" if dest == -1 else f"rank {dest}"
-        instants.append(Instant(rank, tid, f"notify {label}", "notify", t(nt),
-                                dict(args, dest=dest, epoch=nt[2], what="partials")))  # fmt: skip
-    return spans, instants, cursor
+        s.notify(f"notify {label}", dest=dest, epoch=s.nt[2], what="partials")
 
 
-def _merge_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+def _merge_slots(info, s: _Tile) -> None:
     """Step ``j`` of a decode-merge program: its wait for the partials of the step's
     source rank (its own, step 0, is not waited for), then their merge; the last
     program's acknowledgements in the one-owner mode (a notify)."""
-    spans, instants = [], []
+    tid, g, j = s.tid, s.g, s.j
     block = tid * info["block_r"], min(info["rows"], (tid + 1) * info["block_r"])
-    if wb[1] and we[1]:
-        src = we[2]
-        spans.append(Span(
-            rank, tid, f"wait partials of rank {src}", "wait", t(wb), t(we),
-            dict(args, tile=g, step=j, peer=src, peers=[src], epoch=wb[3], token=we[3],
-                 what=f"rank {src}'s partials"),
-        ))  # fmt: skip
-        cursor = max(cursor, t(we))
-    if te[1]:
-        src = te[2]
-        spans.append(Span(rank, tid, f"merge rank {src}", "compute", cursor, t(te),
-                          dict(args, tile=g, step=j, src=src, rows=list(block))))  # fmt: skip
-        cursor = t(te)
-    if nt[1]:
-        what = dict(args, dest=-1, epoch=nt[2], what="acknowledgement")
-        instants.append(Instant(rank, tid, "notify every rank", "notify", t(nt), what))
-    return spans, instants, cursor
+    if s.waited:
+        src = s.we[2]
+        s.wait(f"wait partials of rank {src}", tile=g, step=j, peer=src, peers=[src],
+               epoch=s.wb[3], token=s.we[3], what=f"rank {src}'s partials")  # fmt: skip
+    if s.te[1]:
+        src = s.te[2]
+        s.work(f"merge rank {src}", tile=g, step=j, src=src, rows=list(block))
+    if s.nt[1]:
+        s.notify("notify every rank", dest=-1, epoch=s.nt[2], what="acknowledgement")
 
 
-def _step_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+def _step_slots(info, s: _Tile) -> None:
     """One step of an attention program: its wait for a peer's K/V chunk (steps after the
     first), then the chunk's compute; tile ids number (program, step)."""
-    spans = []
-    tile = tid * info["world"] + j
-    if wb[1] and we[1]:
-        c = we[2]
-        spans.append(Span(
-            rank, tid, f"wait chunk of rank {c}", "wait", t(wb), t(we),
-            dict(args, tile=tile, step=j, chunk=c, peer=c, what=f"rank {c}'s K/V"),
-        ))  # fmt: skip
-        cursor = max(cursor, t(we))
-    if te[1]:
-        c = te[2]
-        spans.append(Span(
-            rank, tid, f"block {te[3]} chunk {c}", "compute", cursor, t(te),
-            dict(args, tile=tile, step=j, chunk=c),
-        ))  # fmt: skip
-        cursor = t(te)
-    return spans, [], cursor
+    s.args = dict(s.args, tile=s.tid * info["world"] + s.j, step=s.j)
+    if s.waited:
+        c = s.we[2]
+        s.wait(f"wait chunk of rank {c}", chunk=c, peer=c, what=f"rank {c}'s K/V")
+    if s.te[1]:
+        c = s.te[2]
+        s.work(f"block {s.te[3]} chunk {c}", chunk=c)
 
 
-def _dkdv_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+def _dkdv_slots(info, s: _Tile) -> None:
     """Step ``j`` of a dK/dV program (one per (chunk, key block), batch x kv head): step 0
     its wait for the chunk's K/V (a peer's chunk) and the key block's dK / dV; step 1 the
     push of the partial into the chunk owner's receive buffer (SM stores into its memory:
     a ``copy`` span, ``args.peers``; the owner's own, a ``store``) and the owner's counter
     raised (a notify); tile ids number (program, step)."""
-    spans, instants = [], []
-    tile = tid * 2 + j
-    step = dict(args, tile=tile, step=j)
-    if wb[1] and we[1]:
-        c = we[2]
-        spans.append(Span(
-            rank, tid, f"wait chunk of rank {c}", "wait", t(wb), t(we),
-            dict(step, chunk=c, peer=c, peers=[c], token=we[3], what=f"rank {c}'s K/V"),
-        ))  # fmt: skip
-        cursor = max(cursor, t(we))
-    if te[1]:
-        c = te[2]
+    s.args = dict(s.args, tile=s.tid * 2 + s.j, step=s.j)
+    if s.waited:
+        c = s.we[2]
+        s.wait(f"wait chunk of rank {c}", chunk=c, peer=c, peers=[c], token=s.we[3],
+               what=f"rank {c}'s K/V")  # fmt: skip
+    if s.te[1]:
+        c = s.te[2]
         cat = "compute"
-        if j == 0:
-            name, extra = f"dK/dV block {te[3]} chunk {c}", dict(key_block=te[3])
+        if s.j == 0:
+            name, extra = f"dK/dV block {s.te[3]} chunk {c}", dict(key_block=s.te[3])
         else:  # te[3]: the rows pushed (dK and dV)
-            nbytes = 2 * te[3] * info["d"] * info["itemsize"]
-            name, extra = "store dK/dV (own chunk)", dict(rows=te[3], bytes=nbytes)
-            if c != rank:
+            nbytes = 2 * s.te[3] * info["d"] * info["itemsize"]
+            name, extra = "store dK/dV (own chunk)", dict(rows=s.te[3], bytes=nbytes)
+            if c != s.rank:
                 name, cat = f"push dK/dV to rank {c}", "copy"
                 extra.update(peer=c, peers=[c])
-        spans.append(Span(rank, tid, name, cat, cursor, t(te), dict(step, chunk=c, **extra)))
-        cursor = t(te)
-    if nt[1]:
-        dest = nt[2]
-        instants.append(Instant(rank, tid, f"notify rank {dest}", "notify", t(nt),
-                                dict(step, dest=dest, rows=nt[3],
-                                     what="dK/dV partial rows")))  # fmt: skip
-    return spans, instants, cursor
+        s.work(name, cat, chunk=c, **extra)
+    if s.nt[1]:
+        dest = s.nt[2]
+        s.notify(f"notify rank {dest}", dest=dest, rows=s.nt[3], what="dK/dV partial rows")
 
 
-def _attn_reduce_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+def _attn_reduce_slots(info, s: _Tile) -> None:
     """Step ``j`` of a program of the attention backward's reduction: its wait for the
     dK/dV partials of source rank ``q`` (its counter reaching every row; this rank's own
     first), then their sum into the program's rows."""
-    spans = []
+    tid = s.tid
     rows = [tid * info["block_r"], min(info["rows"], (tid + 1) * info["block_r"])]
-    step = dict(args, tile=tid * info["world"] + j, step=j)
-    if wb[1] and we[1]:
-        q = we[2]
-        spans.append(Span(
-            rank, tid, f"wait partials of rank {q}", "wait", t(wb), t(we),
-            dict(step, peer=q, peers=[q], token=we[3], what=f"rank {q}'s dK/dV partials"),
-        ))  # fmt: skip
-        cursor = max(cursor, t(we))
-    if te[1]:
-        q = te[2]
-        spans.append(Span(rank, tid, f"add rank {q}", "compute", cursor, t(te),
-                          dict(step, src=q, rows=rows)))  # fmt: skip
-        cursor = t(te)
-    return spans, [], cursor
+    s.args = dict(s.args, tile=tid * info["world"] + s.j, step=s.j)
+    if s.waited:
+        q = s.we[2]
+        s.wait(f"wait partials of rank {q}", peer=q, peers=[q], token=s.we[3],
+               what=f"rank {q}'s dK/dV partials")  # fmt: skip
+    if s.te[1]:
+        q = s.te[2]
+        s.work(f"add rank {q}", src=q, rows=rows)
 
 
-def _signal_gemm_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+def _signal_gemm_slots(info, s: _Tile) -> None:
     """Tile ``g`` of the ``signal_reorder`` GEMM (program ``g % grid``): its main loop
     (``args.group``: its wave group, ``args.row_tile`` / ``col_tile``), then its group's
     counter raised (a notify to this rank's comm stream; with the TMA stores a tile is
     counted after the next tile's main loop, unless it is the program's last of its
     group)."""
-    spans, instants = [], []
-    if te[1]:
+    g = s.g
+    if s.te[1]:
         tiles_m, tiles_n, group_m = info["tiles_m"], info["tiles_n"], info["group_m"]
         per = group_m * tiles_n  # (the grouped tile order, ``kernels.gemm._tile_coords``)
         first = (g // per) * group_m
         col = (g % per) // min(tiles_m - first, group_m)
-        spans.append(Span(
-            rank, tid, f"tile {g}", "compute", cursor, t(te),
-            dict(args, tile=g, group=te[2], row_tile=te[3], col_tile=col),
-        ))  # fmt: skip
-        cursor = t(te)
-    if nt[1]:
-        instants.append(Instant(rank, tid, f"notify group {nt[2]}", "notify", t(nt),
-                                dict(args, tile=g, group=nt[2], dest=rank,
-                                     what="wave-group counter")))  # fmt: skip
-    return spans, instants, cursor
+        s.work(f"tile {g}", tile=g, group=s.te[2], row_tile=s.te[3], col_tile=col)
+    if s.nt[1]:
+        s.notify(f"notify group {s.nt[2]}", tile=g, group=s.nt[2], dest=s.rank,
+                 what="wave-group counter")  # fmt: skip
 
 
 #: expert-parallel all-to-all kernels: what a step's wait waits for (``data``: rows or
@@ -520,27 +485,37 @@ _EP_NOTIFIES = {
 }  # fmt: skip
 
 
-def _ep_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+def _push_or_store(s: _Tile, name: str, peers: list[int], extra: dict) -> None:
+    """The tile's work that writes into ``peers``' memory: a ``copy`` span (SM stores)
+    where a peer other than this rank is among them, a ``store`` where only this rank is,
+    else local ``compute``."""
+    others = [q for q in peers if q != s.rank]
+    cat = "compute"
+    if others:
+        cat = "copy"
+        extra = dict(extra, peer=others[0] if len(others) == 1 else -1, peers=others)
+    elif peers:
+        name = name.replace("push", "store", 1)
+    s.work(name, cat, **extra)
+
+
+def _ep_slots(info, s: _Tile) -> None:
     """Step ``j`` of a program of the expert-parallel dispatch / combine kernels
     (``kernels.ep``): its wait for a peer (``wait ... of rank q``: ``args.waits_for`` says
     whether for data pushed in this call or for a slot freed by the previous one), then
     its work: a push into peers' memory (SM stores: a ``copy`` span, ``args.peers``; into
     this rank's own memory, a ``store``), or local work (``compute``); a notify where the
     program raised peers' flags (``dest`` -1: every rank)."""
-    spans, instants = [], []
     kernel, world = info["kernel"], info["world"]
-    if wb[1] and we[1]:
-        q = we[2]
+    s.args = dict(s.args, tile=s.g)
+    if s.waited:
+        q = s.we[2]
         waits_for, what = _EP_WAITS[kernel]
-        spans.append(Span(
-            rank, tid, f"wait {'slot' if waits_for == 'slot' else 'data'} of rank {q}", "wait",
-            t(wb), t(we), dict(args, tile=g, step=j, peer=q, peers=[q], waits_for=waits_for,
-                               what=what.format(q=q)),
-        ))  # fmt: skip
-        cursor = max(cursor, t(we))
-    if te[1]:
-        a, b = te[2], te[3]
-        extra, cat = dict(step=j), "compute"
+        s.wait(f"wait {'slot' if waits_for == 'slot' else 'data'} of rank {q}", step=s.j,
+               peer=q, peers=[q], waits_for=waits_for, what=what.format(q=q))  # fmt: skip
+    if s.te[1]:
+        a, b = s.te[2], s.te[3]
+        extra = dict(step=s.j)
         if kernel == "ep_route":  # routing (ids, weights, count) of b tokens into rank a
             name, peers = f"push routing to rank {a}", [a]
             extra.update(tokens=b, bytes=b * info["kp"] * 8 + 4)
@@ -557,24 +532,15 @@ def _ep_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
             name, peers = ("layout (check)" if last else f"layout (expert {a})"), []
         else:
             name, peers = "sum rows of every rank", []
-        others = [q for q in peers if q != rank]
-        if others:
-            cat = "copy"
-            extra.update(peer=others[0] if len(others) == 1 else -1, peers=others)
-        elif peers:
-            name = name.replace("push", "store", 1)
-        spans.append(Span(rank, tid, name, cat, cursor, t(te), dict(args, tile=g, **extra)))
-        cursor = t(te)
-    if nt[1]:
-        dest = nt[3]
+        _push_or_store(s, name, peers, extra)
+    if s.nt[1]:
+        dest = s.nt[3]
         label = "every rank" if dest == -1 else f"rank {dest}"
-        instants.append(Instant(rank, tid, f"notify {label}", "notify", t(nt),
-                                dict(args, dest=dest, slot=nt[2],
-                                     what=_EP_NOTIFIES.get(kernel, "flags"))))  # fmt: skip
-    return spans, instants, cursor
+        s.notify(f"notify {label}", dest=dest, slot=s.nt[2],
+                 what=_EP_NOTIFIES.get(kernel, "flags"))  # fmt: skip
 
 
-def _ep_ll_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
+def _ep_ll_slots(info, s: _Tile) -> None:
     """Step ``j`` (tile ``g``) of a program of ``EPLowLatency``'s dispatch or combine
     kernel (``kernels.ep_low_latency``). Its first ``send_steps`` steps send: the rows of
     expert ``g`` (dispatch) or of segment ``g`` = (local expert, home rank) (combine) are
@@ -588,18 +554,16 @@ def _ep_ll_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
     wait ends when the last word it polls arrived; where the kernel works on the rows as
     they land (dispatch; combine with the flag in the data) the work before that falls
     inside it."""
-    spans, instants = [], []
     kernel, world, grid = info["kernel"], info["world"], info["grid"]
     sends, e_loc, wbytes = info["send_steps"], info["e_loc"], info["word_bytes"]
     dispatch = kernel == "ep_ll_dispatch"
-    step = dict(args, tile=g, step=j)
-    if nt[1]:
-        instants.append(Instant(rank, tid, "notify every rank", "notify", t(nt),
-                                dict(step, dest=-1, epoch=nt[2],
-                                     what="combine arrival words")))  # fmt: skip
+    g, j, rank = s.g, s.j, s.rank
+    s.args = dict(s.args, tile=g, step=j)
+    if s.nt[1]:
+        s.notify("notify every rank", dest=-1, epoch=s.nt[2], what="combine arrival words")
     if j < sends:
-        if te[1]:
-            dest, rows = te[2], te[3]
+        if s.te[1]:
+            dest, rows = s.te[2], s.te[3]
             if dispatch:  # count word, then each row and its meta word
                 e = g
                 name = f"push tokens to rank {dest} (expert {e})"
@@ -608,55 +572,34 @@ def _ep_ll_slots(info, rank, tid, args, g, j, wb, we, te, nt, cursor, t):
                 e = rank * e_loc + g // world
                 name = f"push rows to rank {dest} (expert {e})"
                 nbytes = rows * (info["row_words"] * wbytes + 8)
-            extra, cat = dict(expert=e, rows=rows, bytes=nbytes), "compute"
-            if dest != rank:
-                cat = "copy"
-                extra.update(peer=dest, peers=[dest])
-            else:
-                name = name.replace("push", "store", 1)
-            spans.append(Span(rank, tid, name, cat, cursor, t(te), dict(step, **extra)))
-            cursor = t(te)
-        return spans, instants, cursor
+            _push_or_store(s, name, [dest], dict(expert=e, rows=rows, bytes=nbytes))
+        return
     if not dispatch and j < sends + world:  # program 0: every rank's arrival word
-        if wb[1] and we[1]:
-            q = wb[2]
-            spans.append(Span(
-                rank, tid, f"wait arrival of rank {q}", "wait", t(wb), t(we),
-                dict(step, peer=q, peers=[q], waits_for="arrival",
-                     what=f"rank {q} started this combine"),
-            ))  # fmt: skip
-        return spans, instants, cursor  # (at the launch's end: the cursor stays)
+        if s.waited:
+            q = s.wb[2]
+            s.wait(f"wait arrival of rank {q}", move=False, peer=q, peers=[q],
+                   waits_for="arrival", what=f"rank {q} started this combine")  # fmt: skip
+        return
     if dispatch:
         el, src = divmod(g - sends * grid, world)  # segment (local expert, source)
         e = rank * e_loc + el
-        if wb[1] and we[1]:
-            spans.append(Span(
-                rank, tid, f"wait rows of rank {src}", "wait", t(wb), t(we),
-                dict(step, peer=src, peers=list(range(src + 1)), waits_for="data", expert=e,
-                     rows_seen=we[3], what=f"rank {src}'s rows of expert {e} (and the row "
-                     f"counts of ranks 0 .. {src})"),
-            ))  # fmt: skip
-            cursor = max(cursor, t(we))
-        if te[1]:
-            spans.append(Span(rank, tid, f"receive rows of rank {src}", "compute", cursor,
-                              t(te), dict(step, src=src, expert=e, rows=te[3])))  # fmt: skip
-            cursor = t(te)
-        return spans, instants, cursor
-    if wb[1] and we[1]:
-        mask = wb[3]
+        if s.waited:
+            s.wait(f"wait rows of rank {src}", peer=src, peers=list(range(src + 1)),
+                   waits_for="data", expert=e, rows_seen=s.we[3],
+                   what=f"rank {src}'s rows of expert {e} (and the row counts of ranks 0 "
+                   f".. {src})")  # fmt: skip
+        if s.te[1]:
+            s.work(f"receive rows of rank {src}", src=src, expert=e, rows=s.te[3])
+        return
+    if s.waited:
+        mask = s.wb[3]
         peers = [q for q in range(min(world, 63)) if mask >> q & 1]
         who = ", ".join(str(q) for q in peers)
-        spans.append(Span(
-            rank, tid, f"wait rows of rank {who}", "wait", t(wb), t(we),
-            dict(step, token=wb[2], peer=peers[0] if len(peers) == 1 else -1, peers=peers,
-                 waits_for="data", what=f"rank {who}'s rows of token {wb[2]}"),
-        ))  # fmt: skip
-        cursor = max(cursor, t(we))
-    if te[1]:
-        spans.append(Span(rank, tid, f"sum token {te[2]}", "compute", cursor, t(te),
-                          dict(step, token=te[2])))  # fmt: skip
-        cursor = t(te)
-    return spans, instants, cursor
+        s.wait(f"wait rows of rank {who}", token=s.wb[2],
+               peer=peers[0] if len(peers) == 1 else -1, peers=peers, waits_for="data",
+               what=f"rank {who}'s rows of token {s.wb[2]}")  # fmt: skip
+    if s.te[1]:
+        s.work(f"sum token {s.te[2]}", token=s.te[2])
 
 
 #: how a launch's tile slots read: by ``info["slots"]`` where given, else by its layout

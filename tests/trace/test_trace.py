@@ -576,6 +576,11 @@ def _check_ep(res):
             pushed = {q for s in spans if s.rank == rank and s.cat == "copy"
                       and s.args["kernel"] == kernel for q in s.args["peers"]}  # fmt: skip
             assert pushed == set(range(world)) - {rank}, (rank, kernel, pushed)
+        # the routing a rank writes into its own memory is a store, not a copy
+        own = [s for s in spans if s.rank == rank and s.args.get("kernel") == "ep_route"
+               and s.cat not in ("program", "wait")
+               and s.name.endswith(f"to rank {rank}")]  # fmt: skip
+        assert own and all(s.name.startswith("store") and s.cat == "compute" for s in own), own
     data_waits = 0
     for w in (s for s in spans if s.cat == "wait"):
         assert w.t1 >= w.t0 and w.args["waits_for"] in ("data", "slot"), w
