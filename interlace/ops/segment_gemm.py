@@ -50,20 +50,51 @@ class GemmConfig:
     subtile: bool = False  # store the output tile in two halves (frees shared memory)
 
 
+#: The two segment-GEMM configs the H200 tuning runs found best (128 x 256 tiles with 8
+#: warps and 3 stages on most shapes; 128 x 128 tiles with 4 warps and 5 stages where the
+#: wide tiles fill the last wave of SMs badly): ``benchmarks/results/history/
+#: 2026-11-21-h200-gemm-tuning-run1.json`` and ``2026-11-22-...-run2.json``.
+WIDE = GemmConfig()
+NARROW = GemmConfig(block_n=128, num_warps=4, num_stages=5)
+#: How much better the narrow tiles must fill the waves to be picked: the wide tiles run a
+#: few per cent faster where both fill the waves alike. With 1.05, over the 36 shapes of
+#: both tuning runs the model's pick takes at worst 1.079 x (geometric mean 1.008 x) the
+#: best candidate's time, against 1.296 x (1.023 x) for the rule it replaced (narrow
+#: tiles where K <= 4096, N <= 8192 and N is no multiple of 256); 1.00-1.10 give the same
+#: worst case (``benchmarks/probes/gemm_wave_model.py`` recomputes this).
+WAVE_MARGIN = 1.05
+
+
+def wave_efficiency(m: int, n: int, cfg: GemmConfig, sms: int) -> float:
+    """The share of the SMs' wave slots that the tiles of an ``m x n`` output fill: tiles
+    / (waves x SMs), a persistent GEMM running one tile per SM at a time."""
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    return tiles / (cdiv(tiles, sms) * sms)
+
+
+def modelled_config(m: int, n: int, sms: int, margin: float = WAVE_MARGIN) -> GemmConfig:
+    """The config for a shape the tuned table lacks: :data:`NARROW` where its tiles fill
+    the waves at least ``margin`` times better than :data:`WIDE`'s, else WIDE."""
+    narrow, wide = wave_efficiency(m, n, NARROW, sms), wave_efficiency(m, n, WIDE, sms)
+    return NARROW if narrow > margin * wide else WIDE
+
+
+@functools.cache
+def _device_sms(device_index: int) -> int:
+    return sm_count(device_index)
+
+
 def gemm_config(m: int, n: int, k: int, backend: str = "cuda") -> GemmConfig:
     """The tile config for a GEMM shape: the tuned one (``tune/configs/gemm.json``,
-    measured on an H200) or a rule. A function of the shape only, so every rank picks the
-    same config without talking (the tile grid defines the signal counts)."""
+    measured on an H200), else the wave model (:func:`modelled_config`) for this GPU's SM
+    count. A function of the shape and the GPU model only, so every rank picks the same
+    config without talking (the tile grid defines the signal counts)."""
     if backend != "cuda":  # the interpreter: small tiles keep CPU tests fast
         return GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
     tuned = gemm_configs().get((m, n, k))
     if tuned is not None:
         return GemmConfig(**tuned)
-    if k <= 4096 and n <= 8192 and n % 256 != 0:
-        # 128x128 tiles, 4 warps, 5 stages won the K = 4096 column-parallel shapes whose N
-        # is no multiple of 256 (history/2026-11-21-h200-gemm-tuning-run1.json)
-        return GemmConfig(block_n=128, num_warps=4, num_stages=5)
-    return GemmConfig()
+    return modelled_config(m, n, _device_sms(torch.cuda.current_device()))
 
 
 SHARED_BYTES = 224 * 1024  # of an H200 SM's 227 KB, leaving room for Triton's own use
