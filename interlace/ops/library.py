@@ -234,25 +234,24 @@ def _local_linear(a, b, bias):
 
 
 # ---------------------------------------------------------------------------- implementations
-def _ag_gemm(a, b, bias, group: int, strategy: str):
+def _fused_gemm(cls, a, b, bias, group: int, strategy: str):
+    """AG+GEMM or GEMM+RS (``cls``) by its cached context; a local matmul on one rank."""
     g = group_of(group)
-    _check_2d("ag_gemm", a=a, b=b)
+    _check_2d(cls.op_name, a=a, b=b)
     if g.world_size == 1:
         return _local_linear(a, b, bias)
     a, b = a.contiguous(), contiguous_b(b)
-    ctx = _gemm_context(AGGemm, g, group, strategy, g.world_size * a.shape[0], b.shape[1],
-                        b.shape[0], a.dtype)  # fmt: skip
+    rows = a.shape[0] * (g.world_size if cls is AGGemm else 1)  # (AGGemm: gathered rows)
+    ctx = _gemm_context(cls, g, group, strategy, rows, b.shape[1], b.shape[0], a.dtype)
     return ctx(a, b, bias=bias)
+
+
+def _ag_gemm(a, b, bias, group: int, strategy: str):
+    return _fused_gemm(AGGemm, a, b, bias, group, strategy)
 
 
 def _gemm_rs(a, b, bias, group: int, strategy: str):
-    g = group_of(group)
-    _check_2d("gemm_rs", a=a, b=b)
-    if g.world_size == 1:
-        return _local_linear(a, b, bias)
-    a, b = a.contiguous(), contiguous_b(b)
-    ctx = _gemm_context(GemmRS, g, group, strategy, a.shape[0], b.shape[1], b.shape[0], a.dtype)
-    return ctx(a, b, bias=bias)
+    return _fused_gemm(GemmRS, a, b, bias, group, strategy)
 
 
 def _gemm_ar(a, b, bias, group: int, strategy: str):
