@@ -112,7 +112,7 @@ class _PerRank:
         self.delta = torch.empty_like(self.lse)
 
     def _chunks(self, x):
-        from ..ops.attention.sp_attention import zigzag_shard
+        from ..ops.attention.layout import zigzag_shard
 
         if self.causal:
             return [zigzag_shard(x, self.world, r) for r in range(self.world)]

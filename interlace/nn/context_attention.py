@@ -27,15 +27,9 @@ from torch import nn
 from ..errors import InterlaceTypeError, InterlaceValueError
 from ..ops import library as _library
 from ..ops._context import KeptContext
+from ..ops.attention.layout import positions, zigzag_shard, zigzag_unshard
 from ..ops.attention.library import attention as _traced_attention
-from ..ops.attention.sp_attention import (
-    DTYPES,
-    HEAD_DIMS,
-    SPAttention,
-    positions,
-    zigzag_shard,
-    zigzag_unshard,
-)
+from ..ops.attention.sp_attention import DTYPES, HEAD_DIMS, SPAttention
 from ..runtime import Group
 from .attention import apply_rotary
 from .linear import _check_group, gather_from_sequence, scatter_to_sequence

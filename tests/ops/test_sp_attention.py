@@ -17,7 +17,7 @@ import torch
 
 from interlace.errors import InterlaceTypeError, InterlaceValueError
 from interlace.ops.attention import SPAttention, zigzag_shard, zigzag_unshard
-from interlace.ops.attention.sp_attention import segment_ids
+from interlace.ops.attention.layout import segment_ids
 from tests.ops._helpers import capture, expect_error, rel_err, replay, sync
 
 TOL_FWD = 1e-2

@@ -5,7 +5,8 @@ flash-decode. Importing this package registers the custom ops
 
 from . import library
 from .flash_decode import DecodeConfig, FlashDecode
-from .sp_attention import SPAttention, zigzag_shard, zigzag_unshard
+from .layout import zigzag_shard, zigzag_unshard
+from .sp_attention import SPAttention
 
 __all__ = [
     "DecodeConfig",

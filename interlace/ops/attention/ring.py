@@ -22,15 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .layout import positions, segment_ids, zigzag_unshard
+
 
 def _on_host(group) -> bool:
     return not group.nccl
-
-
-def _positions(rank, world, s_loc, causal, device):
-    from .sp_attention import positions
-
-    return positions(rank, world, s_loc, causal, device)
 
 
 def _gather_parts(group, x: torch.Tensor) -> list[torch.Tensor]:
@@ -80,8 +76,6 @@ def _doc_mask(qpos, kpos, seg, causal):
 
 def gather_attention(group, q, k, v, causal, cu_seqlens, scale):
     """``none``: all-gather K/V, then SDPA (see the module docstring)."""
-    from .sp_attention import segment_ids, zigzag_unshard
-
     w, r = group.world_size, group.rank
     b, h, s_loc, d = q.shape
     ks, vs = _GatherKV.apply(group, k), _GatherKV.apply(group, v)
@@ -93,7 +87,7 @@ def gather_attention(group, q, k, v, causal, cu_seqlens, scale):
     if cu_seqlens is not None:
         cu = cu_seqlens.to(q.device)
         seg = segment_ids(cu, w * s_loc)
-        qpos = _positions(r, w, s_loc, causal, q.device)
+        qpos = positions(r, w, s_loc, causal, q.device)
         kpos = torch.arange(w * s_loc, device=q.device)
         mask = _doc_mask(qpos, kpos, seg, causal)
         return F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask, scale=scale)
@@ -135,7 +129,7 @@ def _blocks(rank, chunk, world, s_loc, causal, qpos, seg) -> list[_Block]:
     after a query half."""
     every = slice(None)
     if seg is not None:
-        kpos = _positions(chunk, world, s_loc, causal, qpos.device)
+        kpos = positions(chunk, world, s_loc, causal, qpos.device)
         return [_Block(every, every, mask=_doc_mask(qpos, kpos, seg, causal))]
     if not causal:
         return [_Block(every, every)]
@@ -231,8 +225,6 @@ def _start_exchange(group, kv: torch.Tensor, tag: int = 0):
 
 
 def _segments(cu_seqlens, total, device):
-    from .sp_attention import segment_ids
-
     return None if cu_seqlens is None else segment_ids(cu_seqlens.to(device), total)
 
 
@@ -244,7 +236,7 @@ def _ring_forward(group, q, k, v, causal, cu_seqlens, scale):
     out = torch.zeros(b, h, s_loc, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s_loc), float("-inf"), dtype=torch.float32, device=q.device)
     seg = _segments(cu_seqlens, w * s_loc, q.device)
-    qpos = _positions(r, w, s_loc, causal, q.device)
+    qpos = positions(r, w, s_loc, causal, q.device)
     kv = torch.stack([k, v]).contiguous()
     for t in range(w):
         c = (r - t) % w
@@ -270,7 +262,7 @@ def _ring_backward(group, q, k, v, out, lse, do, causal, cu_seqlens, scale):
     w, r = group.world_size, group.rank
     h, s_loc, kv_heads = q.shape[1], q.shape[2], k.shape[1]
     seg = _segments(cu_seqlens, w * s_loc, q.device)
-    qpos = _positions(r, w, s_loc, causal, q.device)
+    qpos = positions(r, w, s_loc, causal, q.device)
     delta = (do.float() * out).sum(-1)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v]).contiguous()

@@ -3,7 +3,7 @@ forward and backward.
 
 Each rank holds ``S_loc`` tokens of the sequence: ``q [batch, heads, S_loc, d]``,
 ``k, v [batch, kv_heads, S_loc, d]`` (grouped-query attention when ``kv_heads < heads``).
-Token layout (``zigzag_shard`` / ``zigzag_unshard`` convert a whole sequence):
+Token layout (``layout.zigzag_shard`` / ``zigzag_unshard`` convert a whole sequence):
 
 * non-causal: rank ``r`` holds positions ``[r * S_loc, (r + 1) * S_loc)``;
 * causal: the zigzag layout: the sequence cut into ``2W`` chunks of ``S_loc / 2``, rank
@@ -69,6 +69,8 @@ from .. import _trace
 from .._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext, cdiv
 from .._launch import install_scratch_allocator
 from .._trace import copy_and_signal  # recorded as a copy where a recorder is in force
+from .layout import segment_ids
+from .ring import _ring_backward, _ring_forward, gather_attention, ring_attention
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -127,38 +129,6 @@ def config_of(kind: str, d: int, backend: str, causal: bool = False) -> AttnConf
     if causal and (kind, d) in GPU_CONFIGS_CAUSAL:
         return GPU_CONFIGS_CAUSAL[(kind, d)]
     return GPU_CONFIGS[(kind, d)]
-
-
-# ------------------------------------------------------------------------------ layout
-def zigzag_shard(x: torch.Tensor, world: int, rank: int, dim: int = 2) -> torch.Tensor:
-    """Rank ``rank``'s tokens of a whole sequence ``x`` in the causal (zigzag) layout:
-    chunks ``rank`` and ``2 * world - 1 - rank`` of ``2 * world`` along ``dim``."""
-    chunks = x.chunk(2 * world, dim=dim)
-    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=dim).contiguous()
-
-
-def zigzag_unshard(parts: list[torch.Tensor], dim: int = 2) -> torch.Tensor:
-    """The whole sequence from every rank's zigzag shard (``parts`` in rank order)."""
-    w = len(parts)
-    halves = [p.chunk(2, dim=dim) for p in parts]
-    order = [halves[i][0] for i in range(w)] + [halves[w - 1 - i][1] for i in range(w)]
-    return torch.cat(order, dim=dim)
-
-
-def positions(rank: int, world: int, s_loc: int, causal: bool, device=None) -> torch.Tensor:
-    """Global positions of a rank's local tokens (zigzag when ``causal``)."""
-    idx = torch.arange(s_loc, device=device)
-    if not causal:
-        return rank * s_loc + idx
-    half = s_loc // 2
-    return torch.where(idx < half, rank * half + idx, (2 * world - 1 - rank) * half + idx - half)
-
-
-def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Document index of every global position (int32 [total])."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    ids = torch.arange(lengths.numel(), dtype=torch.int32, device=cu_seqlens.device)
-    return torch.repeat_interleave(ids, lengths, output_size=total)
 
 
 # ------------------------------------------------------------------------------ launches
@@ -442,12 +412,8 @@ class SPAttention(AlternatingSets, OpContext):
         self._fingerprint(shape)
         scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
         if self.strategy == "none":
-            from .ring import gather_attention
-
             out = gather_attention(self.group, q, k, v, shape.causal, cu_seqlens, scale)
         elif self.strategy == "ring":
-            from .ring import ring_attention
-
             out = ring_attention(self.group, q, k, v, shape.causal, cu_seqlens, scale)
         else:
             out = _SPAttentionFn.apply(self, q, k, v, shape, cu_seqlens, scale)
@@ -463,8 +429,6 @@ class SPAttention(AlternatingSets, OpContext):
         ``ops.attention.library``): ``lse`` the natural-log log-sum-exp of every query
         row's scaled logits over the whole sequence, float32 ``[batch, heads, S_loc]``;
         empty for ``none``, which keeps no softmax statistics."""
-        from .ring import _ring_forward, gather_attention
-
         shape = self._check_inputs(q, k, v, causal, cu_seqlens)
         self._fingerprint(shape)
         b, h, s_loc, _ = q.shape
@@ -486,8 +450,6 @@ class SPAttention(AlternatingSets, OpContext):
         (:meth:`forward_with_lse`), by the strategy's own backward; ``none``, which kept
         no ``lse``, recomputes it by the ring forward and runs the ring backward (the same
         gradients, from torch ops)."""
-        from .ring import _ring_backward, _ring_forward
-
         shape = self._check_inputs(q, k, v, causal, cu_seqlens)
         if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
             raise InterlaceValueError(
@@ -664,8 +626,4 @@ __all__ = [
     "launch_dq",
     "launch_fwd",
     "launch_reduce",
-    "positions",
-    "segment_ids",
-    "zigzag_shard",
-    "zigzag_unshard",
 ]
