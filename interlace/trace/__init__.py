@@ -10,8 +10,9 @@ See ``docs/trace.md`` for how to read a trace, ``recorder`` for what is recorded
 the clocks are aligned, ``summary`` for the overlap ratio and the wait chain.
 """
 
-from .model import Instant, Span, Trace, build_trace
+from .model import Trace, build_trace
 from .recorder import Recorder, measure_clock, record
+from .spans import Instant, Span
 from .summary import exposed_spans, format_summary, summarize, wait_chain
 
 __all__ = [

@@ -44,35 +44,8 @@ from ..kernels.gemm import (
     SEG_WAIT_COUNT,
 )
 from ..language.trace import HEADER, PER_TILE
-
-#: Chrome thread ids of the tracks that are not programs
-TID_STREAM = 100_000
-TID_EXPOSED = 200_000
-
-
-@dataclass
-class Span:
-    rank: int
-    tid: int
-    name: str
-    cat: str
-    t0: int  # ns, rank 0's clock
-    t1: int
-    args: dict = field(default_factory=dict)
-
-    @property
-    def dur(self) -> int:
-        return self.t1 - self.t0
-
-
-@dataclass
-class Instant:
-    rank: int
-    tid: int
-    name: str
-    cat: str
-    t: int
-    args: dict = field(default_factory=dict)
+from .spans import TID_EXPOSED, TID_STREAM, Instant, Span
+from .summary import exposed_spans, summarize
 
 
 @dataclass
@@ -128,8 +101,6 @@ class Trace:
         """Write ``<prefix>.json`` (Chrome / Perfetto), ``<prefix>-summary.json`` and, with
         ``png`` and matplotlib installed, ``<prefix>.png``. Returns what was written (and
         ``png_skipped``: why no PNG)."""
-        from .summary import summarize
-
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         out = {}
         with open(f"{prefix}.json", "w") as f:
@@ -671,8 +642,6 @@ def build_trace(everyone: list[dict], label: str = "", meta=None, shared: str | 
                  for info, _ in d["launches"]] for d in everyone]  # fmt: skip
     meta = dict(meta or {}, launches=launches)
     trace = Trace(world, spans, instants, tracks, clock, label, meta)
-    from .summary import exposed_spans
-
     for r in range(world):
         for s in exposed_spans(trace, r):
             trace.spans.append(s)

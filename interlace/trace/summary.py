@@ -21,7 +21,7 @@ defines it, exposed communication, wait time per program, and the longest wait c
 
 from __future__ import annotations
 
-from .model import TID_EXPOSED, Span
+from .spans import TID_EXPOSED, Span
 
 #: a signal may be dated this much after the wait it released ends (clock alignment)
 SLACK_NS = 2_000
