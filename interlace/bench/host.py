@@ -3,8 +3,10 @@
 
 What a user's eager call costs the CPU before it returns, with the device idle at its start
 and every rank past a host barrier (``host_us``: median of ``--iters`` calls after warm-up
-calls that compile and capture). One GPU is enough: the ranks then share it
-(``World(share_device=True)``), which changes device times, not the host path. Ops:
+calls that compile and capture). On one GPU it runs twice: in a world of one rank (the
+op's host path alone, ``as_world`` 1), then in a world of two ranks sharing the GPU
+(``World(share_device=True)``; records marked ``shared_gpu: true``, ``variant:
+shared_gpu``): two processes driving one GPU also wait on each other's launches. Ops:
 AG+GEMM, GEMM+RS and GEMM+AR in ``fused`` (and GEMM+RS / GEMM+AR in ``ce_fused``) at
 LLaMA-3-8B, M 2048; the collectives in their default method at 16 MB per rank. Records:
 ``op``, ``strategy``, the shape, ``as_world``, ``host_us``, ``eager_graphs: true``; written
@@ -97,7 +99,8 @@ def table(records: list[dict]) -> None:
         shape = (f"{r['model']} M={r['M']}" if "model" in r
                  else f"{r['bytes_per_rank'] >> 20} MB/rank")  # fmt: skip
         t = "failed" if r["host_us"] is None else f"{r['host_us']:.1f}"
-        rows.append([r["op"], r["strategy"], shape, str(r["as_world"]), t])
+        w = f"{r['as_world']}" + (" shared" if r.get("shared_gpu") else "")
+        rows.append([r["op"], r["strategy"], shape, w, t])
     print_table("host time of one eager call (graphs on)", head, rows)
     for r in records:
         if r.get("error"):
@@ -119,15 +122,20 @@ def main(argv: list[str] | None = None) -> int:
     if gpus == 0:
         print("bench host: needs a GPU (host time of a CUDA call)")
         return 0
-    world = args.world_size or (gpus if gpus >= 2 else 2)
-    shared = world > gpus
-    if shared and gpus >= 2:
-        print(f"error: --world-size {world} but only {gpus} GPUs", file=sys.stderr)
-        return 2
-    with World(world, "cuda", share_device=shared, timeout=900) as ranks:
-        records = ranks.run(measure, args.iters)[0]
+    worlds = [args.world_size] if args.world_size else ([gpus] if gpus >= 2 else [1, 2])
+    records = []
+    for world in worlds:
+        shared = world > gpus
+        if shared and gpus >= 2:
+            print(f"error: --world-size {world} but only {gpus} GPUs", file=sys.stderr)
+            return 2
+        with World(world, "cuda", share_device=shared, timeout=900) as ranks:
+            got = ranks.run(measure, args.iters)[0]
+        if shared:
+            got = [dict(r, shared_gpu=True, variant="shared_gpu") for r in got]
+        path = write_records(args.out, torch.cuda.get_device_name(0), 1 if shared else world, got)
+        records += got
     table(records)
-    path = write_records(args.out, torch.cuda.get_device_name(0), 1 if shared else world, records)
     print(f"results written to {path}")
     return 1 if any(r.get("error") for r in records) else 0
 

@@ -42,3 +42,36 @@ def test_a_failed_op_is_reported_and_the_next_runs():
     for bad, good in get_world("cpu", 2).run(_body):
         assert bad["host_us"] is None and "peer never arrived" in bad["error"]
         assert good == {"method": "m", "host_us": 4.0}
+
+
+def test_one_gpu_runs_a_one_rank_world_then_a_shared_one(monkeypatch, tmp_path):
+    """On one GPU: the host path alone (one rank), then two ranks sharing the GPU, whose
+    records say so; both written to the one-GPU file."""
+    import json
+
+    import interlace.testing
+    from interlace.bench import host
+
+    worlds = []
+
+    class FakeWorld(contextlib.AbstractContextManager):
+        def __init__(self, n, backend, share_device=False, timeout=None):
+            worlds.append((n, share_device))
+
+        def run(self, fn, iters):
+            return [[{"op": "ag_gemm", "strategy": "fused", "model": "m", "M": 8, "as_world": 1,
+                      "host_us": 5.0 * len(worlds)}]]  # fmt: skip
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(interlace.testing, "World", FakeWorld)
+    monkeypatch.setattr(host.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(host.torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+    assert host.main(["--out", str(tmp_path), "--iters", "2"]) == 0
+    assert worlds == [(1, False), (2, True)]
+    (path,) = tmp_path.glob("*.json")
+    recs = json.loads(path.read_text())["records"]
+    assert [(r["host_us"], r.get("shared_gpu", False)) for r in recs] == [(5.0, False),
+                                                                        (10.0, True)]  # fmt: skip
+    assert recs[1]["variant"] == "shared_gpu"
