@@ -9,14 +9,17 @@ op's host path alone, ``as_world`` 1), then in a world of two ranks sharing the 
 shared_gpu``): two processes driving one GPU also wait on each other's launches. Ops:
 AG+GEMM, GEMM+RS and GEMM+AR in ``fused`` (and GEMM+RS / GEMM+AR in ``ce_fused``) at
 LLaMA-3-8B, M 2048; the collectives in their default method at 16 MB per rank. Records:
-``op``, ``strategy``, the shape, ``as_world``, ``host_us``, ``eager_graphs: true``; written
-with ``world_size`` 1 on one GPU, with the world size on several.
+``op``, ``strategy``, the shape, ``as_world``, ``host_us``, ``eager_graphs: true``, and the
+host time of each step of the call path (``host_check_us``, ``host_fingerprint_us``,
+``host_enqueue_us``, ..., :data:`STEPS`; timed apart in back-to-back calls); written with
+``world_size`` 1 on one GPU, with the world size on several.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 
@@ -30,6 +33,64 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 MODEL, M, COLLECTIVE_BYTES = "llama3-8b", 2048, 16 << 20
 
 
+#: The steps of an op's call path timed apart (``host_<step>_us``), those the context has:
+#: the argument checks (``_begin`` and the op's checks), the strategy choice, the call's
+#: fingerprint written into its signal pad (a stream memory write), the enqueue (on a GPU
+#: the replay of the call's captured graph), the end. ``other``: the rest of the call
+#: (output allocation, plan lookups, the op's own code).
+STEPS = {"_begin": "check", "_check_call": "check", "_check_tensor": "check",
+         "_check_out": "check", "_resolve": "resolve", "_begin_call": "fingerprint",
+         "_enqueue": "enqueue", "_end": "end"}  # fmt: skip
+
+
+class StepClock:
+    """Host clocks around the call-path steps of one context (:data:`STEPS`, each method
+    of the instance wrapped while the clock is in force): seconds per step summed over
+    the calls, a step called inside another timed step counting to the outer one. The
+    wrappers add a fraction of a microsecond per step."""
+
+    def __init__(self, ctx):
+        self.ctx, self.seconds, self._depth = ctx, {}, 0
+
+    def _wrap(self, fn, step):
+        def timed(*args, **kwargs):
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+    def __enter__(self):
+        for name, step in STEPS.items():
+            fn = getattr(self.ctx, name, None)
+            if fn is not None:
+                setattr(self.ctx, name, self._wrap(fn, step))
+        return self
+
+    def __exit__(self, *exc):
+        for name in STEPS:
+            self.ctx.__dict__.pop(name, None)  # the class's method again
+        return None
+
+
+def step_times(ctx, call, iters: int) -> dict[str, float]:
+    """``host_<step>_us`` per call (means over ``iters`` calls, back to back) and
+    ``host_other_us`` (the rest of the call's host time)."""
+    with StepClock(ctx) as clock:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call(ctx)
+        total = time.perf_counter() - t0
+    per = {f"host_{k}_us": round(v / iters * 1e6, 2) for k, v in clock.seconds.items()}
+    per["host_other_us"] = round((total - sum(clock.seconds.values())) / iters * 1e6, 2)
+    return per
+
+
 def _timed(group, make, call, iters: int, warmup: int) -> dict:
     """``host_us``: the max over ranks of each rank's median host time of ``call(ctx)`` on
     a context from ``make()``, after ``warmup`` calls, and the context's ``method`` where
@@ -38,18 +99,21 @@ def _timed(group, make, call, iters: int, warmup: int) -> dict:
     from ..errors import InterlaceError
 
     out = {}
-    t = None
+    t, steps = None, {}
     try:
         with make() as ctx:
             out["method"] = getattr(ctx, "method", "default")
             for _ in range(warmup):
                 call(ctx)
             t = host_us(group, lambda: call(ctx), iters)
+            steps = step_times(ctx, call, iters)
             ctx.check()
     except InterlaceError as e:
         t, out["error"] = None, f"{type(e).__name__}: {e}"
     worst = max_over_ranks(group, {"t": t})["t"]
     out["host_us"] = None if worst is None else round(worst, 1)
+    if worst is not None:  # (this rank's steps; every rank runs the same path)
+        out.update(steps)
     return out
 
 
@@ -93,15 +157,24 @@ def measure(group, iters: int = 20, warmup: int = 5) -> list[dict]:
 def table(records: list[dict]) -> None:
     from .cli import print_table
 
-    head = ["op", "strategy", "shape", "as W", "host_us"]
+    def who(r):
+        shared = " shared" if r.get("shared_gpu") else ""
+        return [r["op"], r["strategy"], f"{r['as_world']}{shared}"]
+
     rows = []
     for r in records:
         shape = (f"{r['model']} M={r['M']}" if "model" in r
                  else f"{r['bytes_per_rank'] >> 20} MB/rank")  # fmt: skip
         t = "failed" if r["host_us"] is None else f"{r['host_us']:.1f}"
-        w = f"{r['as_world']}" + (" shared" if r.get("shared_gpu") else "")
-        rows.append([r["op"], r["strategy"], shape, w, t])
-    print_table("host time of one eager call (graphs on)", head, rows)
+        rows.append([*who(r), shape, t])
+    print_table("host time of one eager call (graphs on)",
+                ["op", "strategy", "as W", "shape", "host_us"], rows)  # fmt: skip
+    steps = ["check", "resolve", "fingerprint", "enqueue", "end", "other"]
+    rows = [who(r) + [str(r.get(f"host_{k}_us", "-")) for k in steps]
+            for r in records if r.get("host_us") is not None]  # fmt: skip
+    if rows:
+        print_table("host us per call by step (back to back, clocks on)",
+                    ["op", "strategy", "as W", *steps], rows)  # fmt: skip
     for r in records:
         if r.get("error"):
             print(f"error {r['op']} {r['strategy']}: {r['error']}")

@@ -41,6 +41,7 @@ def _body(group):
 def test_a_failed_op_is_reported_and_the_next_runs():
     for bad, good in get_world("cpu", 2).run(_body):
         assert bad["host_us"] is None and "peer never arrived" in bad["error"]
+        assert good.pop("host_other_us") >= 0  # (no step of the call path to time apart)
         assert good == {"method": "m", "host_us": 4.0}
 
 
@@ -75,3 +76,34 @@ def test_one_gpu_runs_a_one_rank_world_then_a_shared_one(monkeypatch, tmp_path):
     assert [(r["host_us"], r.get("shared_gpu", False)) for r in recs] == [(5.0, False),
                                                                         (10.0, True)]  # fmt: skip
     assert recs[1]["variant"] == "shared_gpu"
+
+
+def test_step_clock_times_the_call_path_steps_and_restores_them():
+    """Each step is timed once per call; a step called inside another counts to the outer
+    one; the instance's methods are the class's again afterwards."""
+    import time
+
+    from interlace.bench import host
+
+    class Ctx:
+        def _begin(self):
+            time.sleep(0.002)
+
+        def _check_call(self):
+            self._begin()  # nested: counted to check, once
+            time.sleep(0.001)
+
+        def _enqueue(self):
+            time.sleep(0.004)
+
+        def __call__(self):
+            self._check_call()
+            self._enqueue()
+            time.sleep(0.001)  # other
+
+    ctx = Ctx()
+    got = host.step_times(ctx, lambda c: c(), iters=5)
+    assert set(got) == {"host_check_us", "host_enqueue_us", "host_other_us"}, got
+    assert 2900 < got["host_check_us"] < 6000 and 3900 < got["host_enqueue_us"] < 8000, got
+    assert 900 < got["host_other_us"] < 4000, got
+    assert "_begin" not in vars(ctx) and "_enqueue" not in vars(ctx)
