@@ -6,7 +6,8 @@ and every rank past a host barrier (``host_us``: median of ``--iters`` calls aft
 calls that compile and capture). On one GPU it runs twice: in a world of one rank (the
 op's host path alone, ``as_world`` 1), then in a world of two ranks sharing the GPU
 (``World(share_device=True)``; records marked ``shared_gpu: true``, ``variant:
-shared_gpu``): two processes driving one GPU also wait on each other's launches. Ops:
+shared_gpu``), whose host times include what two processes driving one GPU cost each
+other. Ops:
 AG+GEMM, GEMM+RS and GEMM+AR in ``fused`` (and GEMM+RS / GEMM+AR in ``ce_fused``) at
 LLaMA-3-8B, M 2048; the collectives in their default method at 16 MB per rank. Records:
 ``op``, ``strategy``, the shape, ``as_world``, ``host_us``, ``eager_graphs: true``, and the
