@@ -332,6 +332,51 @@ def test_large_hidden(world):
     run_on_gpus(world, _big_body, why="GPU sizes")
 
 
+def test_the_routing_fast_path_agrees_with_the_full_checks(monkeypatch):
+    """``routing_args_fit`` (one expression, what an eager call pays for) accepts exactly
+    what the full checks accept, over valid inputs and each kind of bad one."""
+    from types import SimpleNamespace
+
+    from interlace.ops.ep import layout
+
+    cpu = torch.device("cpu")
+    ctx = SimpleNamespace(group=SimpleNamespace(device=cpu), dtype=torch.bfloat16, hidden=8,
+                          max_tokens=4, topk=2)  # fmt: skip
+    # (a fake context: the full checks' ``_check_placed``, as the contexts have it)
+    ctx._check_placed = lambda name, t: interlace.ops._context.OpContext._check_placed(ctx, name, t)
+    ctx.op_name = "ep_dispatch"
+
+    bf, i64, z = torch.bfloat16, torch.int64, torch.zeros
+
+    def args(**change):
+        a = dict(x=z(3, 8, dtype=bf), idx=z(3, 2, dtype=i64), w=z(3, 2))
+        a.update(change)
+        return a["x"], a["idx"], a["w"]
+
+    cases = [
+        args(), args(idx=z(3, 2, dtype=torch.int32)), args(w=z(3, 2, dtype=bf)),
+        args(x=z(0, 8, dtype=bf), idx=z(0, 2, dtype=i64), w=z(0, 2)),
+        # bad ones: x's dtype, width, token count, dims, layout, type; then the routing's
+        args(x=z(3, 8)), args(x=z(3, 9, dtype=bf)), args(x=z(5, 8, dtype=bf)),
+        args(x=z(8, dtype=bf)), args(x=z(8, 3, dtype=bf).t()), args(x=[[0.0] * 8] * 3),
+        args(idx=z(3, 2, dtype=torch.int16)), args(idx=z(3, 3, dtype=i64)),
+        args(idx=z(2, 3, dtype=i64).t()), args(idx=None),
+        args(w=z(3, 2, dtype=torch.float16)), args(w=z(4, 2)), args(w=z(2, 3).t()),
+        args(w=z(3, 2, dtype=torch.float64)),
+    ]  # fmt: skip
+    fits = [layout.routing_args_fit(ctx, *c) for c in cases]
+    monkeypatch.setattr(layout, "routing_args_fit", lambda *a: False)  # the full checks alone
+    accepted = []
+    for c in cases:
+        try:
+            layout.check_routing_args("ep_dispatch", *c, ctx)
+            accepted.append(True)
+        except (InterlaceTypeError, InterlaceValueError):
+            accepted.append(False)
+    assert fits == accepted, list(zip(fits, accepted))
+    assert fits[:4] == [True] * 4 and not any(fits[4:])
+
+
 def test_exports():
     from interlace.ops.ep import EPLowLatency
     from interlace.ops.ep.low_latency import EPLowLatency as cls

@@ -76,10 +76,42 @@ class EPHandle:
     call: int
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def routing_args_fit(ctx, x, topk_idx, topk_weights) -> bool:
+    """True when :func:`check_routing_args` would accept these inputs, judged in one
+    expression (an eager call pays for every check on the host); False means "run the full
+    checks", which raise the clear error."""
+    device = ctx.group.device
+    try:
+        t = x.shape[0]
+        return (
+            x.dtype is ctx.dtype
+            and x.dim() == 2
+            and x.shape[1] == ctx.hidden
+            and t <= ctx.max_tokens
+            and x.is_contiguous()
+            and x.device == device
+            and topk_idx.dtype in _INDEX_DTYPES
+            and (topk_weights.dtype is torch.float32 or topk_weights.dtype is ctx.dtype)
+            and topk_idx.shape == (t, ctx.topk)
+            and topk_weights.shape == (t, ctx.topk)
+            and topk_idx.is_contiguous()
+            and topk_weights.is_contiguous()
+            and topk_idx.device == device
+            and topk_weights.device == device
+        )
+    except (AttributeError, TypeError, IndexError):  # not tensors, or x has no dims
+        return False
+
+
 def check_routing_args(op, x, topk_idx, topk_weights, ctx) -> None:
     """Shapes, dtypes and devices of a dispatch's inputs; raises on bad ones (no launch)."""
     from ...errors import InterlaceTypeError
 
+    if routing_args_fit(ctx, x, topk_idx, topk_weights):
+        return  # the common case
     ctx._check_placed("x", x)
     if x.dim() != 2 or x.shape[1] != ctx.hidden or not x.is_contiguous():
         raise InterlaceValueError(
@@ -92,7 +124,7 @@ def check_routing_args(op, x, topk_idx, topk_weights, ctx) -> None:
             f"{op}: {t} tokens, more than the context's max_tokens = {ctx.max_tokens}"
         )
     for name, tensor, dtypes in (
-        ("topk_idx", topk_idx, (torch.int64, torch.int32)),
+        ("topk_idx", topk_idx, _INDEX_DTYPES),
         ("topk_weights", topk_weights, (torch.float32, ctx.dtype)),
     ):
         if not isinstance(tensor, torch.Tensor):
