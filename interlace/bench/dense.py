@@ -29,6 +29,10 @@ from .timing import graph_of, max_over_ranks, median_ms, paired_median_ms
 
 #: model -> (hidden H, intermediate I)
 MODELS = {"llama-7b": (4096, 11008), "llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}
+#: (hidden, intermediate) of models outside the public table, whose per-rank GEMMs the
+#: tuned configs (``tune/configs/gemm.json``) do not hold: ``bench kernels --models``
+#: takes them to check the configs chosen for shapes nobody tuned
+OTHER_MODELS = {"qwen2-7b": (3584, 18944), "llama2-13b": (5120, 13824)}
 MS = (2048, 8192)
 #: op -> name of its context class in ``interlace``
 OPS = {"ag_gemm": "AGGemm", "gemm_rs": "GemmRS", "gemm_ar": "GemmAR"}
@@ -53,9 +57,10 @@ def model_shape(op: str, model: str, m: int, world: int) -> Shape:
     """The shape table's entry for ``op`` on ``model`` at ``m`` rows with TP = ``world``."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r} (one of {', '.join(OPS)})")
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r} (one of {', '.join(MODELS)})")
-    hidden, inter = MODELS[model]
+    known = MODELS | OTHER_MODELS
+    if model not in known:
+        raise ValueError(f"unknown model {model!r} (one of {', '.join(known)})")
+    hidden, inter = known[model]
     if inter % world or m % world:
         raise ValueError(f"{model}: I={inter} and M={m} must be divisible by W={world}")
     if op == "ag_gemm":

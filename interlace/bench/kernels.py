@@ -10,7 +10,8 @@ per-rank shape); AG+GEMM's consumer (``ag_gemm``, ``fused``); GEMM+RS and GEMM+A
 strategy ``auto`` may pick (``fused``, ``ce_fused``); the ``signal_reorder`` GEMM
 (``gemm_ar``, ``signal_reorder``: the GEMM that counts finished wave groups, with the
 partition the op takes by default). Shapes: the public table (LLaMA-7B, LLaMA-3-8B,
-LLaMA-3-70B; M 2048 and 8192), the GEMM of one rank at TP = W.
+LLaMA-3-70B; M 2048 and 8192), the GEMM of one rank at TP = W; ``--models`` also takes
+models outside it (``dense.OTHER_MODELS``), whose configs come from the wave model.
 
 Every kernel is first checked against a float32 reference (outputs poisoned), then it and
 cuBLAS are each captured in a CUDA graph and the replays timed interleaved
@@ -31,7 +32,7 @@ import sys
 
 import torch
 
-from .dense import MODELS, MS, model_shape
+from .dense import MODELS, MS, OTHER_MODELS, model_shape
 
 WORLDS = (2, 4, 8)
 #: (op, strategy, emulation mode); mode None: the signal_reorder GEMM
@@ -188,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     from .records import DEFAULT_OUT, write_records
 
     p = argparse.ArgumentParser(prog="python -m interlace bench kernels")
-    p.add_argument("--models", type=csv(MODELS), default=None,
-                   help=f"subset of {','.join(MODELS)}")  # fmt: skip
+    p.add_argument("--models", type=csv(MODELS | OTHER_MODELS), default=None,
+                   help=f"subset of {','.join(MODELS)} (the default), or models outside the "
+                        f"tuned table: {','.join(OTHER_MODELS)}")  # fmt: skip
     p.add_argument("--ms", type=csv(kind=int), default=None, help="M values, e.g. 8192")
     p.add_argument("--worlds", type=csv(kind=int), default=None, help="W values, e.g. 2,4,8")
     p.add_argument("--iters", type=int, default=20, help="timed runs (median taken)")
