@@ -5,7 +5,8 @@
 On one GPU: (1) a world of one rank (every kernel of the op with its waits met at once):
 GPU time of dispatch, combine and the MoE layer against the ``none`` baseline
 (``all_to_all_single`` + ``torch._grouped_mm``) and the host time of one eager call
-(replayed from a CUDA graph) and of a user-captured graph's replay; (2) a world of two
+(replayed from a CUDA graph; with each step of its call path, ``host_<step>_us`` as
+``bench host`` times them) and of a user-captured graph's replay; (2) a world of two
 ranks sharing the GPU: the same calls' times (the ranks' kernels time-slice one GPU, so
 these check the protocol under load, not NVLink speed). With two or more GPUs, one rank
 per GPU: the op against ``all_to_all_single`` (NCCL) in the same run, with the algorithm
@@ -21,6 +22,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .host import step_times
 from .timing import host_us, median_ms
 
 MODE = "normal"
@@ -47,6 +49,9 @@ class _Times:
     combine_us: float | None = None
     graph_ms: float | None = None
     graph_us: float | None = None
+    #: host time of each step of the eager call path (``host.step_times``)
+    dispatch_steps: dict = dataclasses.field(default_factory=dict)
+    combine_steps: dict = dataclasses.field(default_factory=dict)
 
 
 def _times(group, ctx, x, idx, wts, eo, iters, host=True) -> _Times:
@@ -61,6 +66,9 @@ def _times(group, ctx, x, idx, wts, eo, iters, host=True) -> _Times:
     t.dispatch_us = host_us(group, lambda: ctx.dispatch(x, idx, wts), iters)
     h = ctx.dispatch(x, idx, wts)
     t.combine_us = host_us(group, lambda: ctx.combine(eo, h), iters)
+    t.dispatch_steps = step_times(ctx, lambda c: c.dispatch(x, idx, wts), iters)
+    h = ctx.dispatch(x, idx, wts)
+    t.combine_steps = step_times(ctx, lambda c: c.combine(eo, h), iters)
     _barrier(group)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -115,9 +123,9 @@ def _one_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
     t = _times(group, ctx, x, idx, wts, eo, iters)
     ctx.check()
     rec_d = dict(op="ep_dispatch", strategy="symm", **base, t_ms=t.dispatch_ms,
-                 host_us=t.dispatch_us)  # fmt: skip
+                 host_us=t.dispatch_us, **t.dispatch_steps)  # fmt: skip
     rec_c = dict(op="ep_combine", strategy="symm", **base, t_ms=t.combine_ms,
-                 host_us=t.combine_us)  # fmt: skip
+                 host_us=t.combine_us, **t.combine_steps)  # fmt: skip
     rec_g = dict(op="ep_dispatch_combine", strategy="graph", **base, t_ms=t.graph_ms,
                  host_us=t.graph_us)  # fmt: skip
     nbytes = tokens * hidden * 2 * (topk if experts == w else _ranks_per_token(idx, e_loc))
@@ -177,13 +185,13 @@ def _ll_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
             ll.combine(eo, h)
             t = _times(group, ll, x, idx, wts, eo, iters)
             ll.check()
-        for op, t_ms, host, t_norm in (
-            ("ep_dispatch", t.dispatch_ms, t.dispatch_us, normal.dispatch_ms),
-            ("ep_combine", t.combine_ms, t.combine_us, normal.combine_ms),
+        for op, t_ms, host, steps, t_norm in (
+            ("ep_dispatch", t.dispatch_ms, t.dispatch_us, t.dispatch_steps, normal.dispatch_ms),
+            ("ep_combine", t.combine_ms, t.combine_us, t.combine_steps, normal.combine_ms),
         ):
             rec = dict(op=op, strategy=protocol, mode="low_latency", **base, t_ms=t_ms,
                        host_us=host, t_normal_ms=t_norm,
-                       algbw_gbps=nbytes / (t_ms * 1e-3) / 1e9)  # fmt: skip
+                       algbw_gbps=nbytes / (t_ms * 1e-3) / 1e9, **steps)  # fmt: skip
             if with_none:
                 rec["t_nccl_ms"] = t_nd if op == "ep_dispatch" else t_nc
             recs.append(rec)
