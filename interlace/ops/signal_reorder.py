@@ -299,6 +299,10 @@ class _Counters:
         pass
 
 
+#: the fields of a call's fingerprint
+CALL_FIELDS = ("M", "N", "K", "groups", "partition")
+
+
 class SignalReorderGemm(OpContext):
     """GEMM + ``collective`` overlapped by wave-group signals; see the module docstring.
 
@@ -355,6 +359,7 @@ class SignalReorderGemm(OpContext):
             self.error.attach(self.pad, self.op_name)
             self._barriers: dict = {}
             self._init_calls()
+            self.pad.call_names = CALL_FIELDS  # (named before this rank's first call)
         else:
             self.pad = _Counters()
         dev = group.device
@@ -399,9 +404,11 @@ class SignalReorderGemm(OpContext):
 
     def _begin(self) -> None:
         self._report(super()._begin)
-
-    def _begin_call(self, **fields) -> int:  # (raises a fault ``_begin`` noted)
-        return self._report(lambda: super(SignalReorderGemm, self)._begin_call(**fields))
+        if self._fault_at_begin:
+            # raised now, not at the fingerprint: a call may run the partition search's
+            # collectives before it (and on a GPU fingerprints nothing)
+            self._fault_at_begin = False
+            self._report(self._fail)
 
     def _end(self) -> None:
         self._report(super()._end)
@@ -536,7 +543,8 @@ class SignalReorderGemm(OpContext):
         """Fingerprint the call and run a device barrier that carries it (cpu backend: it
         has run when this returns), so that ranks that called with other shapes or
         partitions raise ``CallMismatchError`` on every rank before any collective."""
-        self._begin_call(M=m, N=n, K=self.k, groups=len(partition), partition=str(partition))
+        fields = (m, n, self.k, len(partition), str(partition))
+        self._begin_call(**dict(zip(CALL_FIELDS, fields, strict=True)))
         self._barrier()
         self._raise_pending()
 

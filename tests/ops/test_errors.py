@@ -212,13 +212,13 @@ def test_p2p_ring_mismatches_raise_on_every_rank(world, op, transport, field):
     assert all(r[3] == ["refused", "closed"] for r in results), results
 
 
-def _signal_reorder_mismatch_body(group, op, field):
+def _signal_reorder_mismatch_body(group, op, field, late_s=0.0):
     """A signal_reorder call whose ``field`` (M or the partition) differs on the last
-    rank."""
+    rank; with ``late_s``, on rank 0 instead, and the last rank starts ``late_s`` later."""
     w, r = group.world_size, group.rank
     cls = {"gemm_rs": interlace.SignalReorderGemmRS, "gemm_ar": interlace.SignalReorderGemmAR}
     ctx = cls[op](group, max_m=40 * w, n=40, k=24, max_spins=LONG_BOUND_US)
-    odd = r == w - 1
+    odd = r == (0 if late_s else w - 1)
     m = 40 * w if field == "partition" else (8 * w if odd else 4 * w)  # several waves
     a, b = _rand(group, m, 24, seed=r), _rand(group, 24, 40, seed=9)
     partition = None
@@ -227,7 +227,7 @@ def _signal_reorder_mismatch_body(group, op, field):
         assert waves >= 2, waves
         partition = [waves] if odd else [1] * waves
     call = lambda: ctx(a, b, partition=partition)  # noqa: E731
-    return _call_then_refused(group, ctx, call)
+    return _call_then_refused(group, ctx, call, late_s)
 
 
 @pytest.mark.parametrize("world", CPU_PARAMS, indirect=True)
@@ -239,6 +239,17 @@ def test_signal_reorder_mismatches_raise_on_every_rank(world, op, field):
     results = world.run(_signal_reorder_mismatch_body, op, field)
     _check(results, CallMismatchError, LONG_BOUND_US / 2e6, (op, f"{field} = "))
     assert all(r[3] == ["refused", "closed"] for r in results), results
+
+
+@pytest.mark.parametrize("world", [pytest.param(("cpu", 3), id="cpu3")], indirect=True)
+def test_signal_reorder_rank_calling_after_the_fault_names_the_difference(world):
+    """Rank 0 calls with another M than ranks 1 and 2; rank 2 calls 1 s later, after
+    ranks 0 and 1 have raised at their barrier: rank 2 raises at the start of its call (a
+    signal_reorder call may run the partition search's collectives before its
+    fingerprint) and names M, as they do."""
+    results = world.run(_signal_reorder_mismatch_body, "gemm_rs", "M", 1.0)
+    _check(results, CallMismatchError, LONG_BOUND_US / 2e6, ("gemm_rs", "M = "))
+    assert len({msg.split(" (raised on")[0] for _, msg, *_ in results}) == 1, results
 
 
 # --------------------------------------------------------------------------------------
