@@ -67,6 +67,9 @@ MAX_CALL_FIELDS = CALL_WORDS - 2
 #: written (a peer that has not started its call yet writes it soon after), so that every
 #: rank names the same difference.
 CALL_SLOT_WAIT_S = 2.0
+#: How long a rank reading the group's fault record waits for the rank that claimed it
+#: to finish writing it (microseconds of work for that rank).
+RECORD_WAIT_S = 1.0
 ERROR_WORDS = 16  # [state, rank, slot, seen, cause, expected, group(i64), call(i64), ...]
 
 
@@ -197,6 +200,12 @@ class ErrorWord:
         if self._group_state is not None and self._group_state.value == 0:
             return None
         record = [int(v) for v in self.pad.peer("fault", 0).tolist()]
+        # state 1: a rank has claimed the word and is writing its fields (state 2 when
+        # done): read again until they are all there, so that no rank reads half a record
+        deadline = time.monotonic() + RECORD_WAIT_S
+        while record[0] == 1 and time.monotonic() < deadline:
+            time.sleep(0.0005)
+            record = [int(v) for v in self.pad.peer("fault", 0).tolist()]
         return record if record[0] != 0 else None
 
     def raise_if_set(self, op: str, describe=str) -> None:

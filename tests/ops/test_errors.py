@@ -538,6 +538,42 @@ def test_wait_bound_comes_from_one_variable(monkeypatch):
             signals.default_wait_bound_us()
 
 
+def _torn_record_body(group):
+    """Rank 0 claims the group's fault word and writes its fields 0.1 s later (as a rank
+    in the middle of recording a fault); reading the record meanwhile waits for them."""
+    import ctypes
+    import threading
+
+    ctx = interlace.AllGather(group, 8, torch.bfloat16)
+    got = None
+    if group.rank == 0:
+        words = (ctypes.c_int32 * 6).from_address(ctx.pad.address("fault", 0))
+        words[1], words[0] = 0, 1  # claimed: the rank written, not yet the rest
+
+        def finish():
+            time.sleep(0.1)
+            words[2], words[3], words[4], words[5] = signals.CAUSE_MISMATCH, 5, 7, 9
+            words[0] = 2
+
+        writer = threading.Thread(target=finish)
+        writer.start()
+        got = ctx.error.group_record()
+        writer.join()
+        ctypes.memset(ctypes.addressof(words), 0, 24)
+    group.host_barrier()
+    ctx.close()
+    return got
+
+
+@pytest.mark.parametrize("world", CPU_PARAMS[:1], indirect=True)
+def test_a_fault_record_being_written_is_read_whole(world):
+    """A rank reading the group's fault record while another writes it reads every field
+    (a half-written record read as a timeout of slot 0 on one rank while the others raised
+    the mismatch it was)."""
+    got = world.run(_torn_record_body)[0]
+    assert got[:6] == [2, 0, signals.CAUSE_MISMATCH, 5, 7, 9], got
+
+
 def test_mismatch_text_names_fields_and_ranks():
     signals.hash_text("fused")
     signals.hash_text("ce_fused")
