@@ -212,11 +212,7 @@ def _dispatch_body(group):
             eo_direct = torch.zeros(direct.capacity, H, dtype=torch.bfloat16, device=dev)
             eo_direct[:total] = eo[:total]
             _same(y, direct.combine(eo_direct, hd), group, f"{what}: combine vs EPAllToAll")
-        xs, idxs, wss, spans = _everyone(call, w)
-        ref = _moe_reference(xs, idxs, wss, full_w)[spans[r]]
-        if ref.numel():
-            err = rel(y, ref)
-            assert err < TOL, f"{what}: combine rel err {err:.2e}"
+        _check_combined(y, call, w, r, full_w, what)
     direct.close()
     library.check(group)
     keys = sorted(k[-1] for k in library.contexts() if k[0] == "ep_dispatch")
@@ -225,6 +221,16 @@ def _dispatch_body(group):
     assert not [k for k in library.contexts() if k[0] == "ep_dispatch"]
     library.clear_cache(group)
     return True
+
+
+def _check_combined(y, call, w, r, full_w, what) -> None:
+    """``y`` (this rank's combined tokens of call ``call``) against the float32 MoE of
+    every rank's inputs."""
+    xs, idxs, wss, spans = _everyone(call, w)
+    ref = _moe_reference(xs, idxs, wss, full_w)[spans[r]]
+    if ref.numel():
+        err = rel(y, ref)
+        assert err < TOL, f"{what}: combine rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("world", worlds(cpu=(2, 3), gpu=(2,)), indirect=True)
@@ -263,11 +269,7 @@ def _ll_body(group, protocol):
         hd = direct.dispatch(x, idx, ws)
         assert torch.equal(hd.expert_counts, counts), f"{what}: vs EPLowLatency"
         _same(y, direct.combine(eo.clone(), hd), group, f"{what}: combine vs EPLowLatency")
-        xs, idxs, wss, spans = _everyone(call, w)
-        ref = _moe_reference(xs, idxs, wss, full_w)[spans[r]]
-        if ref.numel():
-            err = rel(y, ref)
-            assert err < TOL, f"{what}: combine rel err {err:.2e}"
+        _check_combined(y, call, w, r, full_w, what)
     direct.close()
     assert [k for k in library.contexts() if k[0] == "ep_low_latency"]
     ep_library.close_contexts(h)
