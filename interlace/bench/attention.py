@@ -484,7 +484,12 @@ def host_records() -> list[dict]:
 
 
 def _multi_body(group, seqs, iters):
-    """Several GPUs: ``fused`` vs ``none`` vs ``ring`` forward on each rank's shard."""
+    """Several GPUs: ``fused`` vs ``none`` vs ``ring`` on each rank's shard, same run, and
+    this rank's kernels alone with their waits met (``_PerRank``, rank 0's share of the
+    same problem) on the same GPU: ``t_kernel_ms``. ``t_kernel_ms / t_ms`` is the run's
+    throughput as a fraction of W x the one-GPU kernel rate. The backward
+    (``sp_attention_bwd``): ``fused`` and ``ring`` (``none`` recomputes the ring forward
+    first) from the forward's ``out`` and ``lse``."""
     from ..ops.attention import SPAttention
     from .timing import max_over_ranks
 
@@ -492,25 +497,82 @@ def _multi_body(group, seqs, iters):
     out = []
     for s in seqs:
         s_loc = s // w
+        scale = 1.0 / math.sqrt(D)
         for causal in (False, True):
-            q = torch.randn(1, HEADS, s_loc, D, device=dev, dtype=torch.bfloat16)
-            k = torch.randn(1, KV_HEADS, s_loc, D, device=dev, dtype=torch.bfloat16)
-            times = {}
-            for strategy in ("fused", "none", "ring"):
-                ctx = SPAttention(group, HEADS, KV_HEADS, D, max_tokens=s_loc, strategy=strategy)
-                try:
-                    call = functools.partial(ctx, q, k, k, causal=causal)
-                    times[strategy] = median_ms(group, call, iters)
-                finally:
-                    ctx.close()
+            gen = torch.Generator(device=dev).manual_seed(1000 * group.rank + int(causal))
+            q, k, v, do = (
+                torch.randn(1, h, s_loc, D, device=dev, generator=gen).to(torch.bfloat16)
+                for h in (HEADS, KV_HEADS, KV_HEADS, HEADS)
+            )
+            ctxs = {st: SPAttention(group, HEADS, KV_HEADS, D, max_tokens=s_loc, strategy=st)
+                    for st in ("fused", "none", "ring")}  # fmt: skip
+            try:
+                fwd = {st: functools.partial(c.forward_with_lse, q, k, v, causal, None, scale)
+                       for st, c in ctxs.items()}  # fmt: skip
+                names = list(fwd)
+                times = dict(zip(names, paired_median_ms(group, [fwd[n] for n in names], iters)))
+                o_f, lse_f = fwd["fused"]()
+                o_r, lse_r = fwd["ring"]()
+                o_n, _ = fwd["none"]()
+                err = float((o_f.float() - o_n.float()).norm() / o_n.float().norm())
+                bwd = {
+                    "fused": functools.partial(ctxs["fused"].backward_with_lse, do, q, k, v,
+                                               o_f, lse_f, causal, None, scale),
+                    "ring": functools.partial(ctxs["ring"].backward_with_lse, do, q, k, v,
+                                              o_r, lse_r, causal, None, scale),
+                }  # fmt: skip
+                t_bwd = paired_median_ms(group, [bwd["fused"], bwd["ring"]], iters)
+                g_f, g_r = bwd["fused"](), bwd["ring"]()
+                err_b = max(
+                    float((a.float() - b.float()).norm() / b.float().norm())
+                    for a, b in zip(g_f, g_r)
+                )
+            finally:
+                for c in ctxs.values():
+                    c.close()
+            del q, k, v, do
+            torch.cuda.empty_cache()
+            # this rank's kernels alone, waits met, on the same GPU (rank 0's share)
+            p = _PerRank(s, causal, w)
+            p.flags_up()
+            t_kernel = median_ms(None, p.fwd, iters)
+            t_kernel_bwd = median_ms(None, p.bwd, iters, setup=p.flags_up)
+            del p
+            torch.cuda.empty_cache()
+            times.update(bwd_fused=t_bwd[0], bwd_ring=t_bwd[1], kernel=t_kernel,
+                         kernel_bwd=t_kernel_bwd, err=err, err_b=err_b)  # fmt: skip
             t = max_over_ranks(group, times)
+            common = {
+                "strategy": "fused", "dtype": "bfloat16", "batch": 1, "heads": HEADS,
+                "kv_heads": KV_HEADS, "d": D, "S": s, "causal": causal,
+            }  # fmt: skip
             flops = _flops(1, HEADS, s_loc, s, D, causal)
             out.append({
-                "op": "sp_attention", "strategy": "fused", "dtype": "bfloat16", "batch": 1,
-                "heads": HEADS, "kv_heads": KV_HEADS, "d": D, "S": s, "causal": causal,
+                "op": "sp_attention", **common,
                 "t_ms": round(t["fused"], 4), "t_none_ms": round(t["none"], 4),
-                "t_ring_ms": round(t["ring"], 4), "tflops": round(flops / t["fused"] / 1e9, 1),
+                "t_ring_ms": round(t["ring"], 4), "t_kernel_ms": round(t["kernel"], 4),
+                "tflops": round(flops / t["fused"] / 1e9, 1),
+                "x_w_kernel_rate": round(t["kernel"] / t["fused"], 3),
+                "rel_err_none": round(t["err"], 5),
             })  # fmt: skip
+            flops_b = _flops(1, HEADS, s_loc, s, D, causal, bwd=True)
+            out.append({
+                "op": "sp_attention_bwd", **common,
+                "t_ms": round(t["bwd_fused"], 4), "t_ring_ms": round(t["bwd_ring"], 4),
+                "t_kernel_ms": round(t["kernel_bwd"], 4),
+                "tflops": round(flops_b / t["bwd_fused"] / 1e9, 1),
+                "x_w_kernel_rate": round(t["kernel_bwd"] / t["bwd_fused"], 3),
+                "rel_err_ring": round(t["err_b"], 5),
+            })  # fmt: skip
+            if group.rank == 0:
+                for r in out[-2:]:
+                    print(
+                        f"W={w} {r['op']:<17} S={s:>6} causal={causal!s:<5} "
+                        f"{r['t_ms']:8.3f} ms (kernel alone {r['t_kernel_ms']:.3f}: "
+                        f"x{r['x_w_kernel_rate']:.3f}) ring {r['t_ring_ms']:.3f} "
+                        f"none {r.get('t_none_ms', '-')}",
+                        flush=True,
+                    )
     return out
 
 
@@ -541,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune-seconds", type=float, default=120.0, help="time limit of --tune")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--as-world", type=int, default=AS_WORLD)
+    parser.add_argument("--several-only", action="store_true",
+                        help="on several GPUs, only the cross-GPU comparison")  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench attention needs a GPU (the CPU emulation is covered by the tests)")
@@ -559,20 +623,22 @@ def main(argv: list[str] | None = None) -> int:
         path = write_records(args.out, device, 1, tuned)
         print(f"results written to {path}")
         return 0
-    records = one_gpu(seqs, iters, args.as_world)
-    path = write_records(args.out, device, 1, records)
-    try:
-        host = host_records()
-        write_records(args.out, device, 1, host)
-        records += host
-    except Exception as e:  # noqa: BLE001
-        print(f"host-time records skipped: {type(e).__name__}: {e}")
+    n_gpu = torch.cuda.device_count()
+    records, path = [], None
+    if not (args.several_only and n_gpu >= 2):
+        records = one_gpu(seqs, iters, args.as_world)
+        path = write_records(args.out, device, 1, records)
+        try:
+            host = host_records()
+            write_records(args.out, device, 1, host)
+            records += host
+        except Exception as e:  # noqa: BLE001
+            print(f"host-time records skipped: {type(e).__name__}: {e}")
     if args.tune:
         tuned = tune(seqs[0], iters, time.monotonic() + args.tune_seconds, args.as_world)
         if tuned:
             write_records(args.out, device, 1, tuned)
             records += tuned
-    n_gpu = torch.cuda.device_count()
     if n_gpu < 2:
         print("several-GPU overlap (fused vs none vs ring) needs 2+ GPUs: skipped")
     else:
@@ -580,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with World(n_gpu, "cuda", timeout=600) as ranks:
             multi = ranks.run(_multi_body, seqs, iters)[0]
-        write_records(args.out, device, n_gpu, multi)
+        path = write_records(args.out, device, n_gpu, multi)
         records += multi
     _table(records)
     print(f"results written to {path}")

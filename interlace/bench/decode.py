@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="batch:kv_per_rank pairs, comma-separated (as world 4), e.g. 1:8192",
     )
+    p.add_argument("--several-only", action="store_true",
+                   help="on several GPUs, only the cross-GPU comparison")  # fmt: skip
     args = p.parse_args(argv)
     shapes = None
     if args.shapes:
@@ -235,10 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench decode: needs a GPU (the CPU emulation is covered by the tests)")
         return 0
-    dev, records, rows = one_gpu(args.quick, args.iters, shapes)
-    path = write_records(args.out, dev, 1, records)
-    print(f"wrote {path}")
     n = torch.cuda.device_count()
+    dev, records, rows = device_name(), [], []
+    if not (args.several_only and n >= 2):
+        dev, records, rows = one_gpu(args.quick, args.iters, shapes)
+        print(f"wrote {write_records(args.out, dev, 1, records)}")
     if n >= 2:
         multi = several_gpus(n, args.quick, args.iters)
         print(f"wrote {write_records(args.out, dev, n, multi)}")

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .host import step_times
-from .timing import host_us, median_ms
+from .timing import host_us, max_over_ranks, median_ms
 
 MODE = "normal"
 
@@ -93,6 +93,23 @@ def _none_ms(group, x, idx, wts, experts, iters) -> tuple[float, float]:
     return t_nd, _time_ms(group, lambda: a2a_combine(group, eo_n, state["s"][3]), iters)
 
 
+def copy_gbps(group, nbytes: int = 256 << 20, iters: int = 10) -> float:
+    """The machine's NVLink copy bandwidth as the EP ops see it: every rank at once copies
+    ``nbytes`` into the next rank's symmetric buffer with the copy engine (one
+    ``copy_``); GB/s of one rank's outgoing bytes, the slowest rank's median."""
+    from ..runtime import symm_empty
+
+    buf = symm_empty((nbytes,), torch.uint8, group)
+    try:
+        src = torch.ones(nbytes, dtype=torch.uint8, device=group.device)
+        dst = buf.peers[(group.rank + 1) % group.world_size]
+        t = _time_ms(group, lambda: dst.copy_(src), iters)
+    finally:
+        buf.close()
+    t = max_over_ranks(group, {"t": t})["t"]
+    return nbytes / (t * 1e-3) / 1e9
+
+
 def _routing(n, topk, experts, gen, dev):
     scores = torch.rand(n, experts, generator=gen)
     idx = scores.topk(topk, dim=1).indices
@@ -129,8 +146,11 @@ def _one_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
     rec_g = dict(op="ep_dispatch_combine", strategy="graph", **base, t_ms=t.graph_ms,
                  host_us=t.graph_us)  # fmt: skip
     nbytes = tokens * hidden * 2 * (topk if experts == w else _ranks_per_token(idx, e_loc))
+    # the bytes that leave this GPU (rows for its own experts stay in local memory)
+    remote = tokens * hidden * 2 * _ranks_per_token(idx, e_loc, group.rank)
     for rec in (rec_d, rec_c):
         rec["algbw_gbps"] = nbytes / (rec["t_ms"] * 1e-3) / 1e9
+        rec["remote_gbps"] = remote / (rec["t_ms"] * 1e-3) / 1e9
     if with_none:
         rec_d["t_nccl_ms"], rec_c["t_nccl_ms"] = _none_ms(group, x, idx, wts, experts, iters)
     # the MoE layer: one [hidden, hidden] map per expert, so at most 8 local experts
@@ -200,15 +220,18 @@ def _ll_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
     return recs
 
 
-def _ranks_per_token(idx, e_loc) -> float:
-    """Mean number of ranks a token is sent to (each crossing once)."""
+def _ranks_per_token(idx, e_loc, skip: int | None = None) -> float:
+    """Mean number of ranks a token is sent to (each crossing once); with ``skip``, not
+    counting that rank (the sender's own)."""
     dest = idx // e_loc
-    distinct = (dest[:, :, None] == dest[:, None, :]).triu(1).any(2).logical_not().sum(1)
-    return float(distinct.float().mean())
+    first = (dest[:, :, None] == dest[:, None, :]).triu(1).any(1).logical_not()
+    if skip is not None:
+        first &= dest != skip
+    return float(first.sum(1).float().mean())
 
 
 def _merge(per_rank: list[list[dict]]) -> list[dict]:
-    """Max of each time over ranks."""
+    """Max of each time over ranks, min of each bandwidth."""
     out = []
     for recs in zip(*per_rank):
         rec = dict(recs[0])
@@ -216,6 +239,10 @@ def _merge(per_rank: list[list[dict]]) -> list[dict]:
             vals = [r.get(k) for r in recs if r.get(k) is not None]
             if vals:
                 rec[k] = max(vals)
+        for k in ("algbw_gbps", "remote_gbps"):
+            vals = [r[k] for r in recs if r.get(k) is not None]
+            if vals:
+                rec[k] = min(vals)
         out.append(rec)
     return out
 
@@ -227,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m interlace bench ep")
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--several-only", action="store_true",
+                   help="on several GPUs, only the cross-GPU comparison")  # fmt: skip
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("ep bench: needs a GPU")
@@ -238,15 +267,22 @@ def main(argv: list[str] | None = None) -> int:
     shapes = big[:1] if args.quick else big
     ll_shapes = [(128, 7168, 8, 256), (256, 7168, 8, 256)]
     results = []
-    with World(1, "cuda", timeout=600) as one:
-        recs = _merge(one.run(bench_body, shapes, True, iters))
-        recs += _merge(one.run(ll_body, ll_shapes, True, iters))
-    write_records(args.out, dev, 1, recs)
-    results += recs
+    if not (args.several_only and gpus >= 2):
+        with World(1, "cuda", timeout=600) as one:
+            recs = _merge(one.run(bench_body, shapes, True, iters))
+            recs += _merge(one.run(ll_body, ll_shapes, True, iters))
+        write_records(args.out, dev, 1, recs)
+        results += recs
     if gpus >= 2:
         with World(gpus, "cuda", timeout=600) as many:
+            bw = many.run(copy_gbps)[0]
             recs = _merge(many.run(bench_body, shapes, True, iters))
             recs += _merge(many.run(ll_body, ll_shapes, True, iters))
+        print(f"ep bench: copy-engine bandwidth to a peer, every rank at once: {bw:.1f} GB/s")
+        for r in recs:
+            if "remote_gbps" in r:
+                r["copy_gbps"] = round(bw, 1)
+                r["x_copy_bw"] = round(r["remote_gbps"] / bw, 3)
         write_records(args.out, dev, gpus, recs)
     else:
         print("ep bench: overlap across GPUs needs 2+ GPUs; timing 2 ranks sharing one GPU")

@@ -335,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, nargs="*", default=None, help="tokens per sequence")
     p.add_argument("--iters", type=int, default=None, help="timed runs (median)")
     p.add_argument("--world-size", type=int, default=None, help="GPUs (default: all)")
+    p.add_argument("--several-only", action="store_true",
+                   help="(for the GPU suite: on several GPUs only W > 1 runs anyway)")  # fmt: skip
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench model: needs a GPU (the plain model is the reference; nothing to time)")

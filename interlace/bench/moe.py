@@ -24,7 +24,8 @@ torch's launchers, is in none of them.
 
 With ``--sweep`` (the default) each shape is timed with every candidate tile config
 (``ops.moe._gemm.CANDIDATES``) and the fastest is recorded (``config``). Several-GPU
-overlap needs 2+ GPUs and is not run here.
+With two or more GPUs, ``several_gpus``: every rank a GPU, each half's ``fused`` op
+against ``none`` and against the bound, same run (``--several-only``: that alone).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import argparse
 import math
 
 import torch
+import torch.distributed as dist
 
 from ..runtime.signals import ERROR_WORDS
 
@@ -290,6 +292,102 @@ def one_gpu(shapes, worlds, routings, sweep, iters, save=None):
     return records
 
 
+def _multi_body(group, shapes, routings, iters):
+    """One rank of the several-GPU comparison (see ``several_gpus``)."""
+    records = []
+    for shape in shapes:
+        for kind in routings:
+            records += _multi_case(group, *shape, kind, iters)
+            torch.cuda.empty_cache()
+    return records
+
+
+def _multi_case(group, hidden, inter, experts, k, kind, iters) -> list[dict]:
+    from ..ops.moe import AGMoE, MoERS
+    from .timing import max_over_ranks, paired_median_ms
+
+    w, dev, rank, pg = group.world_size, group.device, group.rank, group.process_group
+    m, bf, i_loc = TOKENS // w, torch.bfloat16, inter // w
+    # the same global routing on every rank; each takes its shard
+    gen = torch.Generator().manual_seed(hidden + inter + experts + k)
+    ids = routing_ids(TOKENS, k, experts, kind, gen)[rank * m : (rank + 1) * m]
+    ids = ids.to(dev).contiguous()
+    gen_d = torch.Generator(device=dev).manual_seed(rank)
+    wts = torch.softmax(torch.randn(m, k, device=dev, generator=gen_d), -1)
+    x = torch.randn(m, hidden, device=dev, generator=gen_d).to(bf)
+    w1 = (torch.randn(experts, hidden, 2 * i_loc, device=dev, generator=gen_d) * 0.05).to(bf)
+    w2 = (torch.randn(experts, i_loc, hidden, device=dev, generator=gen_d) * 0.05).to(bf)
+    sizes = dict(max_tokens=TOKENS, hidden=hidden, inter=i_loc, experts=experts, topk=k,
+                 validate=False)  # fmt: skip
+    ag = {st: AGMoE(group, strategy=st, **sizes) for st in ("fused", "none")}
+    rs = {st: MoERS(group, strategy=st, **sizes) for st in ("fused", "none")}
+    try:
+        h_n, rt_n = ag["none"](x, ids, wts, w1)
+        h_f, rt_f = ag["fused"](x, ids, wts, w1)
+        # what the bound is made of: the per-rank grouped GEMMs and NCCL alone
+        x_all = torch.empty(TOKENS, hidden, dtype=bf, device=dev)
+        dist.all_gather_into_tensor(x_all, x, group=pg)
+        rows = x_all.index_select(0, rt_n.token_ids.long())
+        ends = rt_n.offsets[1:]
+        y_full = torch.empty(TOKENS, hidden, dtype=bf, device=dev)
+        y_mine = torch.empty(m, hidden, dtype=bf, device=dev)
+        first = {
+            "fused": lambda: ag["fused"](x, ids, wts, w1),
+            "none": lambda: ag["none"](x, ids, wts, w1),
+            "gemm": lambda: torch._grouped_mm(rows, w1, offs=ends),
+            "comm": lambda: dist.all_gather_into_tensor(x_all, x, group=pg),
+        }
+        second = {
+            "fused": lambda: rs["fused"](h_f, rt_f, w2),
+            "none": lambda: rs["none"](h_n, rt_n, w2),
+            "gemm": lambda: torch._grouped_mm(h_n, w2, offs=ends),
+            "comm": lambda: dist.reduce_scatter_tensor(y_mine, y_full, group=pg),
+        }
+        y_f, y_n = second["fused"](), second["none"]()
+        torch.cuda.synchronize()
+        times = {"err": float((y_f.float() - y_n.float()).norm() / y_n.float().norm())}
+        for op, fns in (("ag_moe", first), ("moe_rs", second)):
+            names = list(fns)
+            got = paired_median_ms(group, [fns[n] for n in names], iters=iters)
+            times.update({f"{op}_{n}": t for n, t in zip(names, got)})
+        t = max_over_ranks(group, times)
+    finally:
+        for c in (*ag.values(), *rs.values()):
+            c.close()
+    records = []
+    for op in ("ag_moe", "moe_rs"):
+        bound = max(t[f"{op}_gemm"], t[f"{op}_comm"])
+        rec = dict(
+            op=op, strategy="fused", dtype="bfloat16", S=TOKENS, H=hidden, I=inter, E=experts,
+            topk=k, routing=kind, t_ms=round(t[f"{op}_fused"], 4),
+            t_none_ms=round(t[f"{op}_none"], 4), t_gemm_ms=round(t[f"{op}_gemm"], 4),
+            t_comm_ms=round(t[f"{op}_comm"], 4), t_bound_ms=round(bound, 4),
+            speedup_vs_none=round(t[f"{op}_none"] / t[f"{op}_fused"], 3),
+            x_bound=round(t[f"{op}_fused"] / bound, 3), rel_err_none=round(t["err"], 5),
+        )  # fmt: skip
+        records.append(rec)
+        if rank == 0:
+            print(f"W={w} {op} H={hidden} I={inter} E={experts} k={k} {kind:8s} "
+                  f"{rec['t_ms']:.3f} ms, none {rec['t_none_ms']:.3f} "
+                  f"(x{rec['speedup_vs_none']:.2f}), bound {bound:.3f} "
+                  f"(x{rec['x_bound']:.2f}), err {t['err']:.1e}", flush=True)  # fmt: skip
+    return records
+
+
+def several_gpus(n: int, routings, iters: int) -> list[dict]:
+    """Every rank a GPU (TP ``n``): each half's ``fused`` op against ``none`` (NCCL +
+    ``torch._grouped_mm``) and against bound = max(the per-rank ``torch._grouped_mm``,
+    the NCCL all-gather of the token shards / reduce-scatter of the bf16 outputs), all
+    eager calls timed interleaved in the same run (``timing.paired_median_ms``, max over
+    ranks). ``rel_err_none``: the second half's output, ``fused`` (both halves) against
+    ``none``. Records: op ``ag_moe`` / ``moe_rs`` with ``t_none_ms``, ``t_gemm_ms``,
+    ``t_comm_ms``, ``t_bound_ms``."""
+    from ..testing import World
+
+    with World(n, "cuda", timeout=900) as world:
+        return world.run(_multi_body, SHAPES, routings, iters)[0]
+
+
 def table(records):
     lines = [f"{'op':7} {'H':>5} {'I':>5} {'E':>3} {'k':>2} {'W':>2} {'routing':9} "
              f"{'t_ms':>7} {'gmm':>7} {'x gmm':>6} {'x path':>6} {'err':>7}"]  # fmt: skip
@@ -315,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="TP 4 only, fewer runs")
     ap.add_argument("--no-sweep", action="store_true", help="only the default tile configs")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--several-only", action="store_true",
+                    help="on several GPUs, only the cross-GPU comparison")  # fmt: skip
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench moe needs a GPU")
@@ -327,16 +427,31 @@ def main(argv: list[str] | None = None) -> int:
         def save(recs):
             write_records(args.out, device_name(), 1, recs, plot=False)
 
-    records = one_gpu(SHAPES, worlds, ("balanced", "zipf"), not args.no_sweep,
-                      iters=20 if args.quick else 30, save=save)  # fmt: skip
-    if torch.cuda.device_count() < 2:
+    gpus = torch.cuda.device_count()
+    records = []
+    if not (args.several_only and gpus >= 2):
+        records = one_gpu(SHAPES, worlds, ("balanced", "zipf"), not args.no_sweep,
+                          iters=20 if args.quick else 30, save=save)  # fmt: skip
+        if not args.no_write:
+            from .records import device_name, write_records
+
+            print("wrote", write_records(args.out, device_name(), 1, records))
+        print(table(records))
+    if gpus < 2:
         print("several-GPU overlap (op vs none vs bound) needs 2+ GPUs: not run")
+        return 0
+    multi = several_gpus(gpus, ("balanced", "zipf"), iters=10 if args.quick else 20)
     if not args.no_write:
         from .records import device_name, write_records
 
-        path = write_records(args.out, device_name(), 1, records)
-        print("wrote", path)
-    print(table(records))
+        print("wrote", write_records(args.out, device_name(), gpus, multi))
+    print(f"{'op':7} {'H':>5} {'I':>5} {'E':>3} {'k':>2} {'routing':8} {'t_ms':>7} "
+          f"{'none':>7} {'x none':>6} {'bound':>7} {'x bound':>7}")  # fmt: skip
+    for r in multi:
+        print(f"{r['op']:7} {r['H']:5d} {r['I']:5d} {r['E']:3d} {r['topk']:2d} "
+              f"{r['routing']:8} {r['t_ms']:7.3f} {r['t_none_ms']:7.3f} "
+              f"{r['speedup_vs_none']:6.2f} {r['t_bound_ms']:7.3f} "
+              f"{r['x_bound']:7.2f}")  # fmt: skip
     return 0
 
 
