@@ -304,7 +304,7 @@ def _multi_body(group, shapes, routings, iters):
 
 def _multi_case(group, hidden, inter, experts, k, kind, iters) -> list[dict]:
     from ..ops.moe import AGMoE, MoERS
-    from .timing import max_over_ranks, paired_median_ms
+    from .timing import graph_of, host_us, max_over_ranks, paired_median_ms
 
     w, dev, rank, pg = group.world_size, group.device, group.rank, group.process_group
     m, bf, i_loc = TOKENS // w, torch.bfloat16, inter // w
@@ -350,6 +350,16 @@ def _multi_case(group, hidden, inter, experts, k, kind, iters) -> list[dict]:
             names = list(fns)
             got = paired_median_ms(group, [fns[n] for n in names], iters=iters)
             times.update({f"{op}_{n}": t for n, t in zip(names, got)})
+            times[f"{op}_host"] = host_us(group, fns["fused"], iters)
+        # the whole layer (both halves) replayed from a CUDA graph: device time, no host
+        graphs = []
+        for st in ("fused", "none"):
+            try:
+                graphs.append(graph_of(group, lambda st=st: rs[st](*ag[st](x, ids, wts, w1), w2)))
+            except Exception as e:  # noqa: BLE001 - a capture that fails is reported
+                print(f"rank {rank}: moe layer {st!r} not captured: {type(e).__name__}: {e}")
+        got = paired_median_ms(group, [g.replay for g in graphs], iters=iters)
+        times.update(layer_fused=got[0], layer_none=got[1] if len(got) > 1 else None)
         t = max_over_ranks(group, times)
     finally:
         for c in (*ag.values(), *rs.values()):
@@ -364,13 +374,30 @@ def _multi_case(group, hidden, inter, experts, k, kind, iters) -> list[dict]:
             t_comm_ms=round(t[f"{op}_comm"], 4), t_bound_ms=round(bound, 4),
             speedup_vs_none=round(t[f"{op}_none"] / t[f"{op}_fused"], 3),
             x_bound=round(t[f"{op}_fused"] / bound, 3), rel_err_none=round(t["err"], 5),
+            host_us=round(t[f"{op}_host"], 1),
         )  # fmt: skip
         records.append(rec)
         if rank == 0:
             print(f"W={w} {op} H={hidden} I={inter} E={experts} k={k} {kind:8s} "
                   f"{rec['t_ms']:.3f} ms, none {rec['t_none_ms']:.3f} "
                   f"(x{rec['speedup_vs_none']:.2f}), bound {bound:.3f} "
-                  f"(x{rec['x_bound']:.2f}), err {t['err']:.1e}", flush=True)  # fmt: skip
+                  f"(x{rec['x_bound']:.2f}), host {rec['host_us']:.0f} us, "
+                  f"err {t['err']:.1e}", flush=True)  # fmt: skip
+    # the layer from graphs against the sum of the halves' bounds
+    bound = sum(r["t_bound_ms"] for r in records)
+    rec = dict(
+        records[0], op="moe_layer", timing="graph", t_ms=round(t["layer_fused"], 4),
+        t_none_ms=t["layer_none"] and round(t["layer_none"], 4), t_bound_ms=round(bound, 4),
+        speedup_vs_none=round(t["layer_none"] / t["layer_fused"], 3) if t["layer_none"] else None,
+        x_bound=round(t["layer_fused"] / bound, 3),
+    )  # fmt: skip
+    for key in ("t_gemm_ms", "t_comm_ms", "host_us"):
+        rec.pop(key)
+    records.append(rec)
+    if rank == 0:
+        print(f"W={w} moe_layer (graphs) {rec['t_ms']:.3f} ms, none {rec['t_none_ms']} "
+              f"(x{rec['speedup_vs_none']}), bound {bound:.3f} (x{rec['x_bound']:.2f})",
+              flush=True)  # fmt: skip
     return records
 
 
@@ -379,9 +406,11 @@ def several_gpus(n: int, routings, iters: int) -> list[dict]:
     ``torch._grouped_mm``) and against bound = max(the per-rank ``torch._grouped_mm``,
     the NCCL all-gather of the token shards / reduce-scatter of the bf16 outputs), all
     eager calls timed interleaved in the same run (``timing.paired_median_ms``, max over
-    ranks). ``rel_err_none``: the second half's output, ``fused`` (both halves) against
-    ``none``. Records: op ``ag_moe`` / ``moe_rs`` with ``t_none_ms``, ``t_gemm_ms``,
-    ``t_comm_ms``, ``t_bound_ms``."""
+    ranks), with the host time of one eager ``fused`` call (``host_us``). ``rel_err_none``:
+    the second half's output, ``fused`` (both halves) against ``none``. Records: op
+    ``ag_moe`` / ``moe_rs`` with ``t_none_ms``, ``t_gemm_ms``, ``t_comm_ms``,
+    ``t_bound_ms``; op ``moe_layer`` (``timing: graph``): both halves replayed from one
+    CUDA graph per strategy (device time), against the sum of the halves' bounds."""
     from ..testing import World
 
     with World(n, "cuda", timeout=900) as world:
