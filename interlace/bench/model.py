@@ -10,8 +10,12 @@ tensor-parallel layers (``interlace.nn.parallelize``) against the plain model.
 * Two or more GPUs (one process per GPU, NCCL): interlace at TP = W (sequence parallel,
   overlapped fused GEMMs) against torch tensor parallelism (DTensor ``parallelize_module``,
   the torchtitan plan with sequence parallelism) and torch's async TP (the same model under
-  ``torch.compile`` with the symmetric-memory micro-pipeline pass), same run: ``t_ms``,
-  ``t_torch_tp_ms``, ``t_torch_async_tp_ms`` and tokens/s for each.
+  ``torch.compile`` with the symmetric-memory micro-pipeline pass), and interlace's model
+  under ``torch.compile`` (``interlace_compiled``), same run: ``t_ms``,
+  ``t_torch_tp_ms``, ``t_torch_async_tp_ms``, ``t_interlace_compiled_ms``, each a step
+  started alone (device idle, ranks aligned: its host time exposed), and the same with
+  ``_pipelined`` (steps back to back, as a training loop runs them: host work overlaps
+  the previous step's GPU work).
 
 Every variant takes the whole sequence ``[1, T, H]`` on each rank and returns it whole:
 the parallel ones slice their share before the first layer and all-gather after the last.
@@ -282,16 +286,21 @@ def several_gpus_body(group, c_dict: dict, tokens_list, iters: int) -> list[dict
     """One rank of the W-GPU comparison: interlace vs torch TP vs torch async TP."""
     from interlace.nn import parallelize
 
-    from .timing import max_over_ranks, paired_median_ms
+    from .timing import max_over_ranks, paired_median_ms, pipelined_median_ms
 
     c = DecoderConfig(**c_dict)
     dev = group.device
     plain = build_stack(c, torch.bfloat16, dev)
     variants = {"interlace": parallelize(copy.deepcopy(plain), group)}
-    for name, compiled in (("torch_tp", False), ("torch_async_tp", True)):
+    builders = {
+        "interlace_compiled": lambda m: torch.compile(parallelize(m, group)),
+        "torch_tp": lambda m: _torch_tp(m, group, False),
+        "torch_async_tp": lambda m: _torch_tp(m, group, True),
+    }
+    for name, build in builders.items():
         try:
-            variants[name] = _torch_tp(copy.deepcopy(plain), group, compiled)
-        except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported
+            variants[name] = build(copy.deepcopy(plain))
+        except Exception as e:  # noqa: BLE001 - a variant that cannot run is reported
             print(f"rank {group.rank}: {name} unavailable: {type(e).__name__}: {e}", flush=True)
     del plain
     records = []
@@ -303,14 +312,24 @@ def several_gpus_body(group, c_dict: dict, tokens_list, iters: int) -> list[dict
             names = list(variants)
             fns = [_step_fns(variants[n], x, g)[i] for n in names]
             times = dict(zip(names, paired_median_ms(group, fns, iters=iters)))
+            # back to back, as a training loop or a server runs steps: host work overlaps
+            for n, fn in zip(names, fns):
+                times[f"{n}_pipelined"] = pipelined_median_ms(group, fn, iters=iters)
             times = max_over_ranks(group, times)
             t = times["interlace"]
             rec = _records(c, tokens, mode, t_ms=round(t, 4), tokens_per_s=round(tokens / t * 1e3))
-            for n in ("torch_tp", "torch_async_tp"):
-                tn = times.get(n)
+            rec["t_pipelined_ms"] = round(times["interlace_pipelined"], 4)
+            for n in ("interlace_compiled", "torch_tp", "torch_async_tp"):
+                tn, tp = times.get(n), times.get(f"{n}_pipelined")
                 rec[f"t_{n}_ms"] = None if tn is None else round(tn, 4)
-                rec[f"speedup_vs_{n}"] = None if tn is None else round(tn / t, 3)
+                rec[f"t_{n}_pipelined_ms"] = None if tp is None else round(tp, 4)
+                if n != "interlace_compiled":
+                    rec[f"speedup_vs_{n}"] = None if tn is None else round(tn / t, 3)
             records.append(rec)
+            if group.rank == 0:
+                print(f"W={group.world_size} {mode} tokens {tokens}: " + ", ".join(
+                    f"{n} {times[n]:.3f} ms (back to back {times[n + '_pipelined']:.3f})"
+                    for n in names), flush=True)  # fmt: skip
     return records
 
 
