@@ -19,7 +19,7 @@ Two ways to run the experts (``strategy``):
   (in float32) and returns its gradients, so training matches ``none`` at the cost of a
   second forward (its all-gathers included).
 * ``auto``: ``fused`` where :class:`~interlace.ops.moe.MoERS`'s own ``auto`` runs fused (the
-  CPU emulation; on GPUs only with ``moe_rs.AUTO_FUSED_ON_GPU``), for bfloat16 / float16
+  CPU emulation; on GPUs where ``moe_rs.AUTO_FUSED_ON_GPU``, the default), for bfloat16 / float16
   weights, sequence parallel and a SiLU activation, in eager calls and under
   ``torch.compile`` alike; else ``none``.
 

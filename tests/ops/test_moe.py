@@ -30,8 +30,8 @@ TOL = 1e-2
 
 
 def _auto_body(group):
-    """``auto`` takes the fused kernel for a padded routing in the CPU emulation and
-    ``none`` on GPUs (``moe_rs.AUTO_FUSED_ON_GPU``); ``fused`` runs where asked."""
+    """``auto`` takes the fused kernel for a padded routing in the CPU emulation, and on
+    GPUs where ``moe_rs.AUTO_FUSED_ON_GPU`` (else ``none``); ``fused`` runs where asked."""
     from interlace.ops.moe import moe_rs
 
     kw = dict(max_tokens=8 * group.world_size, hidden=32, inter=16, experts=2, topk=1)
@@ -293,7 +293,8 @@ def _bad_body(group):
         expect_error(InterlaceValueError, "topk", AGMoE, group, **{**kw, "topk": 5})
         # ``none`` inside a CUDA-graph capture on a group whose collectives a graph cannot
         # hold (gloo): a clear error before anything runs, and the contexts stay usable
-        for ctx, args in ((ag, (x, ids, wts, w1)), (rs, (h, routing, w2))):
+        # (an NCCL group, one GPU per rank, captures them: nothing to refuse there)
+        for ctx, args in ((ag, (x, ids, wts, w1)), (rs, (h, routing, w2))) * (not group.nccl):
             strategy, ctx.strategy = ctx.strategy, "none"
             ctx._capturing = lambda: True
             expect_error(InterlaceValueError, "captures only on an NCCL group", ctx, *args)
@@ -349,6 +350,32 @@ def _graph_body(group, m, hidden, inter, experts, k):
 @pytest.mark.gpu
 def test_moe_graph_replay_new_routing(world):
     run_on_gpus(world, _graph_body, 77, 256, 96, 8, 2, why="CUDA graphs need a GPU")
+
+
+def _eager_graph_body(group):
+    """``eager_graphs=True``: repeated eager calls of one shape with fresh tokens, routing
+    (int64 and int32 ids in turn: two kinds of call) and outputs, every result against the
+    float32 reference; both halves must end up replaying graphs."""
+    w = group.world_size
+    kw = dict(max_tokens=w * 40, hidden=64, inter=32, experts=8, topk=2)
+    with (
+        AGMoE(group, strategy="fused", eager_graphs=True, **kw) as ag,
+        MoERS(group, strategy="fused", eager_graphs=True, **kw) as rs,
+    ):
+        for i in range(7):
+            kind = ("random", "skewed", "balanced")[i % 3]
+            _case(group, ag, rs, 40, 64, 32, 8, 2, kind, seed=i)
+        ag.check()
+        rs.check()
+        for ctx in (ag, rs):
+            replayed = [g for g in ctx._graphs.values() if not isinstance(g, str)]
+            assert replayed, f"{ctx.op_name}: no call was replayed from a graph: {ctx._graphs}"
+    return True
+
+
+@pytest.mark.gpu
+def test_moe_eager_graphs(world):
+    run_on_gpus(world, _eager_graph_body, why="CUDA graphs need a GPU")
 
 
 def _gpu_body(group):

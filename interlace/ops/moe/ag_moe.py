@@ -27,7 +27,11 @@ Strategies:
 * ``auto``: ``fused``.
 
 Eager calls alternate two buffer sets (no barrier); a call captured in a CUDA graph uses
-a third, behind a device barrier, and can be replayed with new tokens and routing.
+a third, behind a device barrier, and can be replayed with new tokens and routing. With
+``eager_graphs`` (the default where the driver allows) an eager ``fused`` call is replayed
+from a CUDA graph the context captured on the second call of its kind
+(``OpContext._enqueue``): one launch from the host instead of the packing, the copies and
+their flags, the routing kernels and the GEMM.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class _MoeContext(AlternatingSets, OpContext):
 
     def __init__(
         self, group, max_tokens, hidden, inter, experts, topk, dtype, strategy, config,
-        validate, max_spins, regions,
+        validate, max_spins, regions, eager_graphs,
     ):  # fmt: skip
         if strategy not in self.STRATEGIES:
             raise InterlaceValueError(
@@ -86,6 +90,7 @@ class _MoeContext(AlternatingSets, OpContext):
         self.strategy, self.validate = strategy, bool(validate)
         self.config = config or config_for(self._mode, group.backend)
         self.last_strategy: str | None = None
+        self._init_eager_graphs(eager_graphs)
 
     _mode = "gather"
 
@@ -122,7 +127,7 @@ class AGMoE(_MoeContext):
         self, group, max_tokens: int, hidden: int, inter: int, experts: int, topk: int,
         dtype: torch.dtype = torch.bfloat16, activation: str | None = "swiglu",
         strategy: str = "auto", config: MoeGemmConfig | None = None, validate: bool = True,
-        max_spins=None,
+        max_spins=None, eager_graphs: bool | None = None,
     ):  # fmt: skip
         if activation not in ACTIVATIONS:
             raise InterlaceValueError(
@@ -133,7 +138,7 @@ class AGMoE(_MoeContext):
         self._set_size = 2 * w + 1
         super().__init__(
             group, max_tokens, hidden, inter, experts, topk, dtype, strategy, config,
-            validate, max_spins, {"moe": BUFFER_SETS * self._set_size},
+            validate, max_spins, {"moe": BUFFER_SETS * self._set_size}, eager_graphs,
         )  # fmt: skip
         self.activation = activation
         self.w_cols = 2 * self.inter if activation == "swiglu" else self.inter
@@ -201,50 +206,59 @@ class AGMoE(_MoeContext):
         wsz, r, dev = self.world_size, self.rank, self.group.device
         m, k = x.shape[0], self.topk
         mk = m * k
-        s = self._buffer_set()
-        if s == GRAPH_SET:
-            self._barrier()  # every rank's previous replay is done with this set
-        base = self._set_base(s)
-        meta_flags, tok_flags, done = base, base + wsz, base + 2 * wsz
-        meta = self.meta.local[s]
-        pack_meta(meta[r], ids, weights)
         cfg = self.config
+        # the call's own tensors, allocated here (a graph-replayed call re-points them)
         work = alloc_routing(m, k, self.experts, wsz, cfg.block_m, dev)
         h = torch.empty(work.routing.rows, self.inter, dtype=self.dtype, device=dev)
-        stream = fork(self.group)
-        # producers: every peer's routing first (small: the tables need all of it), then
-        # the token shards; peer (r - i) gets this rank's data as its arrival position i
-        x_flat = x.reshape(-1)
-        for i in range(1, wsz):
-            peer = (r - i) % wsz
-            dst = self.meta.peers[peer][s, r, : 2 * mk]
-            _trace.copy_and_signal(
-                dst, meta[r, : 2 * mk], self._u32(peer), meta_flags + i, stream=stream,
-                what="routing",
+
+        def run():
+            s = self._buffer_set()
+            if s == GRAPH_SET:
+                self._barrier()  # every rank's previous replay is done with this set
+            base = self._set_base(s)
+            meta_flags, tok_flags, done = base, base + wsz, base + 2 * wsz
+            meta = self.meta.local[s]
+            pack_meta(meta[r], ids, weights)
+            stream = fork(self.group)
+            # producers: every peer's routing first (small: the tables need all of it),
+            # then the token shards; peer (r - i) gets this rank's data as its arrival
+            # position i
+            x_flat = x.reshape(-1)
+            for i in range(1, wsz):
+                peer = (r - i) % wsz
+                dst = self.meta.peers[peer][s, r, : 2 * mk]
+                _trace.copy_and_signal(
+                    dst, meta[r, : 2 * mk], self._u32(peer), meta_flags + i, stream=stream,
+                    what="routing",
+                )  # fmt: skip
+            for i in range(1, wsz):
+                peer = (r - i) % wsz
+                dst = self.gathered.peers[peer][s].view(-1)[
+                    r * m * self.hidden : (r + 1) * m * self.hidden
+                ]
+                _trace.copy_and_signal(
+                    dst, x_flat, self._u32(peer), tok_flags + i, stream=stream, what="tokens"
+                )
+            sig, err = self.pad.buffer.local, self.error.address
+            routing = launch_routing(
+                work, meta, self._meta_stride, rank=r, sig=sig, flag0=meta_flags, err=err,
+                max_spins=self.max_spins, wait=wsz > 1,
             )  # fmt: skip
-        for i in range(1, wsz):
-            peer = (r - i) % wsz
-            dst = self.gathered.peers[peer][s].view(-1)[
-                r * m * self.hidden : (r + 1) * m * self.hidden
-            ]
-            _trace.copy_and_signal(
-                dst, x_flat, self._u32(peer), tok_flags + i, stream=stream, what="tokens"
-            )
-        sig, err = self.pad.buffer.local, self.error.address
-        routing = launch_routing(
-            work, meta, self._meta_stride, rank=r, sig=sig, flag0=meta_flags, err=err,
-            max_spins=self.max_spins, wait=wsz > 1,
-        )  # fmt: skip
-        grid = programs(routing, self.inter, cfg, dev, self.group.backend)
-        launch_gemm(
-            a=self.gathered.local[s], x_own=x, w=w, out=h, routing=routing, n=self.inter,
-            up=self.inter, cfg=cfg, grid=grid, gather=True,
-            swiglu=self.activation == "swiglu", reduce=False, sig=sig, flag0=tok_flags,
-            err=err or _no_err(x), rank=r, max_spins=self.max_spins, done_slot=done,
-            clear=(base, self._set_size), wait=wsz > 1, world=wsz,
-        )  # fmt: skip
-        join(self.group, stream)
-        return h, routing
+            grid = programs(routing, self.inter, cfg, dev, self.group.backend)
+            launch_gemm(
+                a=self.gathered.local[s], x_own=x, w=w, out=h, routing=routing, n=self.inter,
+                up=self.inter, cfg=cfg, grid=grid, gather=True,
+                swiglu=self.activation == "swiglu", reduce=False, sig=sig, flag0=tok_flags,
+                err=err or _no_err(x), rank=r, max_spins=self.max_spins, done_slot=done,
+                clear=(base, self._set_size), wait=wsz > 1, world=wsz,
+            )  # fmt: skip
+            join(self.group, stream)
+
+        # what besides the operands' shapes a replayed call must share with the captured
+        # one: the packing's kernels depend on the routing's dtypes and layouts
+        kind = ("fused", ids.dtype, weights.dtype, ids.stride(), weights.stride())
+        self._enqueue(kind, run, x, ids, weights, w, h, work.buffer)
+        return h, work.routing
 
 
 __all__ = ["AGMoE"]

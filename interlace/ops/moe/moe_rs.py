@@ -23,8 +23,11 @@ Strategies:
   rank (two eager buffer sets and one for CUDA graphs). Needs the padded routing of
   ``AGMoE``'s ``fused`` strategy.
 * ``none``: ``torch._grouped_mm``, weights, ``index_add`` (float32), NCCL reduce-scatter.
-* ``auto``: ``fused`` for a padded routing in the CPU emulation, ``none`` on GPUs
-  (:data:`AUTO_FUSED_ON_GPU`) and for the ``none`` strategy's routing.
+* ``auto``: ``fused`` for a padded routing (:data:`AUTO_FUSED_ON_GPU` on GPUs), ``none``
+  for the ``none`` strategy's routing.
+
+With ``eager_graphs`` (the default where the driver allows) an eager ``fused`` call is
+replayed from a CUDA graph captured on the second call of its kind (``OpContext._enqueue``).
 
 Inside ``interlace.trace.record`` the ``fused`` strategy's two launches are traced
 (``TRACE`` on): the grouped GEMM (per tile, and the raise of the owners' counters) and the
@@ -50,11 +53,10 @@ from .ag_moe import _MoeContext
 from .baseline import moe_rs_none
 from .routing import MoeRouting
 
-#: ``auto`` picks ``fused`` on GPUs. Off: rank 0's kernel of W = 4 ran 2.5-3.5 x faster
-#: than the torch path's grouped GEMM + index_add on one H200
-#: (``benchmarks/results/2026-11-28-h200-w1.json``), but 0.34-0.44 x ``torch._grouped_mm``
-#: alone, and the fused path's multi-rank GPU tests (graph replay) have not passed yet.
-AUTO_FUSED_ON_GPU = False
+#: ``auto`` picks ``fused`` on GPUs: on four H200s (one rank each, TileLink's 12 MoE
+#: cases) the eager ``fused`` call ran 1.24-2.12 x faster than ``none`` and the whole layer
+#: replayed from graphs 1.6-2.3 x (``benchmarks/results/2026-11-28-h200-w4.json``).
+AUTO_FUSED_ON_GPU = True
 
 
 class MoERS(_MoeContext):
@@ -70,10 +72,11 @@ class MoERS(_MoeContext):
         self, group, max_tokens: int, hidden: int, inter: int, experts: int, topk: int,
         dtype: torch.dtype = torch.bfloat16, strategy: str = "auto",
         config: MoeGemmConfig | None = None, validate: bool = True, max_spins=None,
+        eager_graphs: bool | None = None,
     ):  # fmt: skip
         super().__init__(
             group, max_tokens, hidden, inter, experts, topk, dtype, strategy, config,
-            validate, max_spins, {"moe": BUFFER_SETS * self._set_size},
+            validate, max_spins, {"moe": BUFFER_SETS * self._set_size}, eager_graphs,
         )  # fmt: skip
         if strategy != "none":
             # every token's rows (the owners' reads of each set are zeroed by the owner)
@@ -152,24 +155,32 @@ class MoERS(_MoeContext):
 
     def _fused(self, h, routing: MoeRouting, w):
         dev, m = self.group.device, routing.m_loc
-        s = self._buffer_set()
-        if s == GRAPH_SET:
-            self._barrier()
-        base = self._set_base(s)
         y = torch.empty(m, self.hidden, dtype=self.dtype, device=dev)
-        sig, err = self.pad.buffer.local, self.error.address
         cfg = self.config
-        launch_gemm(
-            a=h, x_own=None, w=w, out=None, routing=routing, n=self.hidden, up=0, cfg=cfg,
-            grid=programs(routing, self.hidden, cfg, dev, self.group.backend), gather=False,
-            swiglu=False, reduce=True, acc_out=self.acc.local[s], sig=sig,
-            sig_table=self.pad.ptrs, err=err, rank=self.rank, max_spins=self.max_spins,
-            done_slot=base, contrib_slot=base + 1, world=self.world_size,
-        )  # fmt: skip
-        launch_finish(
-            self.acc.ptrs, s * self.max_tokens * self.hidden, y, m, sig, base + 1, base + 2,
-            err, self.rank, self.max_spins, self.world_size, dev, self.group.backend,
-        )  # fmt: skip
+
+        def run():
+            s = self._buffer_set()
+            if s == GRAPH_SET:
+                self._barrier()
+            base = self._set_base(s)
+            sig, err = self.pad.buffer.local, self.error.address
+            launch_gemm(
+                a=h, x_own=None, w=w, out=None, routing=routing, n=self.hidden, up=0,
+                cfg=cfg, grid=programs(routing, self.hidden, cfg, dev, self.group.backend),
+                gather=False, swiglu=False, reduce=True, acc_out=self.acc.local[s], sig=sig,
+                sig_table=self.pad.ptrs, err=err, rank=self.rank, max_spins=self.max_spins,
+                done_slot=base, contrib_slot=base + 1, world=self.world_size,
+            )  # fmt: skip
+            launch_finish(
+                self.acc.ptrs, s * self.max_tokens * self.hidden, y, m, sig, base + 1,
+                base + 2, err, self.rank, self.max_spins, self.world_size, dev,
+                self.group.backend,
+            )  # fmt: skip
+
+        # the routing's tensors are views of one allocation, in disjoint ranges
+        tables = (routing.token_ids, routing.weights, routing.offsets, routing.tiles,
+                  routing.tile_count)  # fmt: skip
+        self._enqueue("fused", run, h, *tables, w, y)
         return y
 
 

@@ -89,6 +89,8 @@ class RoutingWork:
     prefix: torch.Tensor
     scratch: torch.Tensor
     base_scratch: torch.Tensor
+    #: the allocation every view above lies in
+    buffer: torch.Tensor | None = None
 
 
 def alloc_routing(m_loc, topk, experts, world, block_m, device) -> RoutingWork:
@@ -115,7 +117,7 @@ def alloc_routing(m_loc, topk, experts, world, block_m, device) -> RoutingWork:
         tiles=tiles.view(max_tiles, TILE_COLS.value), tile_count=count, m_loc=m_loc,
         topk=topk, experts=experts, world=world, block_m=block_m, layout="padded",
     )  # fmt: skip
-    return RoutingWork(routing, counts, prefix, scratch, base)
+    return RoutingWork(routing, counts, prefix, scratch, base, buf)
 
 
 def launch_routing(
