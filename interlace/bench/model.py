@@ -278,7 +278,9 @@ def _torch_tp(model: DecoderStack, group, compile_async: bool):
 
         inductor_config._micro_pipeline_tp = True
         enable_symm_mem_for_group(mesh.get_group().group_name)
-        model = torch.compile(model, fullgraph=False)
+        # static shapes: each token count compiles its own graph (a recompile with dynamic
+        # shapes fails on DTensor's ``float()`` in torch 2.11)
+        model = torch.compile(model, fullgraph=False, dynamic=False)
     return model
 
 
@@ -293,7 +295,7 @@ def several_gpus_body(group, c_dict: dict, tokens_list, iters: int) -> list[dict
     plain = build_stack(c, torch.bfloat16, dev)
     variants = {"interlace": parallelize(copy.deepcopy(plain), group)}
     builders = {
-        "interlace_compiled": lambda m: torch.compile(parallelize(m, group)),
+        "interlace_compiled": lambda m: torch.compile(parallelize(m, group), dynamic=False),
         "torch_tp": lambda m: _torch_tp(m, group, False),
         "torch_async_tp": lambda m: _torch_tp(m, group, True),
     }
@@ -303,6 +305,16 @@ def several_gpus_body(group, c_dict: dict, tokens_list, iters: int) -> list[dict
         except Exception as e:  # noqa: BLE001 - a variant that cannot run is reported
             print(f"rank {group.rank}: {name} unavailable: {type(e).__name__}: {e}", flush=True)
     del plain
+    # a variant whose first steps fail (a compile error) is reported and left out
+    x0 = torch.randn(1, tokens_list[0], c.hidden, device=dev, dtype=torch.bfloat16)
+    for name in list(variants):
+        try:
+            for fn in _step_fns(variants[name], x0, x0):
+                fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            print(f"rank {group.rank}: {name} left out: {type(e).__name__}: {e}", flush=True)
+            del variants[name]
     records = []
     for tokens in tokens_list:
         gen = torch.Generator(device=dev).manual_seed(tokens)
