@@ -257,7 +257,7 @@ class AGMoE(_MoeContext):
         # what besides the operands' shapes a replayed call must share with the captured
         # one: the packing's kernels depend on the routing's dtypes and layouts
         kind = ("fused", ids.dtype, weights.dtype, ids.stride(), weights.stride())
-        self._enqueue(kind, run, x, ids, weights, w, h, work.buffer)
+        self._enqueue(kind, run, x, ids, weights, w, h, work.routing.storage)
         return h, work.routing
 
 

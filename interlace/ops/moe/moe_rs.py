@@ -177,9 +177,12 @@ class MoERS(_MoeContext):
                 self.group.backend,
             )  # fmt: skip
 
-        # the routing's tensors are views of one allocation, in disjoint ranges
-        tables = (routing.token_ids, routing.weights, routing.offsets, routing.tiles,
-                  routing.tile_count)  # fmt: skip
+        # the routing's tensors: views of one allocation (the operand), of which the
+        # kernels read some; a routing made elsewhere lists them (a view no kernel reads
+        # makes the call run eagerly: nothing is replayed with a stale routing)
+        tables = [routing.storage]
+        if routing.storage is None:
+            tables = [routing.token_ids, routing.weights, routing.tiles, routing.tile_count]
         self._enqueue("fused", run, h, *tables, w, y)
         return y
 

@@ -36,7 +36,9 @@ class MoeRouting:
     t`` into the gathered tokens (rank ``src``'s token ``t``), -1 for a padding row;
     ``weights[row]``: its routing weight (float32, 0 for padding); ``offsets``: int32
     ``[E + 1]``, each expert's first row and (last) the rows in use; ``tiles`` /
-    ``tile_count``: the tile table (``layout="padded"`` only)."""
+    ``tile_count``: the tile table (``layout="padded"`` only); ``storage``: the one
+    allocation all of them are views of (``padded``: a graph-replayed call re-points
+    it)."""
 
     token_ids: torch.Tensor
     weights: torch.Tensor
@@ -49,6 +51,7 @@ class MoeRouting:
     world: int
     block_m: int
     layout: str  # "padded" (the fused kernels) or "dense" (torch ops)
+    storage: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -89,8 +92,6 @@ class RoutingWork:
     prefix: torch.Tensor
     scratch: torch.Tensor
     base_scratch: torch.Tensor
-    #: the allocation every view above lies in
-    buffer: torch.Tensor | None = None
 
 
 def alloc_routing(m_loc, topk, experts, world, block_m, device) -> RoutingWork:
@@ -116,8 +117,9 @@ def alloc_routing(m_loc, topk, experts, world, block_m, device) -> RoutingWork:
         token_ids=tok, weights=wts.view(torch.float32), offsets=offsets,
         tiles=tiles.view(max_tiles, TILE_COLS.value), tile_count=count, m_loc=m_loc,
         topk=topk, experts=experts, world=world, block_m=block_m, layout="padded",
+        storage=buf,
     )  # fmt: skip
-    return RoutingWork(routing, counts, prefix, scratch, base, buf)
+    return RoutingWork(routing, counts, prefix, scratch, base)
 
 
 def launch_routing(
