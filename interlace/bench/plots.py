@@ -4,9 +4,14 @@ Each figure shows, per measured shape, time over the yardstick the op is judged 
 
 - one-GPU kernel records (``t_ref_ms``): kernel time / the library a user would call
   (cuBLAS, torch._grouped_mm, SDPA), per strategy;
-- several-GPU op records (``t_gemm_ms`` and ``t_comm_ms``): time / bound, where bound =
-  max(T_gemm, T_comm), for each strategy and the ``none`` / torch baselines;
-- collectives (``t_nccl_ms``): time / NCCL;
+- several-GPU op records (``t_bound_ms``, or ``t_gemm_ms`` and ``t_comm_ms``): time /
+  bound, where bound = max(T_gemm, T_comm), for each strategy and the ``none`` / torch
+  baselines;
+- several-GPU attention (``t_kernel_ms``): time / this rank's kernels alone with their
+  waits met, for ``fused``, ``ring`` and ``none``;
+- several-GPU model records (``t_torch_tp_ms``): step time / torch TP, for interlace
+  (eager and compiled) and torch's async TP;
+- collectives and EP (``t_nccl_ms``): time / NCCL; otherwise ``t_none_ms``: time / none;
 - host-cost records (``host_us``): microseconds of host time per eager call.
 
 Lower is better everywhere; a dashed line marks 1.0. ``python -m interlace plot FILE.json``
@@ -52,38 +57,61 @@ def _label(rec: dict) -> str:
     return " ".join(parts)
 
 
-def _series(records: list[dict]) -> tuple[str, dict[str, dict[str, float]]]:
-    """(y-axis title, {series name: {shape label: value}}) for one op's records."""
+def _series(records: list[dict], host: bool = False) -> tuple[str, dict[str, dict[str, float]]]:
+    """(y-axis title, {series name: {shape label: value}}) for one op's records: with
+    ``host``, their host times; else their times over the first yardstick they carry."""
     out: dict[str, dict[str, float]] = {}
 
     def put(name, label, value):
         if value is not None:
             out.setdefault(name, {})[label] = value
 
-    if any(r.get("t_ref_ms") for r in records):
-        refs = sorted({str(r.get("ref", "reference")) for r in records})
+    def ratios(key, pairs, title):
         for r in records:
-            if r.get("t_ms") and r.get("t_ref_ms"):
-                put(str(r.get("strategy")), _label(r), r["t_ms"] / r["t_ref_ms"])
-        return f"time / {', '.join(refs)} (same per-rank problem)", out
-    if any(r.get("t_gemm_ms") and r.get("t_comm_ms") for r in records):
-        for r in records:
-            if not (r.get("t_gemm_ms") and r.get("t_comm_ms")):
-                continue
-            bound, label = max(r["t_gemm_ms"], r["t_comm_ms"]), _label(r)
-            put(str(r.get("strategy")), label, r.get("t_ms") and r["t_ms"] / bound)
-            put("none (baseline)", label, r.get("t_none_ms") and r["t_none_ms"] / bound)
-            put("torch fused", label, r.get("t_torch_ms") and r["t_torch_ms"] / bound)
-        return "time / max(T_gemm, T_comm)", out
-    if any(r.get("t_nccl_ms") for r in records):
-        for r in records:
-            if r.get("t_ms") and r.get("t_nccl_ms"):
-                put(str(r.get("strategy")), _label(r), r["t_ms"] / r["t_nccl_ms"])
-        return "time / NCCL", out
-    if any(r.get("host_us") for r in records):
+            if r.get(key):
+                for name, field in pairs(r):
+                    put(name, _label(r), r.get(field) and r[field] / r[key])
+        return title, out
+
+    if host:
         for r in records:
             put(str(r.get("strategy")), _label(r), r.get("host_us"))
         return "host time of one eager call (us)", out
+    if any(r.get("t_ref_ms") for r in records):
+        refs = sorted({str(r.get("ref", "reference")) for r in records})
+        return ratios("t_ref_ms", lambda r: [(str(r.get("strategy")), "t_ms")],
+                      f"time / {', '.join(refs)} (same per-rank problem)")  # fmt: skip
+    if any(r.get("t_bound_ms") or (r.get("t_gemm_ms") and r.get("t_comm_ms")) for r in records):
+        for r in records:
+            bound = r.get("t_bound_ms") or (
+                r.get("t_gemm_ms") and r.get("t_comm_ms") and max(r["t_gemm_ms"], r["t_comm_ms"])
+            )
+            if bound:
+                label = _label(r)
+                put(str(r.get("strategy")), label, r.get("t_ms") and r["t_ms"] / bound)
+                put("none (baseline)", label, r.get("t_none_ms") and r["t_none_ms"] / bound)
+                put("torch fused", label, r.get("t_torch_ms") and r["t_torch_ms"] / bound)
+        return "time / bound (max(T_gemm, T_comm) per half)", out
+    if any(r.get("t_kernel_ms") for r in records):
+        return ratios(
+            "t_kernel_ms",
+            lambda r: [(str(r.get("strategy")), "t_ms"), ("ring", "t_ring_ms"),
+                       ("none (baseline)", "t_none_ms")],
+            "time / this rank's kernels alone, waits met (1 / (W x one-GPU rate))",
+        )  # fmt: skip
+    if any(r.get("t_torch_tp_ms") for r in records):
+        return ratios(
+            "t_torch_tp_ms",
+            lambda r: [("interlace", "t_ms"), ("interlace compiled", "t_interlace_compiled_ms"),
+                       ("torch async TP", "t_torch_async_tp_ms")],
+            "step time / torch TP (DTensor)",
+        )  # fmt: skip
+    if any(r.get("t_nccl_ms") for r in records):
+        return ratios("t_nccl_ms", lambda r: [(str(r.get("strategy")), "t_ms")], "time / NCCL")
+    if any(r.get("t_none_ms") for r in records):
+        return ratios(
+            "t_none_ms", lambda r: [(str(r.get("strategy")), "t_ms")], "time / none (baseline)"
+        )
     return "", {}
 
 
@@ -101,13 +129,16 @@ def plot_file(path: str, quiet: bool = False) -> list[str]:
         doc = json.load(f)
     by_op: dict[str, list[dict]] = {}
     for rec in doc.get("records", []):
-        # host-cost records share ops with timing records: they get their own figure
-        op = rec.get("op", "?") + ("-host" if rec.get("host_us") is not None else "")
-        by_op.setdefault(op, []).append(rec)
+        # host times get their own figure (``<op>-host``), times theirs
+        op = rec.get("op", "?")
+        if rec.get("t_ms") is not None:
+            by_op.setdefault(op, []).append(rec)
+        if rec.get("host_us") is not None:
+            by_op.setdefault(op + "-host", []).append(rec)
     written = []
     stem = os.path.splitext(path)[0]
     for op, records in sorted(by_op.items()):
-        ylabel, series = _series(records)
+        ylabel, series = _series(records, host=op.endswith("-host"))
         if not series:
             continue
         labels = sorted({lab for s in series.values() for lab in s})
