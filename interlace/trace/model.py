@@ -613,6 +613,7 @@ def build_trace(everyone: list[dict], label: str = "", meta=None, shared: str | 
         offsets_ns=offsets, measured_offsets_ns=measured,
         uncertainty_ns=[0 if shared else w + windows[0] for w in windows],
         stream_uncertainty_ns=[d.get("anchor_window_ns", 0) for d in everyone],
+        timer_jump_ns=[d.get("timer_jump_ns", 0) for d in everyone],
     )  # fmt: skip
     spans, instants, tracks = [], [], {}
     for d in everyone:

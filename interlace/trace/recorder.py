@@ -16,7 +16,10 @@ Clocks. Kernel events carry the GPU's global timer (ns); a stream span's CUDA ev
 put on that clock through an anchor taken when recording starts: an event recorded
 between two one-thread kernels that read the timer (the event lies between their
 readings; the tightest of ``ANCHORS`` tries is kept, its half-width stored as the
-stream spans' uncertainty). Each rank's clock is then aligned to rank 0's by a measured
+stream spans' uncertainty). A second anchor is taken when recording ends; where the timer
+moved between the two by other than the events' time apart (``timer_jump``), the spans go
+on the later anchor's timer and the jump is kept (``timer_jump_ns``; the trace's
+``clock`` lists it per rank). Each rank's clock is then aligned to rank 0's by a measured
 offset: every rank brackets a timer-reading kernel between two host clock readings (one
 host clock for all ranks), keeping the tightest of several tries, and the offset is the
 difference of the (device - host) readings. Ranks on one GPU share its timer (offset 0,
@@ -53,25 +56,32 @@ class Recorder:
         self.launches: list[tuple[dict, torch.Tensor]] = []
         self.spans: list[tuple] = []
         self._streams: dict[int, str] = {}
-        self._anchors: list = []
+        self._anchors: list = []  # taken when recording starts, then when it ends
 
     # ------------------------------------------------------------------ life cycle
     def __enter__(self) -> Recorder:
         if self.cuda:
-            dev = self.group.device
-            self._clock = torch.zeros(2 * ANCHORS, dtype=torch.int64, device=dev)
-            self._anchors = [torch.cuda.Event(enable_timing=True) for _ in range(ANCHORS)]
-            main = torch.cuda.current_stream(dev)
+            main = torch.cuda.current_stream(self.group.device)
             self._streams[main.cuda_stream] = "stream (compute)"
-            for i, event in enumerate(self._anchors):
-                clock_kernel[(1,)](self._clock, 2 * i)
-                event.record(main)
-                clock_kernel[(1,)](self._clock, 2 * i + 1)
+            self._anchors.append(self._take_anchors())
         hooks.ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         hooks.ACTIVE.remove(self)
+        if self.cuda:
+            self._anchors.append(self._take_anchors())
+
+    def _take_anchors(self) -> tuple[torch.Tensor, list]:
+        """``ANCHORS`` events on the current stream, each between two timer reads."""
+        clock = torch.zeros(2 * ANCHORS, dtype=torch.int64, device=self.group.device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(ANCHORS)]
+        main = torch.cuda.current_stream(self.group.device)
+        for i, event in enumerate(events):
+            clock_kernel[(1,)](clock, 2 * i)
+            event.record(main)
+            clock_kernel[(1,)](clock, 2 * i + 1)
+        return clock, events
 
     # ------------------------------------------------------------------ the ops' interface
     def kernel_buffer(
@@ -123,13 +133,23 @@ class Recorder:
             launches.append((info, buf.cpu().tolist()))
         spans = []
         if self.cuda:
-            i, anchor, window = tightest_bracket(self._clock.cpu().tolist())
-            event = self._anchors[i]
+            brackets = [(tightest_bracket(c.cpu().tolist()), ev) for c, ev in self._anchors]
+            (i, start_ns, start_w), start_ev = brackets[0]
+            jump = 0
+            if len(brackets) > 1:
+                (j, end_ns, end_w), end_ev = brackets[-1]
+                between = round(start_ev[i].elapsed_time(end_ev[j]) * 1e6)
+                jump = timer_jump(start_ns, end_ns, between, start_w + end_w)
+            # the timer moved by other than the events' time between the anchors: the
+            # kernels' events (read during the calls) share the later anchor's timer
+            use = brackets[-1] if jump else brackets[0]
+            (i, anchor, window), events = use
+            event = events[i]
             for kind, track, start, end, meta in self.spans:
                 t0 = anchor + round(event.elapsed_time(start) * 1e6)
                 t1 = anchor + round(event.elapsed_time(end) * 1e6)
                 spans.append((kind, track, t0, t1, meta))
-            meta = dict(anchor_window_ns=window)
+            meta = dict(anchor_window_ns=window, timer_jump_ns=jump)
         else:
             spans = list(self.spans)
             meta = dict(anchor_window_ns=0)
@@ -163,6 +183,18 @@ def tightest_bracket(reads: list[int]) -> tuple[int, int, int]:
     i = min(range(len(reads) // 2), key=lambda i: reads[2 * i + 1] - reads[2 * i])
     lo, hi = reads[2 * i], reads[2 * i + 1]
     return i, (lo + hi) // 2, -(-(hi - lo) // 2)
+
+
+#: below this the two anchors' timer difference and their events' time apart agree
+TIMER_JUMP_MIN_NS = 50_000
+
+
+def timer_jump(start_ns: int, end_ns: int, events_ns: int, window_ns: int) -> int:
+    """How far the GPU timer moved between the start and end anchors beyond the CUDA
+    events' time between them (ns; 0 where they agree within ``window_ns`` and
+    :data:`TIMER_JUMP_MIN_NS`)."""
+    drift = (end_ns - start_ns) - events_ns
+    return drift if abs(drift) > max(window_ns, TIMER_JUMP_MIN_NS) else 0
 
 
 def measure_clock(group, tries: int = CLOCK_TRIES) -> dict:

@@ -194,6 +194,11 @@ def format_summary(summary: dict) -> str:
         f"{summary['clock']['method']})",  # fmt: skip
         "rank    T_ms  comp_ms  comm_ms  overlap  exposed_ms  wait_max_ms  tiles  copies",
     ]
+    jumps = summary["clock"].get("timer_jump_ns") or []
+    if any(jumps):
+        lines.insert(1, "GPU timer jumped while recording (ms, per rank): "
+                     + " ".join(f"{j / 1e6:.3f}" for j in jumps)
+                     + "; the stream spans are on the timer read after the calls")  # fmt: skip
     for r in summary["ranks"]:
         if not r["traced"]:
             lines.append(f"{r['rank']:4d}  (nothing traced)")

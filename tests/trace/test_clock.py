@@ -32,3 +32,17 @@ def test_one_bracket_per_anchor():
 def test_reads_come_in_pairs(reads):
     with pytest.raises(InterlaceValueError, match="pairs"):
         tightest_bracket(reads)
+
+
+def test_timer_jump_between_the_anchors():
+    from interlace.trace.recorder import TIMER_JUMP_MIN_NS, timer_jump
+
+    # the timer and the events agree (to within the brackets): no jump
+    assert timer_jump(1_000, 5_001_000, 5_000_000, 40) == 0
+    assert timer_jump(1_000, 5_001_000 + TIMER_JUMP_MIN_NS, 5_000_000, 40) == 0
+    # the timer moved 1.04 s more than the events' 5 ms apart: that jump, either way
+    assert timer_jump(0, 1_045_000_000, 5_000_000, 40) == 1_040_000_000
+    assert timer_jump(0, 4_000_000, 5_000_000, 40) == -1_000_000  # 1 ms back
+    assert timer_jump(0, 4_990_000, 5_000_000, 40) == 0  # 10 us: within the minimum
+    # a wide bracket (a context switch between the reads) covers more drift
+    assert timer_jump(0, 5_300_000, 5_000_000, 400_000) == 0

@@ -58,3 +58,12 @@ def test_chrome_times_are_microseconds_from_the_first_event():
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     wait = next(e for e in spans if e["name"] == "wait chunk 0")
     assert (wait["ts"], wait["dur"], wait["pid"], wait["tid"]) == (1.0, 15.0, 1, 0)
+
+
+def test_a_timer_jump_is_printed():
+    from interlace.trace.summary import format_summary
+
+    s = summarize(_trace())
+    assert "jumped" not in format_summary(s)
+    s["clock"]["timer_jump_ns"] = [0, 1_040_000_000]
+    assert "GPU timer jumped while recording (ms, per rank): 0.000 1040.000" in format_summary(s)
