@@ -47,8 +47,9 @@ def body(group, mode, tokens, steps, rows):
     if group.rank != 0:
         return None
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
-    return (f"W={group.world_size} {mode} tokens {tokens}: host {host_ms:.2f} ms per step "
-            f"(until the last launch returned), wall {wall_ms:.2f} ms per step\n{table}")  # fmt: skip
+    head = (f"W={group.world_size} {mode} tokens {tokens}: host {host_ms:.2f} ms per step "
+            f"(until the last launch returned), wall {wall_ms:.2f} ms per step")  # fmt: skip
+    return f"{head}\n{table}"
 
 
 def main() -> int:
