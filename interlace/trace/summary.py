@@ -14,6 +14,9 @@ defines it, exposed communication, wait time per program, and the longest wait c
 * exposed communication: the times when something of the communication is under way (a
   copy in flight, or a program waiting on a chunk or barrier) and no program of the rank
   computes a tile.
+* clock gap: how far apart the rank's stream spans (CUDA events) and its kernels' events
+  (the GPU timer) lie when their time ranges do not overlap; beyond ``CLOCK_GAP_NS`` the
+  printed summary says the clocks disagree (``T`` and the ratio are then meaningless).
 * longest wait chain: waits linked through what released them: a wait on a chunk ends
   after the peer's copy or notify that released it; that notify came from a program whose
   own previous wait held it back, and so on. The chain with the most wait time in it.
@@ -21,10 +24,13 @@ defines it, exposed communication, wait time per program, and the longest wait c
 
 from __future__ import annotations
 
-from .spans import TID_EXPOSED, Span
+from .spans import TID_EXPOSED, TID_STREAM, Span
 
 #: a signal may be dated this much after the wait it released ends (clock alignment)
 SLACK_NS = 2_000
+#: a rank's stream spans (CUDA events) and kernel events (GPU timer) this far apart, with
+#: no overlap, cannot come from the same calls: the two clocks disagree
+CLOCK_GAP_NS = 50_000_000
 
 
 def _union(intervals) -> list[tuple[int, int]]:
@@ -66,6 +72,20 @@ def exposed_spans(trace, rank: int) -> list[Span]:
             if b > a]  # fmt: skip
 
 
+def clock_gap_ns(trace, rank: int) -> int:
+    """How far apart the rank's stream spans and its kernels' events lie (ns; 0 where
+    their time ranges overlap or one kind is missing): a gap beyond :data:`CLOCK_GAP_NS`
+    means the CUDA-event and GPU-timer clocks were not aligned."""
+    own = [s for s in trace.spans if s.rank == rank and s.cat != "exposed"]
+    stream = [s for s in own if s.tid >= TID_STREAM]
+    kernel = [s for s in own if s.tid < TID_STREAM]
+    if not stream or not kernel:
+        return 0
+    s0, s1 = min(s.t0 for s in stream), max(s.t1 for s in stream)
+    k0, k1 = min(s.t0 for s in kernel), max(s.t1 for s in kernel)
+    return max(0, k0 - s1, s0 - k1)
+
+
 def _rank_summary(trace, rank: int) -> dict:
     own = [s for s in trace.spans if s.rank == rank and s.cat != "exposed"]
     if not own:
@@ -92,6 +112,7 @@ def _rank_summary(trace, rank: int) -> dict:
         wait_ms_mean=(sum(waits.values()) / len(waits) if waits else 0) * ms,
         copies=len(copies),
         bytes_copied=sum(s.args.get("bytes", 0) for s in own if s.cat == "copy"),
+        clock_gap_ms=clock_gap_ns(trace, rank) * ms,
     )  # fmt: skip
 
 
@@ -199,6 +220,12 @@ def format_summary(summary: dict) -> str:
         lines.insert(1, "GPU timer jumped while recording (ms, per rank): "
                      + " ".join(f"{j / 1e6:.3f}" for j in jumps)
                      + "; the stream spans are on the timer read after the calls")  # fmt: skip
+    gaps = [r for r in summary["ranks"] if r.get("clock_gap_ms", 0) * 1e6 > CLOCK_GAP_NS]
+    if gaps:
+        lines.insert(1, "clocks disagree: stream spans and kernel events lie "
+                     + ", ".join(f"{r['clock_gap_ms']:.1f} ms apart on rank {r['rank']}"
+                                 for r in gaps)
+                     + "; T and the overlap ratio there are not meaningful")  # fmt: skip
     for r in summary["ranks"]:
         if not r["traced"]:
             lines.append(f"{r['rank']:4d}  (nothing traced)")

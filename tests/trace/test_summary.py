@@ -67,3 +67,21 @@ def test_a_timer_jump_is_printed():
     assert "jumped" not in format_summary(s)
     s["clock"]["timer_jump_ns"] = [0, 1_040_000_000]
     assert "GPU timer jumped while recording (ms, per rank): 0.000 1040.000" in format_summary(s)
+
+
+def test_clocks_that_disagree_are_flagged():
+    from dataclasses import replace
+
+    from interlace.trace.summary import clock_gap_ns, format_summary
+
+    tr = _trace()
+    assert [clock_gap_ns(tr, r) for r in (0, 1)] == [0, 0]
+    assert "clocks disagree" not in format_summary(summarize(tr))
+    # rank 1's copy span a second before its kernels (as on four H200s)
+    spans = [replace(s, t0=s.t0 - 10**9, t1=s.t1 - 10**9) if s.rank == 1 and s.cat == "copy"
+             else s for s in tr.spans]  # fmt: skip
+    shifted = Trace(2, spans, tr.instants, tr.tracks, tr.clock, tr.label)
+    assert clock_gap_ns(shifted, 0) == 0
+    assert clock_gap_ns(shifted, 1) == 10**9 - 12 * US  # kernels from 0, copy ends at 12 us
+    text = format_summary(summarize(shifted))
+    assert "clocks disagree" in text and "on rank 1" in text and "on rank 0" not in text
