@@ -45,6 +45,7 @@ import time
 import torch
 
 from ..runtime.signals import ERROR_WORDS
+from .cli import add_several_only, runs_one_gpu
 from .timing import host_us, median_ms, paired_median_ms
 
 AS_WORLD = 4
@@ -612,8 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune-seconds", type=float, default=120.0, help="time limit of --tune")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--as-world", type=int, default=AS_WORLD)
-    parser.add_argument("--several-only", action="store_true",
-                        help="on several GPUs, only the cross-GPU comparison")  # fmt: skip
+    add_several_only(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench attention needs a GPU (the CPU emulation is covered by the tests)")
@@ -634,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     n_gpu = torch.cuda.device_count()
     records, path = [], None
-    if not (args.several_only and n_gpu >= 2):
+    if runs_one_gpu(args, n_gpu):
         records = one_gpu(seqs, iters, args.as_world)
         path = write_records(args.out, device, 1, records)
         try:

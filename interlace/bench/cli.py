@@ -36,6 +36,18 @@ def csv(choices=None, kind=str):
     return parse
 
 
+def add_several_only(parser: argparse.ArgumentParser) -> None:
+    """``--several-only`` for a suite with a one-GPU part and a cross-GPU comparison."""
+    parser.add_argument("--several-only", action="store_true",
+                        help="on several GPUs, only the cross-GPU comparison")  # fmt: skip
+
+
+def runs_one_gpu(args: argparse.Namespace, gpus: int) -> bool:
+    """Whether the suite runs its one-GPU part: always, unless ``--several-only`` on 2+
+    GPUs."""
+    return not (getattr(args, "several_only", False) and gpus >= 2)
+
+
 def numpy_problem(version: str | None = None) -> str | None:
     """Why the CPU emulation cannot run with this numpy (None when it can): the message
     names the pip command that fixes it."""

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .cli import add_several_only, runs_one_gpu
 from .records import DEFAULT_OUT, device_name, write_records
 from .timing import graph_of, max_over_ranks, median_ms, paired_median_ms
 
@@ -228,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="batch:kv_per_rank pairs, comma-separated (as world 4), e.g. 1:8192",
     )
-    p.add_argument("--several-only", action="store_true",
-                   help="on several GPUs, only the cross-GPU comparison")  # fmt: skip
+    add_several_only(p)
     args = p.parse_args(argv)
     shapes = None
     if args.shapes:
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     n = torch.cuda.device_count()
     dev, records, rows = device_name(), [], []
-    if not (args.several_only and n >= 2):
+    if runs_one_gpu(args, n):
         dev, records, rows = one_gpu(args.quick, args.iters, shapes)
         print(f"wrote {write_records(args.out, dev, 1, records)}")
     if n >= 2:

@@ -22,6 +22,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .cli import add_several_only, runs_one_gpu
 from .host import step_times
 from .timing import host_us, max_over_ranks, median_ms
 
@@ -254,8 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m interlace bench ep")
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--several-only", action="store_true",
-                   help="on several GPUs, only the cross-GPU comparison")  # fmt: skip
+    add_several_only(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("ep bench: needs a GPU")
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = big[:1] if args.quick else big
     ll_shapes = [(128, 7168, 8, 256), (256, 7168, 8, 256)]
     results = []
-    if not (args.several_only and gpus >= 2):
+    if runs_one_gpu(args, gpus):
         with World(1, "cuda", timeout=600) as one:
             recs = _merge(one.run(bench_body, shapes, True, iters))
             recs += _merge(one.run(ll_body, ll_shapes, True, iters))

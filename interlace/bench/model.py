@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cli import add_several_only
 from .records import DEFAULT_OUT, device_name, write_records
 
 
@@ -299,22 +300,30 @@ def several_gpus_body(group, c_dict: dict, tokens_list, iters: int) -> list[dict
         "torch_tp": lambda m: _torch_tp(m, group, False),
         "torch_async_tp": lambda m: _torch_tp(m, group, True),
     }
+    # a baseline that cannot be built, or whose first steps fail (a compile error), is
+    # reported and left out on every rank alike (the timed steps run collectives)
+    failed = {}
     for name, build in builders.items():
         try:
             variants[name] = build(copy.deepcopy(plain))
         except Exception as e:  # noqa: BLE001 - a variant that cannot run is reported
             print(f"rank {group.rank}: {name} unavailable: {type(e).__name__}: {e}", flush=True)
+            failed[name] = 1
     del plain
-    # a variant whose first steps fail (a compile error) is reported and left out
     x0 = torch.randn(1, tokens_list[0], c.hidden, device=dev, dtype=torch.bfloat16)
-    for name in list(variants):
+    for name in variants:
         try:
             for fn in _step_fns(variants[name], x0, x0):
                 fn()
             torch.cuda.synchronize()
+            failed[name] = 0
         except Exception as e:  # noqa: BLE001
+            if name == "interlace":
+                raise
             print(f"rank {group.rank}: {name} left out: {type(e).__name__}: {e}", flush=True)
-            del variants[name]
+            failed[name] = 1
+    failed = max_over_ranks(group, failed)
+    variants = {name: v for name, v in variants.items() if not failed[name]}
     records = []
     for tokens in tokens_list:
         gen = torch.Generator(device=dev).manual_seed(tokens)
@@ -366,8 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, nargs="*", default=None, help="tokens per sequence")
     p.add_argument("--iters", type=int, default=None, help="timed runs (median)")
     p.add_argument("--world-size", type=int, default=None, help="GPUs (default: all)")
-    p.add_argument("--several-only", action="store_true",
-                   help="(for the GPU suite: on several GPUs only W > 1 runs anyway)")  # fmt: skip
+    add_several_only(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench model: needs a GPU (the plain model is the reference; nothing to time)")

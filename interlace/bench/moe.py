@@ -23,7 +23,8 @@ torch's launchers, is in none of them.
   ``ref_rel_err``: torch's path against the same.
 
 With ``--sweep`` (the default) each shape is timed with every candidate tile config
-(``ops.moe._gemm.CANDIDATES``) and the fastest is recorded (``config``). Several-GPU
+(``ops.moe._gemm.CANDIDATES``) and the fastest is recorded (``config``).
+
 With two or more GPUs, ``several_gpus``: every rank a GPU, each half's ``fused`` op
 against ``none`` and against the bound, same run (``--several-only``: that alone).
 """
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.signals import ERROR_WORDS
+from .cli import add_several_only, runs_one_gpu
 
 SHAPES = [(2048, 1536, 8, 2), (2048, 1536, 32, 2), (2048, 1536, 32, 5),
           (4096, 2048, 8, 2), (4096, 2048, 32, 2), (4096, 2048, 32, 5)]  # fmt: skip
@@ -442,44 +444,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="TP 4 only, fewer runs")
     ap.add_argument("--no-sweep", action="store_true", help="only the default tile configs")
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--several-only", action="store_true",
-                    help="on several GPUs, only the cross-GPU comparison")  # fmt: skip
+    add_several_only(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench moe needs a GPU")
         return 1
-    worlds = (4,) if args.quick else (4, 8)
-    save = None
-    if not args.no_write:
-        from .records import device_name, write_records
+    from .records import device_name, write_records
 
-        def save(recs):
-            write_records(args.out, device_name(), 1, recs, plot=False)
+    worlds = (4,) if args.quick else (4, 8)
+
+    def save(recs, world=1, plot=False):
+        """Merge ``recs`` into the results file (each shape as it ends; the plots last)."""
+        if not args.no_write:
+            path = write_records(args.out, device_name(), world, recs, plot=plot)
+            if plot:
+                print("wrote", path)
 
     gpus = torch.cuda.device_count()
-    records = []
-    if not (args.several_only and gpus >= 2):
+    if runs_one_gpu(args, gpus):
         records = one_gpu(SHAPES, worlds, ("balanced", "zipf"), not args.no_sweep,
                           iters=20 if args.quick else 30, save=save)  # fmt: skip
-        if not args.no_write:
-            from .records import device_name, write_records
-
-            print("wrote", write_records(args.out, device_name(), 1, records))
+        save(records, plot=True)
         print(table(records))
     if gpus < 2:
         print("several-GPU overlap (op vs none vs bound) needs 2+ GPUs: not run")
         return 0
     multi = several_gpus(gpus, ("balanced", "zipf"), iters=10 if args.quick else 20)
-    if not args.no_write:
-        from .records import device_name, write_records
+    save(multi, gpus, plot=True)
 
-        print("wrote", write_records(args.out, device_name(), gpus, multi))
-    print(f"{'op':7} {'H':>5} {'I':>5} {'E':>3} {'k':>2} {'routing':8} {'t_ms':>7} "
+    def num(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    print(f"{'op':9} {'H':>5} {'I':>5} {'E':>3} {'k':>2} {'routing':8} {'t_ms':>7} "
           f"{'none':>7} {'x none':>6} {'bound':>7} {'x bound':>7}")  # fmt: skip
     for r in multi:
-        print(f"{r['op']:7} {r['H']:5d} {r['I']:5d} {r['E']:3d} {r['topk']:2d} "
-              f"{r['routing']:8} {r['t_ms']:7.3f} {r['t_none_ms']:7.3f} "
-              f"{r['speedup_vs_none']:6.2f} {r['t_bound_ms']:7.3f} "
+        print(f"{r['op']:9} {r['H']:5d} {r['I']:5d} {r['E']:3d} {r['topk']:2d} "
+              f"{r['routing']:8} {r['t_ms']:7.3f} {num(r['t_none_ms'], '7.3f'):>7} "
+              f"{num(r['speedup_vs_none'], '6.2f'):>6} {r['t_bound_ms']:7.3f} "
               f"{r['x_bound']:7.2f}")  # fmt: skip
     return 0
 

@@ -128,3 +128,21 @@ def test_gpu_only_suites_skip_without_a_gpu(name, monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
     assert cli.main(["bench", name]) == 0
     assert "needs a GPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("suite", ["moe", "ep", "attention", "decode", "model"])
+def test_several_only_is_accepted_by_every_several_gpu_suite(suite):
+    """``gpu_suite.sh`` passes its extra arguments to every suite: each several-GPU suite
+    must parse ``--several-only``, and it skips the one-GPU part only on 2+ GPUs."""
+    import argparse
+    import importlib
+
+    from interlace.bench.cli import add_several_only, runs_one_gpu
+
+    source = importlib.import_module(f"interlace.bench.{suite}").main.__code__.co_names
+    assert "add_several_only" in source
+    p = argparse.ArgumentParser()
+    add_several_only(p)
+    on, off = p.parse_args(["--several-only"]), p.parse_args([])
+    assert runs_one_gpu(off, 4) and runs_one_gpu(off, 1) and runs_one_gpu(on, 1)
+    assert not runs_one_gpu(on, 2)
