@@ -7,6 +7,10 @@
 #     machine can show: "shared kernels host" on one GPU, "collectives dense p2p_ring
 #     signal_reorder" on several; "none": tests only), e.g. BENCH="kernels host moe ep".
 #   TESTS=0 skips the GPU tests; TEST_PATHS / TEST_K pick some of them (pytest paths, -k).
+#   TEST_SHARDS: groups of test paths separated by ';' run at once, group i alone on GPU i
+#     with its ranks sharing it (CUDA_VISIBLE_DEVICES=i, INTERLACE_TEST_SHARE_GPU=1): the
+#     one-GPU suite in parallel on a machine with several GPUs. Replaces TEST_PATHS. In
+#     either, "a,b" is one pytest run of both (e.g. test ids of one file).
 #   INTERLACE_TEST_GPU_SIZES: the GPU worlds' rank counts (default 2,4; 2,4,8 on 8 GPUs).
 #   INTERLACE_TEST_SHARE_GPU=1: worlds with more ranks than GPUs share GPU 0 (set by
 #     default on a one-GPU machine).
@@ -46,17 +50,40 @@ BENCH_TIMEOUT=${BENCH_TIMEOUT:-540}
 if [ "${TESTS:-1}" != 0 ]; then
     # One pytest per path, each bounded by TEST_TIMEOUT: SIGINT first, so that pytest
     # still prints the failures and tracebacks it has when its time runs out.
+    run_paths() {  # run_paths LOG PATH...: one bounded pytest per path; prints the worst rc
+        local log=$1 worst=0 path rc; shift
+        for path in "$@"; do
+            echo "#### $path" >> "$log"
+            # shellcheck disable=SC2086 # a path "a,b" is one pytest of both
+            timeout -s INT -k 20 "$TEST_TIMEOUT" python3 -m pytest -m gpu ${path//,/ } -k "${TEST_K:-}" \
+                -q -rfEs --tb=short -p no:cacheprovider --continue-on-collection-errors \
+                >> "$log" 2>&1
+            rc=$?
+            # 5: nothing selected in this path
+            if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then worst=$rc; fi
+        done
+        echo "$worst"
+    }
     : > "$OUT/gpu_tests.log"; test_rc=0
-    # shellcheck disable=SC2086 # TEST_PATHS: several paths
-    for path in ${TEST_PATHS:-tests}; do
-        echo "#### $path" >> "$OUT/gpu_tests.log"
-        timeout -s INT -k 20 "$TEST_TIMEOUT" python3 -m pytest -m gpu "$path" -k "${TEST_K:-}" \
-            -q -rfEs --tb=short -p no:cacheprovider --continue-on-collection-errors \
-            >> "$OUT/gpu_tests.log" 2>&1
-        rc=$?
-        # 5: nothing selected in this path
-        if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then test_rc=$rc; fi
-    done
+    if [ -n "${TEST_SHARDS:-}" ]; then
+        IFS=';' read -ra shards <<< "$TEST_SHARDS"
+        for i in "${!shards[@]}"; do
+            : > "$OUT/gpu_tests.shard$i.log"
+            # shellcheck disable=SC2086 # a shard: several paths
+            (CUDA_VISIBLE_DEVICES=$i INTERLACE_TEST_SHARE_GPU=1 \
+                run_paths "$OUT/gpu_tests.shard$i.log" ${shards[$i]} > "$OUT/gpu_tests.shard$i.rc") &
+        done
+        wait
+        for i in "${!shards[@]}"; do
+            echo "######## shard $i on GPU $i: ${shards[$i]}" >> "$OUT/gpu_tests.log"
+            cat "$OUT/gpu_tests.shard$i.log" >> "$OUT/gpu_tests.log"
+            rc=$(cat "$OUT/gpu_tests.shard$i.rc")
+            if [ "$rc" != 0 ]; then test_rc=$rc; fi
+        done
+    else
+        # shellcheck disable=SC2086 # TEST_PATHS: several paths
+        test_rc=$(run_paths "$OUT/gpu_tests.log" ${TEST_PATHS:-tests})
+    fi
 else
     echo "skipped (TESTS=0)" > "$OUT/gpu_tests.log"; test_rc=skipped
 fi

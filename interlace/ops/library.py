@@ -66,9 +66,16 @@ _groups: dict[int, Group] = {}  # handle -> group
 _handles: dict[str, int] = {}  # Group.uid -> handle
 
 
+#: a handle is ``serial * HANDLE_STRIDE + world size``: the fake impls' output shapes
+#: depend on the world size, and a compiled graph holds the handle as a constant, so graphs
+#: compiled for worlds of different sizes never share an entry of inductor's on-disk cache
+#: (with the serial alone, two processes' first groups of 2 and 4 ranks would both be 1)
+HANDLE_STRIDE = 1 << 16
+
+
 def register_group(group: Group) -> int:
     """The integer handle that names ``group`` in a custom op's arguments (the same handle
-    for the same group on every later call)."""
+    for the same group on every later call; see :data:`HANDLE_STRIDE`)."""
     if not isinstance(group, Group):
         raise InterlaceTypeError(f"register_group: expected an interlace Group, got {type(group)}")
     handle = _handles.get(group.uid)  # registered already: no lock (per-call path, traceable)
@@ -77,7 +84,8 @@ def register_group(group: Group) -> int:
     with _lock:
         handle = _handles.get(group.uid)
         if handle is None:
-            handle = _handles[group.uid] = len(_groups) + 1
+            handle = (len(_groups) + 1) * HANDLE_STRIDE + group.world_size
+            _handles[group.uid] = handle
             _groups[handle] = group
         return handle
 
@@ -392,43 +400,58 @@ def _gemm_rs_backward(dy, a, b, group: int, strategy: str, need_a: bool, need_b:
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("interlace::ag_gemm", mutates_args=())
+def collective_op(name: str):
+    """``torch.library.custom_op(name, mutates_args=())`` for an op every rank of the group
+    must call, marked side-effectful (``torch.fx.node.has_side_effect``): a compiler may
+    not drop it. Without the mark, inductor drops a call whose outputs have no elements
+    and whose result nobody reads (a rank with no tokens: its ``ep_moe`` output is
+    ``[0, H]``), and that rank then never joins the collective its peers wait in."""
+
+    def register(fn):
+        op = torch.library.custom_op(name, mutates_args=())(fn)
+        torch.fx.node.has_side_effect(getattr(torch.ops.interlace, name.split("::")[1]).default)
+        return op
+
+    return register
+
+
+@collective_op("interlace::ag_gemm")
 def ag_gemm(a: Tensor, b: Tensor, bias: Tensor | None, group: int, strategy: str) -> Tensor:
     """``all_gather(a) @ b (+ bias)`` over the group ``group`` (a handle)."""
     return _ag_gemm(a, b, bias, group, strategy)
 
 
-@torch.library.custom_op("interlace::gemm_rs", mutates_args=())
+@collective_op("interlace::gemm_rs")
 def gemm_rs(a: Tensor, b: Tensor, bias: Tensor | None, group: int, strategy: str) -> Tensor:
     """``reduce_scatter(a @ b) (+ bias)`` along rows."""
     return _gemm_rs(a, b, bias, group, strategy)
 
 
-@torch.library.custom_op("interlace::gemm_ar", mutates_args=())
+@collective_op("interlace::gemm_ar")
 def gemm_ar(a: Tensor, b: Tensor, bias: Tensor | None, group: int, strategy: str) -> Tensor:
     """``all_reduce(a @ b) (+ bias)``."""
     return _gemm_ar(a, b, bias, group, strategy)
 
 
-@torch.library.custom_op("interlace::all_gather", mutates_args=())
+@collective_op("interlace::all_gather")
 def all_gather(x: Tensor, group: int, method: str) -> Tensor:
     """All-gather along dim 0."""
     return _all_gather(x, group, method)
 
 
-@torch.library.custom_op("interlace::reduce_scatter", mutates_args=())
+@collective_op("interlace::reduce_scatter")
 def reduce_scatter(x: Tensor, group: int, method: str) -> Tensor:
     """Reduce-scatter (sum) along dim 0."""
     return _reduce_scatter(x, group, method)
 
 
-@torch.library.custom_op("interlace::all_reduce", mutates_args=())
+@collective_op("interlace::all_reduce")
 def all_reduce(x: Tensor, group: int, method: str) -> Tensor:
     """All-reduce (sum)."""
     return _all_reduce(x, group, method)
 
 
-@torch.library.custom_op("interlace::ag_gemm_backward", mutates_args=())
+@collective_op("interlace::ag_gemm_backward")
 def ag_gemm_backward(
     dc: Tensor, a: Tensor, b: Tensor, group: int, strategy: str, need_a: bool, need_b: bool
 ) -> tuple[Tensor, Tensor]:
@@ -436,7 +459,7 @@ def ag_gemm_backward(
     return _ag_gemm_backward(dc, a, b, group, strategy, need_a, need_b)
 
 
-@torch.library.custom_op("interlace::gemm_rs_backward", mutates_args=())
+@collective_op("interlace::gemm_rs_backward")
 def gemm_rs_backward(
     dy: Tensor, a: Tensor, b: Tensor, group: int, strategy: str, need_a: bool, need_b: bool
 ) -> tuple[Tensor, Tensor]:

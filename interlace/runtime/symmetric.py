@@ -41,6 +41,25 @@ def shm_prefix() -> str:
     return os.environ.get("INTERLACE_SHM_PREFIX", "interlace")
 
 
+def _open_ipc(rebuild, args) -> torch.Tensor:
+    """A peer's allocation from its CUDA IPC handle (``reduce_tensor``'s ``rebuild(*args)``).
+    torch caches opened storages by (allocator block, offset), not by size: while a view of
+    an earlier, smaller allocation at the same place is still open here, the cache hands
+    that storage back and the larger tensor does not fit ("Trying to resize storage that is
+    not resizable"). The stale entry is then dropped and the handle opened afresh (the same
+    memory: torch keeps one mapping per block)."""
+    try:
+        return rebuild(*args)
+    except RuntimeError as e:
+        if "not resizable" not in str(e):
+            raise
+    from torch.multiprocessing import reductions
+
+    handle, offset = args[7], args[9]  # rebuild_cuda_tensor's storage_handle, _offset_bytes
+    reductions.shared_cache.pop((handle, offset), None)
+    return rebuild(*args)
+
+
 class SymmetricTensor:
     """A tensor allocated alike on every rank of ``group``; see the module docstring."""
 
@@ -113,7 +132,7 @@ class SymmetricTensor:
         handles = [None] * self.group.world_size
         dist.all_gather_object(handles, reduce_tensor(local), group=self.group.process_group)
         return [
-            local if r == self.group.rank else rebuild(*args)
+            local if r == self.group.rank else _open_ipc(rebuild, args)
             for r, (rebuild, args) in enumerate(handles)
         ]
 

@@ -9,17 +9,22 @@ protocol (signals, copies, waits) where a machine has one GPU, never speed.
 ``world.run(fn, *args)`` calls ``fn(group, *args)`` on every rank and returns the per-rank
 results; a rank's exception is re-raised here with that rank's traceback. Each run has a
 time limit; a world whose ranks did not all answer, or in which a body failed on some rank,
-is torn down (and restarted by the next ``run``). ``close()`` removes every /dev/shm file
+is torn down (and restarted by the next ``run``). A rank that does not answer in time is
+asked for its Python stack first (``faulthandler`` on ``SIGUSR1``, where the platform has
+it), and the error shows where each such rank was. ``close()`` removes every /dev/shm file
 the world made, also after failures.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import glob
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import tempfile
 import time
 import traceback
 import uuid
@@ -29,6 +34,8 @@ from ..errors import InterlaceError, InterlaceValueError
 
 #: After one rank fails, how long the others get to finish before the world is torn down.
 ERROR_GRACE_S = 20.0
+#: How long a rank that did not answer gets to write its stack before the world is torn down.
+STACK_WAIT_S = 2.0
 
 
 class WorldError(InterlaceError):
@@ -41,12 +48,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stack_file(prefix: str, rank: int | str) -> str:
+    """Where rank ``rank`` of the world named ``prefix`` writes its stack when asked."""
+    return os.path.join(tempfile.gettempdir(), f"{prefix}-stack-r{rank}.txt")
+
+
 def _worker(
     rank: int, world_size: int, backend: str, port: int, inbox, outbox, share_device: bool
 ) -> None:
     """Rank process: set up torch.distributed and a Group, then serve test bodies."""
     import torch
     import torch.distributed as dist
+
+    if hasattr(signal, "SIGUSR1"):  # every thread's stack, on the parent's request
+        stacks = open(_stack_file(os.environ["INTERLACE_SHM_PREFIX"], rank), "w")  # noqa: SIM115
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
@@ -195,13 +211,45 @@ class World:
         if len(replies) < self.world_size:
             missing = sorted(set(range(self.world_size)) - set(replies))
             errors = {r: v for r, v in replies.items() if v[0] == "error"}
+            stacks = self._stacks(missing)
             self.close()
             detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, (_, tb) in sorted(errors.items()))
+            detail += "".join(
+                f"\n--- rank {r}, where it was (Python stack) ---\n{text}"
+                for r, text in sorted(stacks.items())
+            )  # fmt: skip
             raise WorldError(
                 f"{what}: ranks {missing} did not answer within {timeout:.0f} s "
                 f"(crashed or hung){detail}"
             )
         return replies
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        """The Python stacks of the live ``ranks`` (each writes its own on ``SIGUSR1``)."""
+        if not hasattr(signal, "SIGUSR1"):
+            return {}
+        asked = [r for r in ranks if r < len(self._procs) and self._procs[r].is_alive()]
+        for r in asked:
+            try:
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        out: dict[int, str] = {}
+        last: dict[int, str] = {}
+        deadline = time.monotonic() + STACK_WAIT_S
+        while asked and time.monotonic() < deadline:
+            time.sleep(0.2)
+            for r in list(asked):
+                try:
+                    with open(_stack_file(self.shm_prefix, r)) as f:
+                        text = f.read()
+                except OSError:
+                    continue
+                if text and text == last.get(r):  # written, and no longer growing
+                    out[r] = text
+                    asked.remove(r)
+                last[r] = text
+        return out
 
     @staticmethod
     def _raise_errors(what: str, replies) -> None:
@@ -242,7 +290,9 @@ class World:
                 p.kill()
                 p.join(timeout=5)
         self._procs = []
-        for path in glob.glob(f"/dev/shm/{self.shm_prefix}-*"):
+        leftovers = glob.glob(f"/dev/shm/{self.shm_prefix}-*")
+        leftovers += glob.glob(_stack_file(self.shm_prefix, "*"))
+        for path in leftovers:
             try:
                 os.unlink(path)
             except FileNotFoundError:

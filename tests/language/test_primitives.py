@@ -690,4 +690,4 @@ def test_wait_inline_sees_a_late_signal():
         torch.cuda._sleep(40_000_000)  # GPU cycles: ~20 ms
         sig[2:3].copy_(raised, non_blocking=True)
     torch.cuda.synchronize(dev)
-    assert int(out[0]) == 3 and err.tolist() == [0, 0, 0, 0], (out.tolist(), err.tolist())
+    assert int(out[0]) == 3 and not any(err.tolist()), (out.tolist(), err.tolist())

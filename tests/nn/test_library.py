@@ -26,6 +26,9 @@ def _dense_body(group, strategy, route="custom"):
     w, r, dev = group.world_size, group.rank, group.device
     h = library.register_group(group)
     assert library.register_group(group) == h
+    # the handle carries the world size: graphs compiled for other world sizes hold
+    # another constant, so they never share a compile-cache entry with these
+    assert h % library.HANDLE_STRIDE == w and library.group_of(h) is group
     n, k = 33, 20
     sizes = (3, 5) if w == 2 else (4,)  # rows per rank; the second call outgrows the first
     for call, m in enumerate(sizes):

@@ -10,6 +10,8 @@ ops' backward raising; bad arguments raising on every rank; the cache and
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -361,7 +363,8 @@ def _compile_body(group, backend):
         for name, got, expect in zip(("loss", "dx", "dweights", "dweight"), *grads):
             assert torch.isfinite(got.float()).all(), f"{what}: {name} not finite"
             if expect.numel() and expect.abs().sum():
-                assert rel(got, expect) <= max(tol, 1e-3), f"{what}: {name} compiled vs eager"
+                err = rel(got, expect)
+                assert err <= max(tol, 1e-3), f"{what}: {name} compiled vs eager: {err:.2e}"
         if x.shape[0]:
             assert rel(grads[1][0], ref_loss) < TOL, f"{what}: loss vs float32"
     targets = [t for g in graphs for t in g]
@@ -374,8 +377,12 @@ def _compile_body(group, backend):
 
 @pytest.mark.parametrize("world", WORLDS, indirect=True)
 def test_compile_fullgraph(world):
-    """``aot_eager`` on the CPU emulation, inductor on GPUs."""
-    world.run(_compile_body, "aot_eager" if world.backend == "cpu" else "inductor")
+    """Inductor (on the CPU emulation where a C++ compiler is found, else ``aot_eager``).
+    Call 1 gives rank 1 no tokens: inductor drops a call whose output has no elements
+    unless the op is marked side-effectful, and the peers then wait for it in vain."""
+    cpu_inductor = shutil.which("g++") or shutil.which("c++")
+    on_cpu = world.backend == "cpu"
+    world.run(_compile_body, "aot_eager" if on_cpu and not cpu_inductor else "inductor")
 
 
 # ---------------------------------------------------------------------------- errors

@@ -35,3 +35,27 @@ def test_a_failed_body_ends_the_world():
             world.run(_fail_on_rank_1)
         after = world.run(_pid)
         assert set(after).isdisjoint(before)
+
+
+def _rank_1_hangs(group):
+    import time
+
+    if group.rank == 1:
+        time.sleep(60)  # (the world is torn down long before)
+    return True
+
+
+def test_a_rank_that_hangs_is_reported_with_its_stack():
+    """A rank that does not answer in time is named, with the Python stack where it was
+    (here: the body's sleep), and its stack file is removed with the world."""
+    with World(2, "cpu", timeout=3) as world:
+        with pytest.raises(
+            WorldError,
+            match="(?s)ranks \\[1\\] did not answer.*where it was.*line [0-9]+ in _rank_1_hangs",
+        ):
+            world.run(_rank_1_hangs)
+        prefix = world.shm_prefix
+    import glob
+    import tempfile
+
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"{prefix}-stack-*"))

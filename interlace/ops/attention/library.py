@@ -64,7 +64,7 @@ import torch
 
 from ...errors import InterlaceValueError
 from ...runtime import Group
-from ..library import _cached_or_grown, group_of
+from ..library import _cached_or_grown, collective_op, group_of
 from .flash_decode import FlashDecode
 from .sp_attention import STRATEGIES, SPAttention
 
@@ -139,7 +139,7 @@ def _sp_attention_backward(dout, q, k, v, out, lse, group: int, strategy: str, c
 
 
 # ---------------------------------------------------------------------------- registration
-@torch.library.custom_op("interlace::sp_attention", mutates_args=())
+@collective_op("interlace::sp_attention")
 def sp_attention(
     q: Tensor, k: Tensor, v: Tensor, group: int, strategy: str, causal: bool,
     sm_scale: float, cu_seqlens: Tensor | None = None,
@@ -149,7 +149,7 @@ def sp_attention(
     return _sp_attention(q, k, v, group, strategy, causal, sm_scale, cu_seqlens)
 
 
-@torch.library.custom_op("interlace::sp_attention_backward", mutates_args=())
+@collective_op("interlace::sp_attention_backward")
 def sp_attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, group: int,
     strategy: str, causal: bool, sm_scale: float, cu_seqlens: Tensor | None = None,
@@ -274,7 +274,7 @@ def _flash_decode(q, k, v, kv_lens, group: int, strategy: str, sm_scale: float) 
     return ctx(q, k, v, kv_lens=kv_lens, sm_scale=float(sm_scale))
 
 
-@torch.library.custom_op("interlace::flash_decode", mutates_args=())
+@collective_op("interlace::flash_decode")
 def flash_decode(q: Tensor, k: Tensor, v: Tensor, kv_lens: Tensor | None, group: int,
                  strategy: str, sm_scale: float) -> Tensor:  # fmt: skip
     """Distributed flash-decode (:class:`~interlace.ops.attention.FlashDecode`): attention

@@ -75,7 +75,7 @@ import torch
 
 from ...errors import InterlaceValueError
 from .._context import ContextSet
-from ..library import _cached, _contexts, group_of
+from ..library import _cached, _contexts, collective_op, group_of
 from ..token_grads import gather_tokens
 from .dispatch import EPAllToAll
 from .ep_moe import EPMoE
@@ -357,7 +357,7 @@ def _ep_low_latency_combine(expert_out, expert_counts, topk_idx, group: int,
 
 
 # ---------------------------------------------------------------------------- registration
-@torch.library.custom_op("interlace::ep_moe", mutates_args=())
+@collective_op("interlace::ep_moe")
 def ep_moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, weight: Tensor, group: int,
            strategy: str, max_tokens: int, capacity: int = 0) -> Tensor:  # fmt: skip
     """The expert-parallel MoE layer (:class:`EPMoE`) on this rank's tokens (see the module
@@ -365,7 +365,7 @@ def ep_moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, weight: Tensor, gr
     return _ep_moe(x, topk_idx, topk_weights, weight, group, strategy, max_tokens, capacity)
 
 
-@torch.library.custom_op("interlace::ep_moe_backward", mutates_args=())
+@collective_op("interlace::ep_moe_backward")
 def ep_moe_backward(
     dy: Tensor, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, weight: Tensor, group: int,
     max_tokens: int, need_x: bool, need_weights: bool, need_weight: bool,
@@ -376,7 +376,7 @@ def ep_moe_backward(
                             need_weights, need_weight)  # fmt: skip
 
 
-@torch.library.custom_op("interlace::ep_dispatch", mutates_args=())
+@collective_op("interlace::ep_dispatch")
 def ep_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, group: int, experts: int,
                 max_tokens: int, capacity: int = 0) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """``(recv_x, expert_counts, expert_offsets)`` of :meth:`EPAllToAll.dispatch` (see the
@@ -384,7 +384,7 @@ def ep_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, group: int, e
     return _ep_dispatch(x, topk_idx, topk_weights, group, experts, max_tokens, capacity)
 
 
-@torch.library.custom_op("interlace::ep_combine", mutates_args=())
+@collective_op("interlace::ep_combine")
 def ep_combine(expert_out: Tensor, expert_counts: Tensor, topk_idx: Tensor, group: int,
                max_tokens: int) -> Tensor:  # fmt: skip
     """:meth:`EPAllToAll.combine` of the latest ``ep_dispatch`` of these sizes (see the
@@ -392,7 +392,7 @@ def ep_combine(expert_out: Tensor, expert_counts: Tensor, topk_idx: Tensor, grou
     return _ep_combine(expert_out, expert_counts, topk_idx, group, max_tokens)
 
 
-@torch.library.custom_op("interlace::ep_low_latency_dispatch", mutates_args=())
+@collective_op("interlace::ep_low_latency_dispatch")
 def ep_low_latency_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, group: int,
                             experts: int, max_tokens: int, protocol: str
                             ) -> tuple[Tensor, Tensor]:  # fmt: skip
@@ -402,7 +402,7 @@ def ep_low_latency_dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, g
                                     protocol)  # fmt: skip
 
 
-@torch.library.custom_op("interlace::ep_low_latency_combine", mutates_args=())
+@collective_op("interlace::ep_low_latency_combine")
 def ep_low_latency_combine(expert_out: Tensor, expert_counts: Tensor, topk_idx: Tensor,
                            group: int, protocol: str) -> Tensor:  # fmt: skip
     """:meth:`EPLowLatency.combine` of the latest ``ep_low_latency_dispatch`` of these

@@ -45,7 +45,7 @@ import torch
 from ...errors import InterlaceValueError
 from ...runtime import Group
 from .._context import ContextSet
-from ..library import _cached_or_grown, _contexts, group_of
+from ..library import _cached_or_grown, _contexts, collective_op, group_of
 from ..token_grads import gather_tokens
 from .ag_moe import AGMoE
 from .moe_rs import MoERS
@@ -210,7 +210,7 @@ def _moe_experts_backward(dy, x, weights, index, gate_up, down, group: int, need
 
 
 # ---------------------------------------------------------------------------- registration
-@torch.library.custom_op("interlace::moe_experts", mutates_args=())
+@collective_op("interlace::moe_experts")
 def moe_experts(x: Tensor, weights: Tensor, index: Tensor, gate_up: Tensor, down: Tensor,
                 group: int, strategy: str) -> Tensor:  # fmt: skip
     """The experts of a sequence-parallel MoE layer on this rank's tokens (AGMoE + MoERS;
@@ -218,7 +218,7 @@ def moe_experts(x: Tensor, weights: Tensor, index: Tensor, gate_up: Tensor, down
     return _moe_experts(x, weights, index, gate_up, down, group, strategy)
 
 
-@torch.library.custom_op("interlace::moe_experts_backward", mutates_args=())
+@collective_op("interlace::moe_experts_backward")
 def moe_experts_backward(
     dy: Tensor, x: Tensor, weights: Tensor, index: Tensor, gate_up: Tensor, down: Tensor,
     group: int, need_x: bool, need_weights: bool, need_gate_up: bool, need_down: bool,
