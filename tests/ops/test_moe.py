@@ -83,13 +83,14 @@ def make_routing(gen, m, k, experts, kind):
 def reference(x_all, ids_all, w_all, w1_full, w2_full, inter_total, swiglu=True):
     """y [M, H] float32 of the whole layer (every rank's intermediate shard)."""
     y = torch.zeros(x_all.shape[0], w2_full.shape[2])
-    for t in range(x_all.shape[0]):
-        for j in range(ids_all.shape[1]):
-            e = int(ids_all[t, j])
-            a = x_all[t].float() @ w1_full[e].float()
+    x = x_all.float()
+    for e in range(w1_full.shape[0]):  # each expert's (token, slot) pairs at once
+        t, j = (ids_all == e).nonzero(as_tuple=True)
+        if len(t):
+            a = x[t] @ w1_full[e].float()
             if swiglu:
-                a = F.silu(a[:inter_total]) * a[inter_total:]
-            y[t] += w_all[t, j].float() * (a @ w2_full[e].float())
+                a = F.silu(a[:, :inter_total]) * a[:, inter_total:]
+            y.index_add_(0, t, w_all[t, j].float()[:, None] * (a @ w2_full[e].float()))
     return y
 
 
