@@ -125,13 +125,34 @@ def plot(argv: list[str]) -> int:
     return 0
 
 
+def merge(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m interlace merge",
+        description="merge results files (e.g. from a GPU machine) into the results folder",
+    )
+    p.add_argument("files", nargs="+", help="results files to merge")
+    p.add_argument("--out", default="benchmarks/results", help="the results folder")
+    p.add_argument("--no-plot", action="store_true", help="do not redraw the figures")
+    args = p.parse_args(argv)
+    from .bench.records import merge_file
+
+    for path in args.files:
+        try:
+            print(merge_file(path, args.out, plot=not args.no_plot))
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"bench": bench, "plot": plot, "trace": lambda rest: run_suite("trace", rest)}
+    commands = {"bench": bench, "plot": plot, "merge": merge,
+                "trace": lambda rest: run_suite("trace", rest)}  # fmt: skip
     if not argv or argv[0] not in commands:
         print(
             "usage: python -m interlace {bench [SUITE] [ARGS ...] | plot FILE.json ... | "
-            "trace OP [ARGS ...]}"
+            "merge FILE.json ... | trace OP [ARGS ...]}"
         )
         print("suites: " + ", ".join(SUITES))
         return 2

@@ -57,20 +57,26 @@ def _complete(rec: dict) -> dict:
 
 
 def write_records(
-    out_dir: str, device: str, world: int, records: list[dict], plot: bool = True
-) -> str:
+    out_dir: str, device: str, world: int, records: list[dict], plot: bool = True,
+    versions: dict[str, str] | None = None, date: str | None = None,
+) -> str:  # fmt: skip
     """Merge ``records`` into the day's results file for ``device`` and ``world``; returns its
     path. With ``plot``, the file's figures are redrawn beside it (skipped, with one line
-    saying so, when matplotlib is missing)."""
+    saying so, when matplotlib is missing). ``versions`` (``torch``, ``triton``): the
+    software the records were measured with (default: this process's); ``date``: the
+    file's day (default: today)."""
     import torch
     import triton
 
-    path = results_path(out_dir, device, world)
+    path = results_path(out_dir, device, world, date)
+    versions = versions or {
+        "torch": torch.__version__.split("+")[0], "triton": triton.__version__,
+    }  # fmt: skip
     doc = {
         "device": device,
         "world_size": world,
-        "torch": torch.__version__.split("+")[0],
-        "triton": triton.__version__,
+        "torch": versions["torch"],
+        "triton": versions["triton"],
         "date": os.path.basename(path)[:10],
         "records": [],
     }
@@ -89,3 +95,26 @@ def write_records(
 
         plot_file(path, quiet=True)
     return path
+
+
+def merge_file(src: str, out_dir: str = DEFAULT_OUT, plot: bool = True) -> str:
+    """Merge the results file ``src`` (e.g. what a GPU machine wrote under ``$OUT``) into
+    ``out_dir``'s file of the same device, world size and day, keeping the versions it
+    was measured with; a record of ``src`` replaces the one of the same identity
+    (:func:`record_key`). Returns the merged file's path."""
+    with open(src) as f:
+        doc = json.load(f)
+    missing = [k for k in ("device", "world_size", "torch", "triton", "date") if k not in doc]
+    if missing or not isinstance(doc.get("records"), list):
+        raise ValueError(f"{src}: not a results file (missing {missing or ['records']})")
+    versions = {"torch": doc["torch"], "triton": doc["triton"]}
+    path = results_path(out_dir, doc["device"], doc["world_size"], doc["date"])
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        if any(old.get(k) != v for k, v in versions.items()):
+            print(f"note: {path} was measured with torch {old.get('torch')}, triton "
+                  f"{old.get('triton')}; {src} with torch {versions['torch']}, triton "
+                  f"{versions['triton']} (the file now names the latter)")  # fmt: skip
+    return write_records(out_dir, doc["device"], doc["world_size"], doc["records"], plot,
+                         versions=versions, date=doc["date"])  # fmt: skip
