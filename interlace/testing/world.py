@@ -9,9 +9,9 @@ protocol (signals, copies, waits) where a machine has one GPU, never speed.
 ``world.run(fn, *args)`` calls ``fn(group, *args)`` on every rank and returns the per-rank
 results; a rank's exception is re-raised here with that rank's traceback. Each run has a
 time limit; a world whose ranks did not all answer, or in which a body failed on some rank,
-is torn down (and restarted by the next ``run``). A rank that does not answer in time is
-asked for its Python stack first (``faulthandler`` on ``SIGUSR1``, where the platform has
-it), and the error shows where each such rank was. ``close()`` removes every /dev/shm file
+is torn down (and restarted by the next ``run``). Each rank writes its Python stack
+(``faulthandler``'s watchdog) when a body is still running shortly before the time limit,
+so the error shows where each rank that did not answer was. ``close()`` removes every /dev/shm file
 the world made, also after failures.
 """
 
@@ -22,7 +22,6 @@ import glob
 import multiprocessing as mp
 import os
 import queue
-import signal
 import socket
 import tempfile
 import time
@@ -34,8 +33,8 @@ from ..errors import InterlaceError, InterlaceValueError
 
 #: After one rank fails, how long the others get to finish before the world is torn down.
 ERROR_GRACE_S = 20.0
-#: How long a rank that did not answer gets to write its stack before the world is torn down.
-STACK_WAIT_S = 2.0
+#: A rank writes its stack this long before a body's time limit (if the body still runs).
+STACK_MARGIN_S = 3.0
 
 
 class WorldError(InterlaceError):
@@ -60,9 +59,7 @@ def _worker(
     import torch
     import torch.distributed as dist
 
-    if hasattr(signal, "SIGUSR1"):  # every thread's stack, on the parent's request
-        stacks = open(_stack_file(os.environ["INTERLACE_SHM_PREFIX"], rank), "w")  # noqa: SIM115
-        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    stacks = open(_stack_file(os.environ["INTERLACE_SHM_PREFIX"], rank), "w")  # noqa: SIM115
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
@@ -89,9 +86,17 @@ def _worker(
         job = inbox.get()
         if job is None:
             break
-        fn, args, kwargs = job
+        fn, args, kwargs, timeout = job
+        # every thread's stack, written by a watchdog thread if the body outlives this
+        stacks.seek(0)
+        stacks.truncate()
+        faulthandler.dump_traceback_later(max(timeout - STACK_MARGIN_S, 0.5), file=stacks)
         try:
-            outbox.put((rank, "ok", fn(group, *args, **kwargs)))
+            try:
+                result = fn(group, *args, **kwargs)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+            outbox.put((rank, "ok", result))
         except BaseException:  # noqa: BLE001 - the parent re-raises it with the traceback
             text = traceback.format_exc()
             # This rank gives up on the body: its peers' waits in any of its contexts
@@ -225,30 +230,17 @@ class World:
         return replies
 
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
-        """The Python stacks of the live ``ranks`` (each writes its own on ``SIGUSR1``)."""
-        if not hasattr(signal, "SIGUSR1"):
-            return {}
-        asked = [r for r in ranks if r < len(self._procs) and self._procs[r].is_alive()]
-        for r in asked:
-            try:
-                os.kill(self._procs[r].pid, signal.SIGUSR1)
-            except OSError:
-                pass
+        """What ``ranks`` wrote of their stacks (each does so shortly before a body's time
+        limit while the body still runs; see :data:`STACK_MARGIN_S`)."""
         out: dict[int, str] = {}
-        last: dict[int, str] = {}
-        deadline = time.monotonic() + STACK_WAIT_S
-        while asked and time.monotonic() < deadline:
-            time.sleep(0.2)
-            for r in list(asked):
-                try:
-                    with open(_stack_file(self.shm_prefix, r)) as f:
-                        text = f.read()
-                except OSError:
-                    continue
-                if text and text == last.get(r):  # written, and no longer growing
-                    out[r] = text
-                    asked.remove(r)
-                last[r] = text
+        for r in ranks:
+            try:
+                with open(_stack_file(self.shm_prefix, r)) as f:
+                    text = f.read()
+            except OSError:
+                continue
+            if text.strip():
+                out[r] = text
         return out
 
     @staticmethod
@@ -266,10 +258,11 @@ class World:
         op library's cache) would otherwise fail the next, unrelated body."""
         if not self._procs:
             self._start()
+        timeout = timeout or self.timeout
         for box in self._inboxes:
-            box.put((fn, args, kwargs))
+            box.put((fn, args, kwargs, timeout))
         what = getattr(fn, "__name__", "test body")
-        replies = self._collect(what, timeout or self.timeout)
+        replies = self._collect(what, timeout)
         if any(status == "error" for status, _ in replies.values()):
             self.close()
         self._raise_errors(what, replies)

@@ -47,13 +47,13 @@ def _rank_1_hangs(group):
 
 def test_a_rank_that_hangs_is_reported_with_its_stack():
     """A rank that does not answer in time is named, with the Python stack where it was
-    (here: the body's sleep), and its stack file is removed with the world."""
-    with World(2, "cpu", timeout=3) as world:
-        with pytest.raises(
-            WorldError,
-            match="(?s)ranks \\[1\\] did not answer.*where it was.*line [0-9]+ in _rank_1_hangs",
-        ):
-            world.run(_rank_1_hangs)
+    (here: the body's sleep; written shortly before the limit), and its stack file is
+    removed with the world."""
+    hung = "(?s)ranks \\[1\\] did not answer.*where it was.*line [0-9]+ in _rank_1_hangs"
+    with World(2, "cpu", timeout=120) as world:
+        world.run(_pid)  # started: the limit below is the body's alone
+        with pytest.raises(WorldError, match=hung):
+            world.run(_rank_1_hangs, timeout=4)
         prefix = world.shm_prefix
     import glob
     import tempfile
