@@ -11,6 +11,8 @@
 #     with its ranks sharing it (CUDA_VISIBLE_DEVICES=i, INTERLACE_TEST_SHARE_GPU=1): the
 #     one-GPU suite in parallel on a machine with several GPUs. Replaces TEST_PATHS. In
 #     either, "a,b" is one pytest run of both (e.g. test ids of one file).
+#     TEST_SHARDS=@FILE reads the groups from FILE, one per line ('#' lines skipped), e.g.
+#     @scripts/gpu_test_shards.txt: the whole suite in four shards of about equal time.
 #   INTERLACE_TEST_GPU_SIZES: the GPU worlds' rank counts (default 2,4; 2,4,8 on 8 GPUs).
 #   INTERLACE_TEST_SHARE_GPU=1: worlds with more ranks than GPUs share GPU 0 (set by
 #     default on a one-GPU machine).
@@ -65,6 +67,9 @@ if [ "${TESTS:-1}" != 0 ]; then
         echo "$worst"
     }
     : > "$OUT/gpu_tests.log"; test_rc=0
+    case "${TEST_SHARDS:-}" in
+        @*) TEST_SHARDS=$(grep -v '^#' "${TEST_SHARDS:1}" | grep -v '^ *$' | paste -sd ';' -) ;;
+    esac
     if [ -n "${TEST_SHARDS:-}" ]; then
         IFS=';' read -ra shards <<< "$TEST_SHARDS"
         for i in "${!shards[@]}"; do
