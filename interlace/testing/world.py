@@ -11,8 +11,8 @@ results; a rank's exception is re-raised here with that rank's traceback. Each r
 time limit; a world whose ranks did not all answer, or in which a body failed on some rank,
 is torn down (and restarted by the next ``run``). Each rank writes its Python stack
 (``faulthandler``'s watchdog) when a body is still running shortly before the time limit,
-so the error shows where each rank that did not answer was. ``close()`` removes every /dev/shm file
-the world made, also after failures.
+so the error shows where each rank that did not answer was. ``close()`` removes every
+/dev/shm file the world made, also after failures.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _free_port() -> int:
 
 
 def _stack_file(prefix: str, rank: int | str) -> str:
-    """Where rank ``rank`` of the world named ``prefix`` writes its stack when asked."""
+    """Where rank ``rank`` of the world named ``prefix`` writes its stack (see ``run``)."""
     return os.path.join(tempfile.gettempdir(), f"{prefix}-stack-r{rank}.txt")
 
 
@@ -59,7 +59,10 @@ def _worker(
     import torch
     import torch.distributed as dist
 
-    stacks = open(_stack_file(os.environ["INTERLACE_SHM_PREFIX"], rank), "w")  # noqa: SIM115
+    try:  # (without it, a hung body is reported without its stack)
+        stacks = open(_stack_file(os.environ["INTERLACE_SHM_PREFIX"], rank), "w")  # noqa: SIM115
+    except OSError:
+        stacks = None
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
@@ -88,9 +91,10 @@ def _worker(
             break
         fn, args, kwargs, timeout = job
         # every thread's stack, written by a watchdog thread if the body outlives this
-        stacks.seek(0)
-        stacks.truncate()
-        faulthandler.dump_traceback_later(max(timeout - STACK_MARGIN_S, 0.5), file=stacks)
+        if stacks is not None:
+            stacks.seek(0)
+            stacks.truncate()
+            faulthandler.dump_traceback_later(max(timeout - STACK_MARGIN_S, 0.5), file=stacks)
         try:
             try:
                 result = fn(group, *args, **kwargs)
