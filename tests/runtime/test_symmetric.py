@@ -256,3 +256,35 @@ def test_close_is_idempotent_and_reuse_raises(world):
 def test_no_leak_over_many_allocations(world):
     # 100 rounds of a 512 KiB buffer: a leaked mapping would add ~50 MiB of RSS per rank.
     assert all(world.run(_leak_body, 100, 512 * 1024))
+
+
+def test_a_stale_ipc_cache_entry_is_dropped_and_the_handle_reopened():
+    """Ranks sharing a GPU open each other's buffers through CUDA IPC; torch's cache of
+    opened storages is keyed by (block handle, offset), so a peer's new, larger buffer at
+    the place of one still open here comes back too small. ``_open_ipc`` drops that cache
+    entry and opens the handle again; any other error propagates."""
+    from torch.multiprocessing import reductions
+
+    args = [None] * 16
+    args[7], args[9] = b"block", 512  # rebuild_cuda_tensor's storage_handle, _offset_bytes
+    key = (b"block", 512)
+    reductions.shared_cache[key] = "stale storage"
+    calls = []
+
+    def rebuild(*a):
+        calls.append(key in reductions.shared_cache)
+        if key in reductions.shared_cache:
+            raise RuntimeError("Trying to resize storage that is not resizable")
+        return "fresh tensor"
+
+    try:
+        assert symmetric_mod._open_ipc(rebuild, args) == "fresh tensor"
+    finally:
+        dict.pop(reductions.shared_cache, key, None)
+    assert calls == [True, False]
+
+    def broken(*a):
+        raise RuntimeError("invalid device pointer")
+
+    with pytest.raises(RuntimeError, match="invalid device pointer"):
+        symmetric_mod._open_ipc(broken, args)
