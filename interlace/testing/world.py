@@ -9,10 +9,10 @@ protocol (signals, copies, waits) where a machine has one GPU, never speed.
 ``world.run(fn, *args)`` calls ``fn(group, *args)`` on every rank and returns the per-rank
 results; a rank's exception is re-raised here with that rank's traceback. Each run has a
 time limit; a world whose ranks did not all answer, or in which a body failed on some rank,
-is torn down (and restarted by the next ``run``). Each rank writes its Python stack
-(``faulthandler``'s watchdog) when a body is still running shortly before the time limit,
-so the error shows where each rank that did not answer was. ``close()`` removes every
-/dev/shm file the world made, also after failures.
+is torn down (and restarted by the next ``run``). While a body runs, each rank rewrites its
+Python stack a little more often than the time it could be given (``faulthandler``'s
+watchdog), so the error shows where each rank that did not answer last was. ``close()``
+removes every /dev/shm file the world made, also after failures.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from ..errors import InterlaceError, InterlaceValueError
 
 #: After one rank fails, how long the others get to finish before the world is torn down.
 ERROR_GRACE_S = 20.0
-#: A rank writes its stack this long before a body's time limit (if the body still runs).
+#: A rank running a body writes its stack every ``min(time limit, ERROR_GRACE_S)`` less
+#: this, so that a rank that does not answer has written it at most that long ago.
 STACK_MARGIN_S = 3.0
 
 
@@ -89,12 +90,12 @@ def _worker(
         job = inbox.get()
         if job is None:
             break
-        fn, args, kwargs, timeout = job
-        # every thread's stack, written by a watchdog thread if the body outlives this
+        fn, args, kwargs, period = job
+        # every thread's stack, written by a watchdog thread every ``period`` s of the body
         if stacks is not None:
             stacks.seek(0)
             stacks.truncate()
-            faulthandler.dump_traceback_later(max(timeout - STACK_MARGIN_S, 0.5), file=stacks)
+            faulthandler.dump_traceback_later(period, repeat=True, file=stacks)
         try:
             try:
                 result = fn(group, *args, **kwargs)
@@ -234,8 +235,7 @@ class World:
         return replies
 
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
-        """What ``ranks`` wrote of their stacks (each does so shortly before a body's time
-        limit while the body still runs; see :data:`STACK_MARGIN_S`)."""
+        """The last stack each of ``ranks`` wrote (see :data:`STACK_MARGIN_S`)."""
         out: dict[int, str] = {}
         for r in ranks:
             try:
@@ -243,8 +243,9 @@ class World:
                     text = f.read()
             except OSError:
                 continue
+            dumps = text.split("Timeout (")  # each dump starts with its watchdog's header
             if text.strip():
-                out[r] = text
+                out[r] = "Timeout (" + dumps[-1] if len(dumps) > 1 else text
         return out
 
     @staticmethod
@@ -263,8 +264,9 @@ class World:
         if not self._procs:
             self._start()
         timeout = timeout or self.timeout
+        period = max(min(timeout, ERROR_GRACE_S) - STACK_MARGIN_S, 0.5)
         for box in self._inboxes:
-            box.put((fn, args, kwargs, timeout))
+            box.put((fn, args, kwargs, period))
         what = getattr(fn, "__name__", "test body")
         replies = self._collect(what, timeout)
         if any(status == "error" for status, _ in replies.values()):

@@ -59,3 +59,25 @@ def test_a_rank_that_hangs_is_reported_with_its_stack():
     import tempfile
 
     assert not glob.glob(os.path.join(tempfile.gettempdir(), f"{prefix}-stack-*"))
+
+
+def _rank_0_fails_rank_1_hangs(group):
+    import time
+
+    if group.rank == 0:
+        raise RuntimeError("rank 0 gives up")
+    time.sleep(60)
+    return True
+
+
+def test_after_a_failure_a_hung_peer_is_shown_where_it_waits(monkeypatch):
+    """Rank 0 raises and rank 1 never answers: the error holds rank 0's traceback and
+    rank 1's last stack (written within the grace the world gives after a failure)."""
+    from interlace.testing import world as world_mod
+
+    monkeypatch.setattr(world_mod, "ERROR_GRACE_S", 4.0)
+    want = "(?s)rank 0 gives up.*rank 1, where it was.*line [0-9]+ in _rank_0_fails_rank_1_hangs"
+    with World(2, "cpu", timeout=120) as world:
+        world.run(_pid)
+        with pytest.raises(WorldError, match=want):
+            world.run(_rank_0_fails_rank_1_hangs)
