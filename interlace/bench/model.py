@@ -5,8 +5,10 @@ tensor-parallel layers (``interlace.nn.parallelize``) against the plain model.
 * One GPU: the stack made "parallel" over a one-rank group against the same stack
   unchanged: records op ``model`` with ``t_ms`` (interlace) and ``t_ref_ms`` (plain),
   ``as_world`` 1. Over one rank each interlace linear is ``nn.Linear`` (``F.linear``, the
-  same aten ops); what differs is the fused QKV and gate/up projections (one GEMM each)
-  and the interlace modules' own Python.
+  same aten ops), and the fused QKV and gate/up weights run one GEMM per projection
+  (``ColumnParallelLinear.forward_parts``), as the plain model's separate projections do;
+  what differs is the interlace modules' own Python and the input gradients of those
+  projections, summed inside their GEMMs.
 * Two or more GPUs (one process per GPU, NCCL): interlace at TP = W (sequence parallel,
   overlapped fused GEMMs) against torch tensor parallelism (DTensor ``parallelize_module``,
   the torchtitan plan with sequence parallelism) and torch's async TP (the same model under

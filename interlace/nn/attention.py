@@ -96,11 +96,11 @@ class ParallelAttention(nn.Module):
         return cls.from_linears(attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, head_dim,
                                 group, **kw)  # fmt: skip
 
-    def _attend(self, qkv, position_embeddings, attention_mask):
-        """``[B, S, local q + 2 kv features]`` -> ``[B, S, local q features]``."""
-        b, s, _ = qkv.shape
+    def _attend(self, q, k, v, position_embeddings, attention_mask):
+        """``q [B, S, local q features]``, ``k`` and ``v`` ``[B, S, local kv features]`` ->
+        ``[B, S, local q features]``."""
+        b, s, _ = q.shape
         d, hq, hk = self.head_dim, self.local_heads, self.local_kv_heads
-        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
         q = q.reshape(b, s, hq, d).transpose(1, 2)
         k = k.reshape(b, s, hk, d).transpose(1, 2)
         v = v.reshape(b, s, hk, d).transpose(1, 2)
@@ -122,7 +122,8 @@ class ParallelAttention(nn.Module):
             )
         w = self.group.world_size
         if not self.sequence_parallel or w == 1:  # (one rank: the plain block's ops)
-            out = self._attend(self.qkv(hidden_states), position_embeddings, attention_mask)
+            q, k, v = self.qkv.forward_parts(hidden_states)
+            out = self._attend(q, k, v, position_embeddings, attention_mask)
             return self.o(out), None
         b, s, h = hidden_states.shape
         qkv = self.qkv(hidden_states.reshape(b * s, h))  # [W * b * s, n], rank-major
@@ -133,7 +134,11 @@ class ParallelAttention(nn.Module):
             qkv = qkv.view(1, full, n)
         else:
             qkv = qkv.view(w, b, s, n).transpose(0, 1).reshape(b, full, n)
-        out = self._attend(qkv[:, :length], position_embeddings, attention_mask)
+        d = self.head_dim
+        q, k, v = qkv[:, :length].split(
+            [self.local_heads * d, self.local_kv_heads * d, self.local_kv_heads * d], dim=-1
+        )
+        out = self._attend(q, k, v, position_embeddings, attention_mask)
         if length < full:
             out = F.pad(out, (0, 0, 0, full - length))
         m = out.shape[-1]

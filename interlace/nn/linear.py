@@ -185,6 +185,54 @@ def sync_sequence_parallel_grads(params, group: Group) -> int:
 
 
 # ---------------------------------------------------------------------------- layers
+class _LinearParts(torch.autograd.Function):
+    """``F.linear`` of ``x`` with each block of the weight's output rows as its own GEMM,
+    returning one tensor per block: what a plain model computes with separate
+    projections (the same GEMM shapes, contiguous outputs). Its backward adds the input
+    gradients inside the GEMMs (``addmm_``) and writes each block's weight (and bias)
+    gradient into its rows of one gradient tensor (autograd's slice backward would make a
+    zero-filled full-size gradient per block and add them)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, parts):
+        ctx.save_for_backward(x, weight)
+        ctx.parts, ctx.has_bias = parts, bias is not None
+        biases = bias.split(parts) if bias is not None else [None] * len(parts)
+        return tuple(F.linear(x, w, b) for w, b in zip(weight.split(parts), biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, weight = ctx.saved_tensors
+        parts = ctx.parts
+        x2 = x.reshape(-1, x.shape[-1])
+        gs = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grads]
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            for g, w in zip(gs, weight.split(parts)):
+                if g is not None:
+                    dx = torch.mm(g, w) if dx is None else dx.addmm_(g, w)
+            dx = torch.zeros_like(x) if dx is None else dx.view(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = torch.empty_like(weight)
+            for g, d in zip(gs, dw.split(parts)):
+                torch.mm(g.t(), x2, out=d) if g is not None else d.zero_()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = torch.empty(sum(parts), dtype=weight.dtype, device=weight.device)
+            for g, d in zip(gs, db.split(parts)):
+                torch.sum(g, 0, out=d) if g is not None else d.zero_()
+        return dx, dw, db, None
+
+
+def _linear_parts(x, weight, bias, parts) -> tuple:
+    """One rank's ``[out, in]`` weight applied block by block (see :class:`_LinearParts`);
+    under ``torch.compile`` or autocast, plain ``F.linear`` of each block's view."""
+    plain = torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type)
+    if plain or not torch.is_grad_enabled():
+        biases = bias.split(parts) if bias is not None else [None] * len(parts)
+        return tuple(F.linear(x, w, b) for w, b in zip(weight.split(parts), biases))
+    return _LinearParts.apply(x, weight, bias, list(parts))
+
+
 class _ParallelLinear(nn.Module):
     """The shared parts: ``weight`` holds this rank's ``[out_local, in_local]`` shard,
     stored transposed (``[in_local, out_local]``, ``kn``) over several ranks."""
@@ -289,6 +337,16 @@ class ColumnParallelLinear(_ParallelLinear):
         y = _ops.ag_gemm(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.handle,
                          self.strategy)  # fmt: skip
         return y.view(self.group.world_size * lead[0], *lead[1:], y.shape[-1])
+
+    def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``forward(x)`` cut into one tensor per block of ``parts`` (this rank's features
+        of each). Over one rank each block is its own GEMM with a contiguous output, the
+        ops of a plain model's separate projections; over several, views of the one
+        fused GEMM's output."""
+        if not self.kn:
+            return _linear_parts(x, self.weight, self.bias, self.parts)
+        w = self.group.world_size
+        return self(x).split([p // w for p in self.parts], dim=-1)
 
 
 class RowParallelLinear(_ParallelLinear):

@@ -99,8 +99,9 @@ class ParallelMLP(nn.Module):
                                 act=getattr(mlp, "act_fn", F.silu), **kw)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.group.world_size == 1:  # the plain MLP's ops (gate and up in one GEMM)
-            return self.down(gated(self.gate_up(x), self.act))
+        if self.group.world_size == 1:  # the plain MLP's ops
+            gate, up = self.gate_up.forward_parts(x)
+            return self.down(self.act(gate) * up)
         shape = x.shape
         h = self.gate_up(x.reshape(-1, shape[-1]))
         return self.down(gated(h, self.act)).view(shape)

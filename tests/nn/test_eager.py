@@ -2,8 +2,10 @@
 forward and backward issue the very aten ops ``nn.Linear`` does (recorded with a
 ``TorchDispatchMode``), with bitwise equal outputs and gradients, and the weight gradient
 in the parameter's own layout (no transposing copy when autograd accumulates it); the
-parallelized decoder issues no interlace op and no copy the plain one does not (the
-SiLU-gated product's gradient is made without a concatenation). Over two
+parallelized decoder issues no interlace op, and no copy, concatenation or addition the
+plain one does not, and as many GEMMs (``forward_parts``: a fused QKV or gate/up weight
+runs one GEMM per projection); the SiLU-gated product's gradient over several ranks is
+made without a concatenation. Over two
 ranks the layers' eager calls (forward, backward, the sequence scatter/gather and the
 gradient-sync hooks) never enter the ``torch.ops.interlace`` custom ops, and a
 ``torch.compile(fullgraph=True)`` trace of the same layers holds them (the graph's ops
@@ -102,19 +104,64 @@ def _one_rank_decoder_body(group):
         n_got = sum(kind in op for op in got_ops)
         n_want = sum(kind in op for op in want_ops)
         assert n_got <= n_want, f"{kind}: {n_got} ops, the plain model {n_want}"
-    # one cat per layer for the fused QKV's gradient (the plain model adds the three
-    # projections' input gradients instead); none for the gate/up pair
-    cats = sum(op == "aten.cat" for op in got_ops) - sum(op == "aten.cat" for op in want_ops)
-    assert cats <= c.layers, f"{cats} more cats than the plain model"
-    # the fused projections run fewer GEMMs than the plain model's separate ones
-    gemms = ("aten.mm", "aten.addmm", "aten.bmm")
-    assert sum(op in gemms for op in got_ops) < sum(op in gemms for op in want_ops)
+    # the fused QKV and gate/up weights run one GEMM per projection, as the plain model's
+    # separate ones do, and their input gradients are summed inside the GEMMs
+    for kind in ("aten.cat", "aten.add", "aten.slice_backward"):
+        n_got = sum(op == kind for op in got_ops)
+        n_want = sum(op == kind for op in want_ops)
+        assert n_got <= n_want, f"{kind}: {n_got} ops, the plain model {n_want}"
+    gemms = ("aten.mm", "aten.addmm", "aten.addmm_", "aten.bmm")
+    assert sum(op in gemms for op in got_ops) == sum(op in gemms for op in want_ops)
     return True
 
 
 @pytest.mark.parametrize("world", [pytest.param(("cpu", 1), id="cpu1")], indirect=True)
 def test_one_rank_decoder_adds_no_copies(world):
     assert world.run(_one_rank_decoder_body) == [True]
+
+
+def _one_rank_parts_body(group):
+    """``forward_parts`` over one rank: each block of the fused weight is its own GEMM;
+    outputs and weight gradients bitwise those of separate ``nn.Linear`` layers, the
+    input gradient theirs summed (in the GEMMs); a block whose output is unused gets a
+    zero gradient; bias or not, 2-D and 3-D inputs; no grad mode and autocast too."""
+    h, parts = 8, [12, 4, 4]
+    for bias in (True, False):
+        for shape, used in (((2, 3, h), (0, 1, 2)), ((5, h), (0, 2))):
+            plain = [_linear(10 * i + bias, h, n, bias) for i, n in enumerate(parts)]
+            w = torch.cat([p.weight for p in plain])
+            b = torch.cat([p.bias for p in plain]) if bias else None
+            layer = inn.ColumnParallelLinear.from_weights(w, b, group, parts=parts)
+            x0 = seeded(3, *shape, dtype=torch.float32)
+            gs = [seeded(4 + i, *shape[:-1], n, dtype=torch.float32) for i, n in enumerate(parts)]
+            x, xr = leaf(x0), leaf(x0)
+            outs = layer.forward_parts(x)
+            refs = [p(xr) for p in plain]
+            sum(outs[i].mul(gs[i]).sum() for i in used).backward()
+            sum(refs[i].mul(gs[i]).sum() for i in used).backward()
+            what = f"bias={bias} x{list(shape)} parts used {used}"
+            for o, r in zip(outs, refs):
+                assert o.is_contiguous() and torch.equal(o, r), what
+            assert rel(x.grad, xr.grad) < 1e-6, what
+            dws = layer.weight.grad.split(parts)
+            dbs = layer.bias.grad.split(parts) if bias else [None] * 3
+            for i, p in enumerate(plain):
+                if i in used:
+                    assert torch.equal(dws[i], p.weight.grad), what
+                    assert not bias or torch.equal(dbs[i], p.bias.grad), what
+                else:
+                    assert p.weight.grad is None and not dws[i].any(), what
+            with torch.no_grad():
+                assert all(torch.equal(o, p(x0)) for o, p in zip(layer.forward_parts(x0), plain))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got = layer.forward_parts(x0)
+                assert all(torch.equal(o, p(x0)) for o, p in zip(got, plain)), what
+    return True
+
+
+@pytest.mark.parametrize("world", [pytest.param(("cpu", 1), id="cpu1")], indirect=True)
+def test_one_rank_forward_parts_are_separate_linears(world):
+    assert world.run(_one_rank_parts_body) == [True]
 
 
 @pytest.mark.parametrize("act", [F.silu, nn.SiLU(), F.gelu])
