@@ -329,18 +329,20 @@ class OpContext:
         self._call_seq += 1
         self.call_flag = base
         fp = base << 8 | (self._call_seq & 0xFF)
+        # the field values are written when the call's kind differs from the last one
+        # written (``kind``: the one stored object per kind, compared by identity)
         if self.group.backend == "cpu":
-            if self._call_written is not key:
+            if self._call_written is not kind:
                 self._call_host[1 : 1 + len(values)] = values
-                self._call_written = key
+                self._call_written = kind
             self._call_host[0] = fp
         else:
             from ..runtime.streams import stream_write_value32
 
-            if self._call_written is not key or self._capture:
+            if self._call_written is not kind or self._capture:
                 self._call_slot[1 : 1 + len(values)].copy_(staged, non_blocking=True)
                 # a captured write replays only inside its graph
-                self._call_written = None if self._capture else key
+                self._call_written = None if self._capture else kind
             stream_write_value32(self._call_slot, 0, fp)
         self.pad.call_names = tuple(fields)
         if self._fault_at_begin:

@@ -394,6 +394,59 @@ class _HostFails(interlace.ops._context.OpContext):
         raise RuntimeError("host code failed")
 
 
+class _Steps(interlace.ops._context.OpContext):
+    """A context whose call does nothing on the device but fingerprint itself."""
+
+    op_name = "steps"
+
+    def __init__(self, group):
+        super().__init__(group, torch.float32, 16, {})
+
+    def step(self, **fields) -> int:
+        self._begin()
+        fp = self._begin_call(**fields)
+        self._end()
+        return fp
+
+
+def _call_slot_body(group):
+    """The call slot: the fingerprint on every call; the field values only when the kind
+    of call changed (a repeated call leaves a value planted in the slot alone; a call of
+    another kind, and a return to the first, rewrite them)."""
+    ctx = _Steps(group)
+    slot = ctx.pad.local("call").view(torch.int32)
+
+    def read():
+        if group.backend == "cuda":
+            torch.cuda.synchronize()
+        return slot[:4].tolist()
+
+    def plant():
+        slot[3] = -7
+        if group.backend == "cuda":
+            torch.cuda.synchronize()
+
+    seen = []
+    fp = ctx.step(n=5, strategy="a")
+    seen.append(read() == [fp, 2, 5, slot[3].item()])
+    plant()
+    fp2 = ctx.step(n=5, strategy="a")
+    seen.append(read() == [fp2, 2, 5, -7] and fp2 >> 8 == fp >> 8 and fp2 != fp)
+    fp3 = ctx.step(n=6, strategy="a")
+    seen.append(read()[:3] == [fp3, 2, 6] and read()[3] != -7)
+    plant()
+    fp4 = ctx.step(n=5, strategy="a")
+    seen.append(read()[:3] == [fp4, 2, 5] and read()[3] != -7 and fp4 >> 8 == fp >> 8)
+    ctx.close()
+    return seen
+
+
+@pytest.mark.parametrize("world", PARAMS[:1] + PARAMS[2:3], indirect=True)
+def test_call_slot_rewrites_field_values_only_when_the_kind_changes(world):
+    results = world.run(_call_slot_body)
+    assert all(r == [True] * 4 for r in results), results
+
+
 def _host_failure_body(group):
     """Rank 0's call fails in its host code. Once with a mismatch recorded for the call
     (rank 0 raises that, chained to its own exception); once without (rank 0 reports an
