@@ -13,10 +13,12 @@ torch's launchers, is in none of them.
   grouped_mm``, ``t_ref_ms``): ``torch._grouped_mm`` ``[M * k, H] x [E, H, 2 I / W]``
   alone on rows already permuted; and what a user runs instead (``t_torch_path_ms``, path
   in ``torch_path``): ``index_select`` of the rows + that ``torch._grouped_mm`` + SwiGLU.
-* ``moe_rs``: the grouped GEMM whose epilogue adds each weighted row into the local
-  float32 accumulator (atomics) + the owner's finish, which sums its token rows of the
-  ``W`` ranks' accumulators (here: this rank's and ``W - 1`` zero stand-ins, read the
-  same way) and converts them (``t_ms``); the GEMM alone (``t_kernel_ms``). Reference:
+* ``moe_rs``: the grouped GEMM whose epilogue stores each weighted row at its (token,
+  slot) entry's row of the local row buffer + the owner's finish, which sums the ``k``
+  rows of each of its tokens in the ``W`` ranks' row buffers (here: this rank's and ``W -
+  1`` zero stand-ins, read the same way) and converts them (``t_ms``); the GEMM alone
+  (``t_kernel_ms``); the same as ``t_ms`` with the rows stored in bf16, rounded before the
+  sum (``t_bf16_rows_ms``, ``bf16_rows_rel_err``). Reference:
   ``torch._grouped_mm`` ``[M * k, I / W] x [E, I / W, H]`` alone (``t_ref_ms``), and the
   user's path, that + the routing-weight multiply + ``index_add_`` in float32
   (``t_torch_path_ms``). ``rel_err``: against a float32 matmul per expert;
@@ -204,15 +206,21 @@ class _Problem:
 
     def reduce(self, cfg, iters):
         """(t_ms: the reduce GEMM + the owner's finish, t_kernel: the GEMM alone, rel err
-        of rank 0's rows, weights err)."""
+        of rank 0's rows, weights err, t_bf16: the same as t_ms with bf16 rows, its rel
+        err)."""
+        rt, _ = self.routing(cfg)
+        hp, _, _ = self.permuted(rt, self.h_ref)
+        t, t_kernel, err = self._reduce_run(rt, hp, cfg, iters, torch.float32)
+        t_bf16, _, err_bf16 = self._reduce_run(rt, hp, cfg, iters, torch.bfloat16)
+        return t, t_kernel, err, self.weights_err(rt), t_bf16, err_bf16
+
+    def _reduce_run(self, rt, hp, cfg, iters, row_dtype):
         from ..ops.moe import _gemm
 
-        rt, _ = self.routing(cfg)
-        m, hidden, dev, world = self.m, self.hidden, self.dev, self.world
-        hp, _, _ = self.permuted(rt, self.h_ref)
-        acc = torch.zeros(TOKENS, hidden, dtype=torch.float32, device=dev)
-        peers = torch.zeros(TOKENS, hidden, dtype=torch.float32, device=dev)  # stand-ins
-        table = torch.tensor([acc.data_ptr()] + [peers.data_ptr()] * (world - 1), device=dev)
+        m, hidden, dev, world, k = self.m, self.hidden, self.dev, self.world, self.k
+        rows = torch.zeros(TOKENS * k, hidden, dtype=row_dtype, device=dev)
+        peers = torch.zeros(TOKENS * k, hidden, dtype=row_dtype, device=dev)  # stand-ins
+        table = torch.tensor([rows.data_ptr()] + [peers.data_ptr()] * (world - 1), device=dev)
         sig = torch.zeros(8, dtype=torch.int32, device=dev)
         sig_table = torch.tensor([sig.data_ptr()] * world, device=dev)
         y = torch.empty(m, hidden, dtype=torch.bfloat16, device=dev)
@@ -222,7 +230,7 @@ class _Problem:
         def gemm():
             _gemm.launch_gemm(
                 a=hp, x_own=None, w=self.w2, out=None, routing=rt, n=hidden, up=0, cfg=cfg,
-                grid=grid, gather=False, swiglu=False, reduce=True, acc_out=acc, sig=sig,
+                grid=grid, gather=False, swiglu=False, reduce=True, rows_out=rows, sig=sig,
                 sig_table=sig_table, err=err_ptr, rank=0, max_spins=1 << 20, done_slot=0,
                 contrib_slot=1, world=world,
             )  # fmt: skip
@@ -230,7 +238,8 @@ class _Problem:
         def rs():
             gemm()
             _gemm.launch_finish(
-                table, 0, y, m, sig, 1, 2, err_ptr, 0, 1 << 20, world, dev, "cuda"
+                table, 0, y, m, k, sig, 1, 2, err_ptr, 0, 1 << 20, world, dev, "cuda",
+                rows_f32=row_dtype == torch.float32,
             )  # fmt: skip
 
         y.fill_(float("nan"))
@@ -238,10 +247,10 @@ class _Problem:
         torch.cuda.synchronize()
         err = float((y.float() - self.y_ref).norm() / self.y_ref.norm())
         t = graph_ms(rs, iters)
-        # the GEMM alone: its atomics pile up in acc (never read), its flags are cleared
+        # the GEMM alone (its rows never read), its flags cleared
         t_kernel = graph_ms(gemm, iters)
         sig.zero_()
-        return t, t_kernel, err, self.weights_err(rt)
+        return t, t_kernel, err
 
 
 def one_gpu(shapes, worlds, routings, sweep, iters, save=None):
@@ -275,18 +284,20 @@ def one_gpu(shapes, worlds, routings, sweep, iters, save=None):
             torch_path="index_select+grouped_mm+swiglu", tflops=round(flops / t_all / 1e9, 1),
             config=_cfg_name(cfg1), rel_err=round(err1, 5),
         ))  # fmt: skip
-        t2, t2_kernel, err2, werr, cfg2 = r
+        t2, t2_kernel, err2, werr, t2_bf16, err2_bf16, cfg2 = r
         records.append(dict(
             op="moe_rs", strategy="fused", **common, t_ms=round(t2, 5),
             t_kernel_ms=round(t2_kernel, 5), t_ref_ms=round(pb.t_gmm2, 5),
             t_torch_path_ms=round(pb.t_ref2, 5), torch_path="grouped_mm+weights+index_add_fp32",
             tflops=round(flops / 2 / t2 / 1e9, 1), config=_cfg_name(cfg2), rel_err=round(err2, 5),
-            ref_rel_err=round(pb.torch_err, 5),
+            ref_rel_err=round(pb.torch_err, 5), t_bf16_rows_ms=round(t2_bf16, 5),
+            bf16_rows_rel_err=round(err2_bf16, 5),
         ))  # fmt: skip
         print(f"H{hidden} I{inter} E{experts} k{k} W{world} {kind}: ag {t_all:.3f} "
               f"(gemm {t_gemm:.3f}, plain {t_plain:.3f}) ref {pb.t_ref1:.3f} "
               f"gmm {pb.t_gmm1:.3f} err {err1:.1e} {_cfg_name(cfg1)} | rs {t2:.3f} "
-              f"(gemm {t2_kernel:.3f}) ref {pb.t_ref2:.3f} gmm {pb.t_gmm2:.3f} err {err2:.1e} "
+              f"(gemm {t2_kernel:.3f}, bf16 rows {t2_bf16:.3f} err {err2_bf16:.1e}) "
+              f"ref {pb.t_ref2:.3f} gmm {pb.t_gmm2:.3f} err {err2:.1e} "
               f"w_err {werr:.1e} torch_err {pb.torch_err:.1e} {_cfg_name(cfg2)}",
               flush=True)  # fmt: skip
         if save is not None:  # what is measured so far survives a run cut short

@@ -18,7 +18,9 @@ cut into chunks of ``CHUNK`` entries (``cps`` chunks per source).
 * ``moe_scatter_kernel`` (one program per chunk): a stable counting sort. Each entry's row
   is ``offsets[e] + (entries of e in earlier chunks) + (rank in its chunk)``, so rows are
   sorted by (expert, arrival position, token, slot). Writes ``sorted_tok[row]`` (the
-  token's global index ``src * m + t``; -1 in padding rows) and ``sorted_w[row]``.
+  token's global index ``src * m + t``; -1 in padding rows), ``sorted_entry[row]`` (the
+  entry's global index ``(src * m + t) * k + slot``; -1 in padding rows) and
+  ``sorted_w[row]``.
 
 Ids outside ``[0, E)`` are dropped (the op checks them on the host where it can).
 
@@ -32,13 +34,15 @@ so the grid and the tables have a worst-case size known on the host. Two modes:
   gate columns ``[0, I)`` and the up columns ``[I, 2 I)`` side by side, and the tile's
   output is ``silu(x @ gate) * (x @ up)``.
 * reduce (the second half): A is the expert-sorted ``h``; the epilogue multiplies each
-  row by its routing weight and adds it (GPU-scope float32 atomics, four columns per
-  instruction) into row ``token`` of this rank's *local* accumulator ``acc_out [WORLD *
-  m_loc, N]``, which thus holds this rank's top-k sums of every token. When every
+  row by its routing weight and stores it (float32, or the output type) at row ``entry =
+  token * k + slot`` of this rank's *local* row buffer ``rows_out [WORLD * m_loc * k,
+  N]``: the rows leave the GEMM in token order, each owner's ``m_loc * k`` rows
+  contiguous, and no row is added to another here (plain stores, no atomics). When every
   program of the launch is done, the last one raises each owner's contribution counter;
-  ``moe_finish_kernel`` on the owner waits for all ``WORLD`` contributions, then sums its
-  token rows of every rank's accumulator (peer reads: the reduce-scatter), writes them in
-  the output type and zeroes what it read for the next call.
+  ``moe_finish_kernel`` on the owner waits for all ``WORLD`` contributions, then sums, in
+  float32, the ``k`` rows of each of its tokens in every rank's row buffer (peer reads:
+  the top-k sum and the reduce-scatter in one pass) and writes them in the output type.
+  Every entry's row is rewritten by every call, so nothing is cleared between calls.
 """
 
 from __future__ import annotations
@@ -182,12 +186,12 @@ def moe_scan_kernel(
 @triton.jit(do_not_specialize=["rank", "mk", "cps", "m_loc", "max_spins", "flag0", "n_chunks"])
 def moe_scatter_kernel(
     meta, meta_stride, w_off, mk, cps, m_loc, k, E, prefix, n_chunks, offsets, base_scratch,
-    sorted_tok, sorted_w, sig, flag0, err, rank, max_spins,
+    sorted_tok, sorted_entry, sorted_w, sig, flag0, err, rank, max_spins,
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
     WAIT: tl.constexpr,
 ):  # fmt: skip
     """Rows of this program's chunk (see the module docstring); program 0 also marks each
-    expert's padding rows (token -1, weight 0)."""
+    expert's padding rows (token and entry -1, weight 0)."""
     c = tl.program_id(0)
     p, src, i0 = _chunk_source(rank, cps, CHUNK, WORLD)
     token = _meta_wait(sig, flag0, p, err, rank, max_spins, WAIT)
@@ -212,6 +216,7 @@ def moe_scatter_kernel(
     entry = i0 + orig
     wgt = tl.load((src_meta + w_off + entry).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
     tl.store(sorted_tok + row, src * m_loc + entry // k, mask=valid)
+    tl.store(sorted_entry + row, src * mk + entry, mask=valid)
     tl.store(sorted_w + row, wgt, mask=valid)
     if c == 0:
         total = tl.load(prefix + n_chunks * E_PAD + e_r, mask=e_r < E, other=0)
@@ -220,6 +225,7 @@ def moe_scatter_kernel(
         rows = (start + total)[:, None] + r[None, :]
         mask = (r[None, :] < pad[:, None]) & (e_r < E)[:, None]
         tl.store(sorted_tok + rows, tl.full((E_PAD, BLOCK_M), -1, tl.int32), mask=mask)
+        tl.store(sorted_entry + rows, tl.full((E_PAD, BLOCK_M), -1, tl.int32), mask=mask)
         tl.store(sorted_w + rows, tl.zeros((E_PAD, BLOCK_M), tl.float32), mask=mask)
 
 
@@ -253,8 +259,8 @@ def _load_b(w, b_desc, row, col, k_left, N_W, USE_TMA: tl.constexpr,
     ]
 )  # fmt: skip
 def moe_gemm_kernel(
-    a, x_own, w, out, tiles, tile_count, sorted_tok, sorted_w, m_loc, E, K, N, N_W, UP,
-    acc_out, sig, sig_table, flag0, err, rank, max_spins, done_slot, clear_first,
+    a, x_own, w, out, tiles, tile_count, sorted_tok, sorted_entry, sorted_w, m_loc, E, K, N,
+    N_W, UP, rows_out, sig, sig_table, flag0, err, rank, max_spins, done_slot, clear_first,
     clear_count, contrib_slot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WORLD: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, REDUCE: tl.constexpr,
@@ -263,12 +269,13 @@ def moe_gemm_kernel(
 ):  # fmt: skip
     """See the module docstring. ``a``: gathered tokens ``[WORLD * m_loc, K]`` (``GATHER``)
     or ``h [rows, K]``; ``w``: ``[E, K, N_W]``; ``out``: ``[rows, N]`` (gather mode);
-    ``UP``: first up column of ``w`` (``SWIGLU``); ``acc_out``: the float32 accumulator
-    ``[WORLD * m_loc, N]`` (``REDUCE``). ``WAIT``: tiles wait for the arrival
-    flags ``flag0 + p`` of the positions they read; ``EXIT_CLEAR``: the last program waits
-    for every position's flag (none may land after the clear) and zeroes ``clear_count``
-    slots from ``clear_first``, ``done_slot`` among them. ``REDUCE``: the last program
-    raises ``contrib_slot`` on every rank once all programs are done.
+    ``UP``: first up column of ``w`` (``SWIGLU``); ``rows_out``: the row buffer ``[WORLD *
+    m_loc * k, N]`` (``REDUCE``: weighted rows at their entry's index). ``WAIT``: tiles
+    wait for the arrival flags ``flag0 + p`` of the positions they read; ``EXIT_CLEAR``:
+    the last program waits for every position's flag (none may land after the clear) and
+    zeroes ``clear_count`` slots from ``clear_first``, ``done_slot`` among them.
+    ``REDUCE``: the last program raises ``contrib_slot`` on every rank once all programs
+    are done.
 
     Traced (``language.trace``): program start / end, each tile's wait (begin: first and
     last arrival position read; end: last position, token), each tile's main-loop end (row
@@ -333,14 +340,13 @@ def moe_gemm_kernel(
         trace_event(TRACE, tbuf, EV_TILE_END, g, q, e)
         cols = col + tl.arange(0, BLOCK_N)
         if REDUCE:
-            # weighted rows into this rank's accumulator, row = global token: the
-            # accumulator's base is 16-byte aligned, so where N is a multiple of 16 (Triton
-            # specialises on that) each thread adds 4 columns per atomic
+            # each weighted row to its entry's row of this rank's row buffer
+            ent = tl.load(sorted_entry + rows)
             wgt = tl.load(sorted_w + rows, mask=live, other=0.0)
-            dst = acc_out + tok.to(tl.int64) * N
-            tl.atomic_add(
-                dst[:, None] + cols[None, :], acc * wgt[:, None],
-                mask=live[:, None] & (cols < N)[None, :], sem="relaxed", scope="gpu",
+            dst = rows_out + ent.to(tl.int64) * N
+            tl.store(
+                dst[:, None] + cols[None, :], (acc * wgt[:, None]).to(rows_out.dtype.element_ty),
+                mask=live[:, None] & (cols < N)[None, :],
             )  # fmt: skip
         else:
             if SWIGLU:
@@ -348,7 +354,7 @@ def moe_gemm_kernel(
             ptrs = out + rows[:, None].to(tl.int64) * N + cols[None, :]
             tl.store(ptrs, acc.to(out.dtype.element_ty), mask=(cols < N)[None, :])
     if REDUCE:
-        # the last program to finish publishes every program's atomics to every owner
+        # the last program to finish publishes every program's rows to every owner
         tl.debug_barrier()
         arrived = tl.atomic_add(sig + done_slot, 1, sem="acq_rel", scope="sys")
         if arrived == n_prog - 1:
@@ -368,20 +374,23 @@ def moe_gemm_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["rank", "max_spins", "contrib_slot", "done_slot", "m_loc", "set_off"]
-)
+    do_not_specialize=[
+        "rank", "max_spins", "contrib_slot", "done_slot", "m_loc", "set_off", "topk",
+    ]
+)  # fmt: skip
 def moe_finish_kernel(
-    acc_table, set_off, y, m_loc, N, sig, contrib_slot, done_slot, err, rank, max_spins,
-    WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    TRACE: tl.constexpr = False, tbuf=None,
+    rows_table, set_off, y, m_loc, N, topk, sig, contrib_slot, done_slot, err, rank,
+    max_spins, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROWS_F32: tl.constexpr = True, TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
-    """The owner's end of the reduce-scatter. Once every rank has contributed (counter
-    ``contrib_slot`` reaches ``WORLD``): ``y[t] = sum over ranks r of acc_r[rank * m_loc +
-    t]`` in float32, stored in ``y``'s type, where ``acc_r`` is rank ``r``'s accumulator
-    (``acc_table[r]`` + ``set_off`` float32 elements, ``[WORLD * m_loc, N]``); each block
-    read is zeroed on its rank for the next call (only this owner reads those rows). Ranks
-    are read in rotated order, this rank first, so that owners spread over the links. The
-    last program zeroes the counter and ``done_slot`` (the next slot).
+    """The owner's end of the top-k sum and the reduce-scatter. Once every rank has
+    contributed (counter ``contrib_slot`` reaches ``WORLD``): ``y[t] = sum over ranks r
+    and slots j of rows_r[(rank * m_loc + t) * topk + j]`` in float32, stored in ``y``'s
+    type, where ``rows_r`` is rank ``r``'s row buffer (``rows_table[r]`` + ``set_off``
+    elements, ``[WORLD * m_loc * topk, N]``, float32 or, ``ROWS_F32`` off, ``y``'s type;
+    the rows already weighted).
+    Ranks are read in rotated order, this rank first, so that owners spread over the
+    links. The last program zeroes the counter and ``done_slot`` (the next slot).
 
     Traced (``language.trace``): program start / end, the wait for the contributions in
     the program's first tile's slots (begin: counter slot, ``WORLD``; end: counter slot,
@@ -399,20 +408,18 @@ def moe_finish_kernel(
         cols = (g % tiles_n) * BLOCK_N + c
         inside = (rows < m_loc)[:, None] & (cols < N)[None, :]
         ok = guard(inside, token, WORLD)
-        at = (rank * m_loc + rows).to(tl.int64)[:, None] * N + cols[None, :]
+        first = (rank * m_loc + rows).to(tl.int64) * topk
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in tl.static_range(WORLD):
             peer = (rank + i) % WORLD
-            src = tl.load(acc_table + peer).to(tl.pointer_type(tl.float32)) + set_off + at
-            total += tl.load(src, mask=ok, other=0.0)
-        # Every thread's loads of the block complete before any thread zeroes it: the
-        # compiler may give the zero store a thread mapping other than the load's, and
-        # then one thread could clear an element that another has not read yet.
-        tl.debug_barrier()
-        for i in tl.static_range(WORLD):
-            peer = (rank + i) % WORLD
-            src = tl.load(acc_table + peer).to(tl.pointer_type(tl.float32)) + set_off + at
-            tl.store(src, tl.zeros((BLOCK_M, BLOCK_N), tl.float32), mask=ok)
+            if ROWS_F32:
+                base = tl.load(rows_table + peer).to(tl.pointer_type(tl.float32)) + set_off
+            else:
+                base = tl.load(rows_table + peer).to(tl.pointer_type(y.dtype.element_ty))
+                base += set_off
+            for j in range(topk):
+                at = (first + j)[:, None] * N + cols[None, :]
+                total += tl.load(base + at, mask=ok, other=0.0).to(tl.float32)
         out = y + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(out, total.to(y.dtype.element_ty), mask=inside)
         trace_event(TRACE, tbuf, EV_TILE_END, g, g // tiles_n, g % tiles_n)

@@ -32,12 +32,15 @@ def _routing_kernels():
     }, {"BLOCK_M": 128, "E_PAD": 64, "WORLD": 8, "CB": 32, "TB": 64}  # fmt: skip
     yield g.moe_scatter_kernel, {
         **common, "w_off": i32, "m_loc": i32, "k": i32, "prefix": p32, "n_chunks": i32,
-        "offsets": p32, "base_scratch": p32, "sorted_tok": p32, "sorted_w": "*fp32",
+        "offsets": p32, "base_scratch": p32, "sorted_tok": p32, "sorted_entry": p32,
+        "sorted_w": "*fp32",
     }, {"CHUNK": 1024, "E_PAD": 64, "WORLD": 4, "BLOCK_M": 128, "WAIT": True}  # fmt: skip
     yield g.moe_finish_kernel, {
-        "acc_table": "*i64", "set_off": i32, "y": "*bf16", "m_loc": i32, "N": i32, "sig": p32,
+        "rows_table": "*i64", "set_off": i32, "y": "*bf16", "m_loc": i32, "N": i32,
+        "topk": i32, "sig": p32,
         "contrib_slot": i32, "done_slot": i32, "err": "i64", "rank": i32, "max_spins": i32,
-    }, {"WORLD": 4, "BLOCK_M": 32, "BLOCK_N": 128, "TRACE": False, "tbuf": None}  # fmt: skip
+    }, {"WORLD": 4, "BLOCK_M": 32, "BLOCK_N": 128, "ROWS_F32": True, "TRACE": False,
+        "tbuf": None}  # fmt: skip
 
 
 @pytest.mark.parametrize("i", range(4))
@@ -50,8 +53,9 @@ def _gemm_sig():
     i32, p32 = "i32", "*i32"
     return {
         "a": "*bf16", "x_own": "*bf16", "w": "*bf16", "out": "*bf16", "tiles": p32,
-        "tile_count": p32, "sorted_tok": p32, "sorted_w": "*fp32", "m_loc": i32, "E": i32,
-        "K": i32, "N": i32, "N_W": i32, "UP": i32, "acc_out": "*fp32", "sig": p32,
+        "tile_count": p32, "sorted_tok": p32, "sorted_entry": p32, "sorted_w": "*fp32",
+        "m_loc": i32, "E": i32, "K": i32, "N": i32, "N_W": i32, "UP": i32, "rows_out": "*fp32",
+        "sig": p32,
         "sig_table": "*i64", "flag0": i32, "err": "i64", "rank": i32, "max_spins": i32,
         "done_slot": i32, "clear_first": i32, "clear_count": i32, "contrib_slot": i32,
     }  # fmt: skip
@@ -69,13 +73,14 @@ def test_gemm_compiles_for_hopper(mode, tma):
     )  # fmt: skip
     ir = inspect.compile_for_hopper(
         moe_gemm_kernel, _gemm_sig(), const,
-        aligned=("a", "x_own", "w", "out", "acc_out", "K", "N"), num_warps=8, num_stages=3,
+        aligned=("a", "x_own", "w", "out", "rows_out", "K", "N"), num_warps=8, num_stages=3,
     )  # fmt: skip
     assert "wgmma" in ir["ptx"], "the grouped GEMM should use Hopper's wgmma"
     assert "local" not in re.findall(r"\bst\.(\w+)", ir["ptx"]), "registers spill"
-    if mode == "reduce":  # the top-k sum: GPU-scope float32 atomics, 4 columns per op
+    if mode == "reduce":  # weighted rows: plain 16-byte stores, no float atomics
         atomics = set(re.findall(r"\b(?:atom|red)\.global\.[\w.]+", ir["ptx"]))
-        assert "atom.global.gpu.relaxed.add.v4.f32" in atomics, atomics
+        assert not any(a.endswith("f32") for a in atomics), atomics
+        assert re.search(r"\bst\.global(\.\w+)*\.v4\.b32", ir["ptx"]), "no 16-byte stores"
         assert not any("sys" in a and "f32" in a for a in atomics), atomics
     if mode != "reduce":  # the gathered rows' loads take their mask from the wait
         loads = inspect.data_loads(ir["ttgir"])

@@ -91,8 +91,9 @@ def _moe(kernel, variant: str, trace: bool) -> dict:
     i32, p32 = "i32", "*i32"
     sig = {
         "a": BF16, "x_own": BF16, "w": BF16, "out": BF16, "tiles": p32, "tile_count": p32,
-        "sorted_tok": p32, "sorted_w": "*fp32", "m_loc": i32, "E": i32, "K": i32, "N": i32,
-        "N_W": i32, "UP": i32, "acc_out": "*fp32", "sig": p32, "sig_table": "*i64",
+        "sorted_tok": p32, "sorted_entry": p32, "sorted_w": "*fp32", "m_loc": i32, "E": i32,
+        "K": i32, "N": i32,
+        "N_W": i32, "UP": i32, "rows_out": "*fp32", "sig": p32, "sig_table": "*i64",
         "flag0": i32, "err": "i64", "rank": i32, "max_spins": i32, "done_slot": i32,
         "clear_first": i32, "clear_count": i32, "contrib_slot": i32,
     }  # fmt: skip
@@ -102,7 +103,7 @@ def _moe(kernel, variant: str, trace: bool) -> dict:
         SWIGLU=variant == "swiglu_tma", REDUCE=reduce, WAIT=not reduce,
         USE_TMA=variant in ("swiglu_tma", "reduce"), EXIT_CLEAR=not reduce,
     )  # fmt: skip
-    return _compile(kernel, sig, const, trace, ("a", "x_own", "w", "out", "acc_out", "K", "N"),
+    return _compile(kernel, sig, const, trace, ("a", "x_own", "w", "out", "rows_out", "K", "N"),
                     num_stages=4)  # fmt: skip
 
 
@@ -194,13 +195,14 @@ def _finish(kernel, variant: str, trace: bool) -> dict:
     from interlace.ops.moe._gemm import FINISH_BLOCK
 
     sig = {
-        "acc_table": "*i64", "set_off": "i64", "y": BF16, "m_loc": "i32", "N": "i32",
+        "rows_table": "*i64", "set_off": "i64", "y": BF16, "m_loc": "i32", "N": "i32",
+        "topk": "i32",
         "sig": "*i32", "contrib_slot": "i32", "done_slot": "i32", "err": "i64", "rank": "i32",
         "max_spins": "i64",
     }  # fmt: skip
     bm, bn = FINISH_BLOCK
-    const = dict(WORLD=int(variant[1:]), BLOCK_M=bm, BLOCK_N=bn)
-    return _compile(kernel, sig, const, trace, ("acc_table", "y", "N", "sig"), num_stages=3,
+    const = dict(WORLD=int(variant[1:]), BLOCK_M=bm, BLOCK_N=bn, ROWS_F32=True)
+    return _compile(kernel, sig, const, trace, ("rows_table", "y", "N", "sig"), num_stages=3,
                     num_warps=4)  # fmt: skip
 
 

@@ -403,9 +403,10 @@ def test_moe_gpu_shapes(world):
 def _per_rank_body(group):
     """The per-rank path ``bench.moe`` times, on rank 0 alone: the routing kernels for all
     ``W`` source ranks (flags preset), the reduce GEMM with few programs running many tiles
-    each (several K steps, ragged N), then the owner's finish over ``W`` accumulators,
-    twice on the same buffers: the second call must not see the first's sums (the finish
-    zeroes what it read) and a poisoned output is fully overwritten."""
+    each (several K steps, ragged N), then the owner's finish over ``W`` row buffers (the
+    computing rank's poisoned first: every entry's row must be written; the others zero
+    stand-ins), twice, as two different ranks; a poisoned output is fully overwritten, and
+    every (token, slot) entry has exactly one row, whose token is the entry's."""
     from interlace.ops.moe import _gemm
     from interlace.ops.moe.routing import alloc_routing, launch_routing, pack_meta
 
@@ -422,9 +423,9 @@ def _per_rank_body(group):
     i32 = dict(dtype=torch.int32, device=dev)
     sig_in, err = torch.ones(16, **i32), torch.zeros(4, **i32)
     w2 = rand(gen, experts, inter, hidden, dtype=torch.bfloat16, device="cpu")
-    # every owner's accumulator of every token (only the rank computing writes to its own)
-    accs = torch.zeros(world, tokens, hidden, device=dev)
-    table = torch.tensor([accs[r].data_ptr() for r in range(world)], device=dev)
+    # every rank's row buffer (only the rank computing writes its own)
+    bufs = torch.zeros(world, tokens * k, hidden, device=dev)
+    table = torch.tensor([bufs[r].data_ptr() for r in range(world)], device=dev)
     sig = torch.zeros(8, **i32)
     sig_table = torch.tensor([sig.data_ptr()] * world, device=dev)
     for call, rank in enumerate((0, 1)):
@@ -441,14 +442,16 @@ def _per_rank_body(group):
         h = rand(gen, rt.rows, inter, dtype=torch.bfloat16, device="cpu")
         y = torch.full((m, hidden), float("nan"), dtype=torch.bfloat16, device=dev)
         assert int(rt.tile_count[0]) * -(-hidden // cfg.block_n) > 3 * grid  # many per program
+        bufs.zero_()
+        bufs[rank].fill_(float("nan"))
         _gemm.launch_gemm(
             a=h.to(dev), x_own=None, w=w2.to(dev), out=None, routing=rt, n=hidden, up=0,
-            cfg=cfg, grid=grid, gather=False, swiglu=False, reduce=True, acc_out=accs[rank],
+            cfg=cfg, grid=grid, gather=False, swiglu=False, reduce=True, rows_out=bufs[rank],
             sig=sig, sig_table=sig_table, err=err.data_ptr(), rank=rank, max_spins=1 << 20,
             done_slot=0, contrib_slot=1, world=world,
         )  # fmt: skip
         _gemm.launch_finish(
-            table, 0, y, m, sig, 1, 2, err.data_ptr(), rank, 1 << 20, world, dev, backend
+            table, 0, y, m, k, sig, 1, 2, err.data_ptr(), rank, 1 << 20, world, dev, backend
         )  # fmt: skip
         sync(group)
         assert int(err[0]) == 0 and sig.tolist() == [0] * 8
@@ -466,8 +469,10 @@ def _per_rank_body(group):
         mine = slice(rank * m, (rank + 1) * m)
         err_y = rel_err(y.cpu(), ref[mine])
         assert err_y < TOL, f"call {call}: y rel err {err_y:.2e}"
-        assert not accs[rank, mine].any(), "the finish zeroes the rows it read"
-        accs.zero_()
+        ent = rt.entry_ids[:used].long().cpu()
+        assert torch.equal(ent >= 0, tok >= 0)
+        assert torch.equal(ent[ent >= 0] // k, tok[tok >= 0])
+        assert torch.equal(ent[ent >= 0].sort().values, torch.arange(tokens * k))
     return True
 
 

@@ -78,7 +78,7 @@ def programs(routing: MoeRouting, n: int, cfg: MoeGemmConfig, device, backend: s
 
 def launch_gemm(
     *, a, x_own, w, out, routing: MoeRouting, n: int, up: int, cfg: MoeGemmConfig, grid: int,
-    gather: bool, swiglu: bool, reduce: bool, acc_out=None, sig=None, sig_table=None,
+    gather: bool, swiglu: bool, reduce: bool, rows_out=None, sig=None, sig_table=None,
     flag0=0, err=0, rank=0, max_spins=0, done_slot=0, clear=None, contrib_slot=0,
     wait=False, world=1, use_tma: bool | None = None,
 ):  # fmt: skip
@@ -105,10 +105,11 @@ def launch_gemm(
         tbuf = _trace.buffer(grid, -(-tiles // grid), info)
         if tbuf is not None:
             traced = dict(TRACE=True, tbuf=tbuf)
+    entry_ids = routing.entry_ids if routing.entry_ids is not None else stand_in
     moe_gemm_kernel[(grid,)](
         a, x_own if x_own is not None else a, w, out if out is not None else a, routing.tiles,
-        routing.tile_count, routing.token_ids, routing.weights, routing.m_loc, w.shape[0], k,
-        n, w.shape[2], up, acc_out if acc_out is not None else routing.weights,
+        routing.tile_count, routing.token_ids, entry_ids, routing.weights, routing.m_loc,
+        w.shape[0], k, n, w.shape[2], up, rows_out if rows_out is not None else a,
         sig if sig is not None else stand_in, sig_table if sig_table is not None else stand_in,
         flag0, err, rank, max_spins, done_slot, *(clear or (0, 0)), contrib_slot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WORLD=world,
@@ -118,7 +119,7 @@ def launch_gemm(
     )  # fmt: skip
 
 
-#: the finish kernel's tile: 32 token rows x 128 float32 columns (16-byte accesses)
+#: the finish kernel's tile: 32 token rows x 128 columns
 FINISH_BLOCK = (32, 128)
 
 #: the names of ``MoERS``'s kernels in traces (``AGMoE``'s: ``_trace.GROUPED_GEMM``)
@@ -127,12 +128,13 @@ FINISH = "moe_finish"
 
 
 def launch_finish(
-    acc_table, set_off, y, m, sig, contrib_slot, done_slot, err, rank, max_spins, world,
-    device, backend,
+    rows_table, set_off, y, m, topk, sig, contrib_slot, done_slot, err, rank, max_spins,
+    world, device, backend, rows_f32: bool = True,
 ):  # fmt: skip
-    """The owner's reduce-scatter of ``MoERS`` (``moe_finish_kernel``) into ``y [m, N]``
-    on the current stream: every rank's accumulator rows of this rank's tokens, summed;
-    traced (``TRACE`` on, as :data:`FINISH`) where a recorder is in force."""
+    """The owner's top-k sum and reduce-scatter of ``MoERS`` (``moe_finish_kernel``) into
+    ``y [m, N]`` on the current stream: the ``topk`` rows of each of this rank's tokens in
+    every rank's row buffer (float32, or ``y``'s type: ``rows_f32`` off), summed; traced
+    (``TRACE`` on, as :data:`FINISH`) where a recorder is in force."""
     bm, bn = (16, 16) if backend != "cuda" else FINISH_BLOCK
     n = y.shape[1]
     tiles = -(-m // bm) * -(-n // bn)
@@ -148,6 +150,6 @@ def launch_finish(
         if tbuf is not None:
             traced = dict(TRACE=True, tbuf=tbuf)
     moe_finish_kernel[(grid,)](
-        acc_table, set_off, y, m, n, sig, contrib_slot, done_slot, err, rank, max_spins,
-        WORLD=world, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, **traced,
+        rows_table, set_off, y, m, n, topk, sig, contrib_slot, done_slot, err, rank, max_spins,
+        WORLD=world, BLOCK_M=bm, BLOCK_N=bn, ROWS_F32=rows_f32, num_warps=4, **traced,
     )  # fmt: skip

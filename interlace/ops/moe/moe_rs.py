@@ -14,14 +14,15 @@ ranks of ``weight * h_row @ w_down[expert]``, accumulated in float32.
 Strategies:
 
 * ``fused``: one persistent grouped GEMM whose epilogue multiplies each row by its routing
-  weight and adds it (GPU-scope float32 atomics) into this rank's local accumulator of
-  every token, so the top-k sum needs no permuted copy of the rows; when all its tiles are
-  done a rank raises every owner's counter, and each owner, once all ranks have counted,
-  sums its tokens' rows of every rank's accumulator (peer reads: the reduce-scatter, in
-  float32), converts them to the output type and zeroes what it read
-  (``moe_finish_kernel``). The accumulators take ``3 * max_tokens * hidden`` float32 per
-  rank (two eager buffer sets and one for CUDA graphs). Needs the padded routing of
-  ``AGMoE``'s ``fused`` strategy.
+  weight and stores it (float32) at its (token, slot) entry's row of this
+  rank's local row buffer, so the rows leave the GEMM in token order with no permuted
+  copy and no atomics; when all its tiles are done a rank raises every owner's counter,
+  and each owner, once all ranks have counted, sums the ``k`` rows of each of its tokens
+  in every rank's row buffer (peer reads: the top-k sum and the reduce-scatter in one
+  pass) and converts them to the output type (``moe_finish_kernel``). The row buffers take
+  ``3 * max_tokens * topk * hidden`` float32 per rank (two eager buffer sets and one for
+  CUDA graphs). Needs the padded routing of ``AGMoE``'s ``fused``
+  strategy.
 * ``none``: ``torch._grouped_mm``, weights, ``index_add`` (float32), NCCL reduce-scatter.
 * ``auto``: ``fused`` for a padded routing (:data:`AUTO_FUSED_ON_GPU` on GPUs), ``none``
   for the ``none`` strategy's routing.
@@ -33,11 +34,13 @@ Inside ``interlace.trace.record`` the ``fused`` strategy's two launches are trac
 (``TRACE`` on): the grouped GEMM (per tile, and the raise of the owners' counters) and the
 finish kernel (per program its wait for the contributions, per tile its end).
 
-The owner's finish reads a block of every rank's accumulator and then zeroes it; a barrier
-separates the two, since the compiler gives the zeroing store another thread mapping than
-the load (``tests/kernels/test_moe_finish_codegen.py``). At the benchmark's shapes the
-fused result matches float32 to a relative error of 1.7e-3 on one H200
-(``benchmarks/probes/moe_rs_gpu_check.py``; ``benchmarks/results/2026-11-28-h200-w1.json``).
+The rows stay float32 from the GEMM's accumulator to the owner's sum, which is rounded
+once: each rank's rows are partial sums over its slice of ``inter`` that cancel across
+ranks, and rounding them first (as torch's path, whose ``torch._grouped_mm`` output is
+bf16, does) costs accuracy where they cancel: with bf16 rows the skewed case of
+``tests/ops/test_moe.py`` at W = 4 (CPU emulation) reached the bf16 bound of 1e-2 against
+float32. ``bench moe`` reports the relative error against float32 and times the bf16-row
+variant too (``t_bf16_rows_ms``).
 """
 
 from __future__ import annotations
@@ -79,9 +82,9 @@ class MoERS(_MoeContext):
             validate, max_spins, {"moe": BUFFER_SETS * self._set_size}, eager_graphs,
         )  # fmt: skip
         if strategy != "none":
-            # every token's rows (the owners' reads of each set are zeroed by the owner)
-            shape = (BUFFER_SETS, self.max_tokens, self.hidden)
-            self.acc = self._track(symm_zeros(shape, torch.float32, group))
+            # every (token, slot) entry's weighted row, per buffer set
+            shape = (BUFFER_SETS, self.max_tokens * self.topk, self.hidden)
+            self.row_buf = self._track(symm_zeros(shape, torch.float32, group))
 
     def _check(self, h, routing, w) -> None:
         op, dev = self.op_name, self.group.device
@@ -167,14 +170,15 @@ class MoERS(_MoeContext):
             launch_gemm(
                 a=h, x_own=None, w=w, out=None, routing=routing, n=self.hidden, up=0,
                 cfg=cfg, grid=programs(routing, self.hidden, cfg, dev, self.group.backend),
-                gather=False, swiglu=False, reduce=True, acc_out=self.acc.local[s], sig=sig,
-                sig_table=self.pad.ptrs, err=err, rank=self.rank, max_spins=self.max_spins,
-                done_slot=base, contrib_slot=base + 1, world=self.world_size,
+                gather=False, swiglu=False, reduce=True, rows_out=self.row_buf.local[s],
+                sig=sig, sig_table=self.pad.ptrs, err=err, rank=self.rank,
+                max_spins=self.max_spins, done_slot=base, contrib_slot=base + 1,
+                world=self.world_size,
             )  # fmt: skip
             launch_finish(
-                self.acc.ptrs, s * self.max_tokens * self.hidden, y, m, sig, base + 1,
-                base + 2, err, self.rank, self.max_spins, self.world_size, dev,
-                self.group.backend,
+                self.row_buf.ptrs, s * self.max_tokens * self.topk * self.hidden, y, m,
+                self.topk, sig, base + 1, base + 2, err, self.rank, self.max_spins,
+                self.world_size, dev, self.group.backend,
             )  # fmt: skip
 
         # the routing's tensors: views of one allocation (the operand), of which the
@@ -182,7 +186,8 @@ class MoERS(_MoeContext):
         # makes the call run eagerly: nothing is replayed with a stale routing)
         tables = [routing.storage]
         if routing.storage is None:
-            tables = [routing.token_ids, routing.weights, routing.tiles, routing.tile_count]
+            tables = [routing.token_ids, routing.entry_ids, routing.weights, routing.tiles,
+                      routing.tile_count]  # fmt: skip
         self._enqueue("fused", run, h, *tables, w, y)
         return y
 

@@ -34,6 +34,7 @@ class MoeRouting:
 
     ``token_ids[row]``: the token of each expert-sorted row, as a global index ``src * m +
     t`` into the gathered tokens (rank ``src``'s token ``t``), -1 for a padding row;
+    ``entry_ids[row]``: its (token, slot) entry, ``token * k + slot``, -1 for padding;
     ``weights[row]``: its routing weight (float32, 0 for padding); ``offsets``: int32
     ``[E + 1]``, each expert's first row and (last) the rows in use; ``tiles`` /
     ``tile_count``: the tile table (``layout="padded"`` only); ``storage``: the one
@@ -52,6 +53,7 @@ class MoeRouting:
     block_m: int
     layout: str  # "padded" (the fused kernels) or "dense" (torch ops)
     storage: torch.Tensor | None = None
+    entry_ids: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -104,7 +106,7 @@ def alloc_routing(m_loc, topk, experts, world, block_m, device) -> RoutingWork:
     rows = padded_rows(world * m_loc, topk, experts, block_m)
     max_tiles = rows // block_m
     sizes = [
-        rows, rows, experts + 1, max_tiles * TILE_COLS.value, 1, n_chunks * ep,
+        rows, rows, rows, experts + 1, max_tiles * TILE_COLS.value, 1, n_chunks * ep,
         (n_chunks + 1) * ep, (2 * world + 1) * ep, n_chunks * ep,
     ]  # fmt: skip
     buf = torch.empty(sum(sizes), dtype=torch.int32, device=device)
@@ -112,12 +114,12 @@ def alloc_routing(m_loc, topk, experts, world, block_m, device) -> RoutingWork:
     for s in sizes:
         views.append(buf[at : at + s])
         at += s
-    tok, wts, offsets, tiles, count, counts, prefix, scratch, base = views
+    tok, ent, wts, offsets, tiles, count, counts, prefix, scratch, base = views
     routing = MoeRouting(
         token_ids=tok, weights=wts.view(torch.float32), offsets=offsets,
         tiles=tiles.view(max_tiles, TILE_COLS.value), tile_count=count, m_loc=m_loc,
         topk=topk, experts=experts, world=world, block_m=block_m, layout="padded",
-        storage=buf,
+        storage=buf, entry_ids=ent,
     )  # fmt: skip
     return RoutingWork(routing, counts, prefix, scratch, base)
 
@@ -148,7 +150,7 @@ def launch_routing(
     )  # fmt: skip
     moe_scatter_kernel[(n_chunks,)](
         meta, meta_stride, mk, mk, cps, rt.m_loc, rt.topk, e, work.prefix, n_chunks,
-        rt.offsets, work.base_scratch, rt.token_ids, rt.weights, sig_t, flag0,
+        rt.offsets, work.base_scratch, rt.token_ids, rt.entry_ids, rt.weights, sig_t, flag0,
         err or _no_err(meta), rank, max_spins, CHUNK=chunk, E_PAD=ep, WORLD=w,
         BLOCK_M=rt.block_m, WAIT=wait, num_warps=4,
     )  # fmt: skip
@@ -186,5 +188,5 @@ def dense_routing(ids_all, w_all, m_loc, experts, world) -> MoeRouting:
     return MoeRouting(
         token_ids=(order // topk).to(torch.int32), weights=w_all.reshape(-1)[order].float(),
         offsets=offsets, tiles=None, tile_count=None, m_loc=m_loc, topk=topk,
-        experts=experts, world=world, block_m=1, layout="dense",
+        experts=experts, world=world, block_m=1, layout="dense", entry_ids=order.to(torch.int32),
     )  # fmt: skip
