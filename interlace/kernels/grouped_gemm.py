@@ -375,20 +375,23 @@ def moe_gemm_kernel(
 
 @triton.jit(
     do_not_specialize=[
-        "rank", "max_spins", "contrib_slot", "done_slot", "m_loc", "set_off", "topk",
+        "rank", "max_spins", "contrib_slot", "done_slot", "m_loc", "set_off",
     ]
 )  # fmt: skip
 def moe_finish_kernel(
-    rows_table, set_off, y, m_loc, N, topk, sig, contrib_slot, done_slot, err, rank,
-    max_spins, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ROWS_F32: tl.constexpr = True, TRACE: tl.constexpr = False, tbuf=None,
+    rows_table, set_off, y, m_loc, N, sig, contrib_slot, done_slot, err, rank, max_spins,
+    WORLD: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROWS_F32: tl.constexpr = True, ALIGNED: tl.constexpr = False,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """The owner's end of the top-k sum and the reduce-scatter. Once every rank has
     contributed (counter ``contrib_slot`` reaches ``WORLD``): ``y[t] = sum over ranks r
-    and slots j of rows_r[(rank * m_loc + t) * topk + j]`` in float32, stored in ``y``'s
+    and slots j of rows_r[(rank * m_loc + t) * TOPK + j]`` in float32, stored in ``y``'s
     type, where ``rows_r`` is rank ``r``'s row buffer (``rows_table[r]`` + ``set_off``
-    elements, ``[WORLD * m_loc * topk, N]``, float32 or, ``ROWS_F32`` off, ``y``'s type;
-    the rows already weighted).
+    elements, ``[WORLD * m_loc * TOPK, N]``, float32 or, ``ROWS_F32`` off, ``y``'s type;
+    the rows already weighted). Ranks and slots are unrolled, so that a tile's ``WORLD *
+    TOPK`` loads are all in flight at once. ``ALIGNED``: every rank's buffer at
+    ``set_off`` starts on 16 bytes (the loads then move 16 bytes each).
     Ranks are read in rotated order, this rank first, so that owners spread over the
     links. The last program zeroes the counter and ``done_slot`` (the next slot).
 
@@ -408,7 +411,7 @@ def moe_finish_kernel(
         cols = (g % tiles_n) * BLOCK_N + c
         inside = (rows < m_loc)[:, None] & (cols < N)[None, :]
         ok = guard(inside, token, WORLD)
-        first = (rank * m_loc + rows).to(tl.int64) * topk
+        first = (rank * m_loc + rows).to(tl.int64) * TOPK
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in tl.static_range(WORLD):
             peer = (rank + i) % WORLD
@@ -417,7 +420,9 @@ def moe_finish_kernel(
             else:
                 base = tl.load(rows_table + peer).to(tl.pointer_type(y.dtype.element_ty))
                 base += set_off
-            for j in range(topk):
+            if ALIGNED:  # (the host checked it: 16-byte loads)
+                base = tl.multiple_of(base, 16)
+            for j in tl.static_range(TOPK):
                 at = (first + j)[:, None] * N + cols[None, :]
                 total += tl.load(base + at, mask=ok, other=0.0).to(tl.float32)
         out = y + rows.to(tl.int64)[:, None] * N + cols[None, :]

@@ -37,10 +37,10 @@ def _routing_kernels():
     }, {"CHUNK": 1024, "E_PAD": 64, "WORLD": 4, "BLOCK_M": 128, "WAIT": True}  # fmt: skip
     yield g.moe_finish_kernel, {
         "rows_table": "*i64", "set_off": i32, "y": "*bf16", "m_loc": i32, "N": i32,
-        "topk": i32, "sig": p32,
+        "sig": p32,
         "contrib_slot": i32, "done_slot": i32, "err": "i64", "rank": i32, "max_spins": i32,
-    }, {"WORLD": 4, "BLOCK_M": 32, "BLOCK_N": 128, "ROWS_F32": True, "TRACE": False,
-        "tbuf": None}  # fmt: skip
+    }, {"WORLD": 4, "TOPK": 2, "BLOCK_M": 32, "BLOCK_N": 128, "ROWS_F32": True,
+        "ALIGNED": True, "TRACE": False, "tbuf": None}  # fmt: skip
 
 
 @pytest.mark.parametrize("i", range(4))
@@ -85,3 +85,22 @@ def test_gemm_compiles_for_hopper(mode, tma):
     if mode != "reduce":  # the gathered rows' loads take their mask from the wait
         loads = inspect.data_loads(ir["ttgir"])
         assert any(ld.guarded_by("mask") for ld in loads), "no A load depends on the wait"
+
+
+@pytest.mark.parametrize("rows_f32", [True, False])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_finish_loads_16_bytes_where_aligned(rows_f32, aligned):
+    """The owner's finish reads every rank's rows with 16-byte loads where the host vouched
+    for the buffers' alignment, and only there (scalar loads otherwise)."""
+    from interlace.ops.moe._gemm import FINISH_BLOCK
+
+    kernel, sig, const = list(_routing_kernels())[3]
+    bm, bn = FINISH_BLOCK
+    const = {**const, "WORLD": 4, "TOPK": 5, "BLOCK_M": bm, "BLOCK_N": bn,
+             "ROWS_F32": rows_f32, "ALIGNED": aligned}  # fmt: skip
+    ptx = inspect.compile_for_hopper(
+        kernel, sig, const, aligned=("rows_table", "y", "N", "sig"), num_warps=8
+    )["ptx"]
+    wide = re.findall(r"\bld\.global\.v4\.b32", ptx)
+    assert bool(wide) == aligned, len(wide)
+    assert "local" not in re.findall(r"\bst\.(\w+)", ptx), "registers spill"

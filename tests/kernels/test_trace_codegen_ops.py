@@ -196,12 +196,12 @@ def _finish(kernel, variant: str, trace: bool) -> dict:
 
     sig = {
         "rows_table": "*i64", "set_off": "i64", "y": BF16, "m_loc": "i32", "N": "i32",
-        "topk": "i32",
         "sig": "*i32", "contrib_slot": "i32", "done_slot": "i32", "err": "i64", "rank": "i32",
         "max_spins": "i64",
     }  # fmt: skip
     bm, bn = FINISH_BLOCK
-    const = dict(WORLD=int(variant[1:]), BLOCK_M=bm, BLOCK_N=bn, ROWS_F32=True)
+    const = dict(WORLD=int(variant[1:]), TOPK=2, BLOCK_M=bm, BLOCK_N=bn, ROWS_F32=True,
+                 ALIGNED=True)  # fmt: skip
     return _compile(kernel, sig, const, trace, ("rows_table", "y", "N", "sig"), num_stages=3,
                     num_warps=4)  # fmt: skip
 

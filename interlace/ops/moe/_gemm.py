@@ -129,12 +129,14 @@ FINISH = "moe_finish"
 
 def launch_finish(
     rows_table, set_off, y, m, topk, sig, contrib_slot, done_slot, err, rank, max_spins,
-    world, device, backend, rows_f32: bool = True,
+    world, device, backend, rows_f32: bool = True, aligned: bool = False,
 ):  # fmt: skip
     """The owner's top-k sum and reduce-scatter of ``MoERS`` (``moe_finish_kernel``) into
     ``y [m, N]`` on the current stream: the ``topk`` rows of each of this rank's tokens in
     every rank's row buffer (float32, or ``y``'s type: ``rows_f32`` off), summed; traced
-    (``TRACE`` on, as :data:`FINISH`) where a recorder is in force."""
+    (``TRACE`` on, as :data:`FINISH`) where a recorder is in force. ``aligned``: every
+    rank's buffer in ``rows_table`` starts on 16 bytes (with ``set_off`` a multiple of 16
+    bytes too, the loads move 16 bytes each)."""
     bm, bn = (16, 16) if backend != "cuda" else FINISH_BLOCK
     n = y.shape[1]
     tiles = -(-m // bm) * -(-n // bn)
@@ -149,7 +151,11 @@ def launch_finish(
         tbuf = _trace.buffer(grid, -(-tiles // grid), info)
         if tbuf is not None:
             traced = dict(TRACE=True, tbuf=tbuf)
+    elem = 4 if rows_f32 else y.element_size()
+    aligned = aligned and backend == "cuda" and set_off * elem % 16 == 0
     moe_finish_kernel[(grid,)](
-        rows_table, set_off, y, m, n, topk, sig, contrib_slot, done_slot, err, rank, max_spins,
-        WORLD=world, BLOCK_M=bm, BLOCK_N=bn, ROWS_F32=rows_f32, num_warps=4, **traced,
+        rows_table, set_off, y, m, n, sig, contrib_slot, done_slot, err, rank, max_spins,
+        WORLD=world, TOPK=topk, BLOCK_M=bm, BLOCK_N=bn, ROWS_F32=rows_f32, ALIGNED=aligned,
+        num_warps=8,
+        **traced,
     )  # fmt: skip

@@ -82,7 +82,8 @@ class MoERS(_MoeContext):
             validate, max_spins, {"moe": BUFFER_SETS * self._set_size}, eager_graphs,
         )  # fmt: skip
         if strategy != "none":
-            # every (token, slot) entry's weighted row, per buffer set
+            # every (token, slot) entry's weighted row, per buffer set (symmetric
+            # allocations start on 16 bytes on every rank: the finish's aligned loads)
             shape = (BUFFER_SETS, self.max_tokens * self.topk, self.hidden)
             self.row_buf = self._track(symm_zeros(shape, torch.float32, group))
 
@@ -178,7 +179,7 @@ class MoERS(_MoeContext):
             launch_finish(
                 self.row_buf.ptrs, s * self.max_tokens * self.topk * self.hidden, y, m,
                 self.topk, sig, base + 1, base + 2, err, self.rank, self.max_spins,
-                self.world_size, dev, self.group.backend,
+                self.world_size, dev, self.group.backend, aligned=True,
             )  # fmt: skip
 
         # the routing's tensors: views of one allocation (the operand), of which the
