@@ -58,8 +58,7 @@ def routing_ids(tokens, k, experts, kind, gen):
 
 
 def _cfg_name(c):
-    flat = "f" if c.flatten else ""
-    return f"{c.block_m}x{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}{flat}"
+    return f"{c.block_m}x{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}"
 
 
 #: a candidate config whose result is further than this from float32 is not timed

@@ -265,7 +265,6 @@ def moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WORLD: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, REDUCE: tl.constexpr,
     WAIT: tl.constexpr, USE_TMA: tl.constexpr, EXIT_CLEAR: tl.constexpr,
-    FLATTEN: tl.constexpr = False,
     TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """See the module docstring. ``a``: gathered tokens ``[WORLD * m_loc, K]`` (``GATHER``)
@@ -296,9 +295,7 @@ def moe_gemm_kernel(
         )  # fmt: skip
     ks = tl.arange(0, BLOCK_K)
     r = tl.arange(0, BLOCK_M)
-    # FLATTEN: the compiler pipelines across tiles (the next tile's loads start during
-    # this tile's epilogue)
-    for g in tl.range(pid, n_tiles, n_prog, flatten=FLATTEN):
+    for g in tl.range(pid, n_tiles, n_prog):
         q = g // tiles_n
         col = (g % tiles_n) * BLOCK_N
         info = tiles + q * TILE_COLS

@@ -63,14 +63,13 @@ def _gemm_sig():
 
 @pytest.mark.parametrize("mode", ["gather_swiglu", "gather_plain", "reduce"])
 @pytest.mark.parametrize("tma", [True, False])
-@pytest.mark.parametrize("flatten", [False, True])
-def test_gemm_compiles_for_hopper(mode, tma, flatten):
+def test_gemm_compiles_for_hopper(mode, tma):
     from interlace.kernels.grouped_gemm import moe_gemm_kernel
 
     const = dict(
         BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORLD=4, GATHER=mode != "reduce",
         SWIGLU=mode == "gather_swiglu", REDUCE=mode == "reduce", WAIT=mode != "reduce",
-        USE_TMA=tma, EXIT_CLEAR=mode != "reduce", FLATTEN=flatten, TRACE=False, tbuf=None,
+        USE_TMA=tma, EXIT_CLEAR=mode != "reduce", TRACE=False, tbuf=None,
     )  # fmt: skip
     ir = inspect.compile_for_hopper(
         moe_gemm_kernel, _gemm_sig(), const,

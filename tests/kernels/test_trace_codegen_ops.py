@@ -101,7 +101,7 @@ def _moe(kernel, variant: str, trace: bool) -> dict:
     const = dict(
         BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORLD=4, GATHER=not reduce,
         SWIGLU=variant == "swiglu_tma", REDUCE=reduce, WAIT=not reduce,
-        USE_TMA=variant in ("swiglu_tma", "reduce"), EXIT_CLEAR=not reduce, FLATTEN=False,
+        USE_TMA=variant in ("swiglu_tma", "reduce"), EXIT_CLEAR=not reduce,
     )  # fmt: skip
     return _compile(kernel, sig, const, trace, ("a", "x_own", "w", "out", "rows_out", "K", "N"),
                     num_stages=4)  # fmt: skip

@@ -407,15 +407,13 @@ def _per_rank_body(group):
     computing rank's poisoned first: every entry's row must be written; the others zero
     stand-ins), twice, as two different ranks; a poisoned output is fully overwritten, and
     every (token, slot) entry has exactly one row, whose token is the entry's."""
-    import dataclasses
-
     from interlace.ops.moe import _gemm
 
     if group.rank != 0:
         return True
     # the op's config, and on a GPU every config the benchmark's sweep may pick
     cfg = _gemm.config_for("reduce", group.backend)
-    cfgs = [cfg, dataclasses.replace(cfg, flatten=True)]
+    cfgs = [cfg]
     if group.backend == "cuda":
         cfgs = list(dict.fromkeys([cfg, *_gemm.CANDIDATES["reduce"]]))
     for c in cfgs:

@@ -25,11 +25,6 @@ class MoeGemmConfig:
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
-    #: pipeline across the persistent loop's tiles (``tl.range(flatten=True)``): the next
-    #: tile's loads are issued during this tile's epilogue. Taken only by launches whose
-    #: tiles wait for nothing (``launch_gemm``): a load moved ahead of the next tile's
-    #: arrival wait would read rows that have not landed.
-    flatten: bool = False
 
 
 #: the interpreter: small tiles keep the CPU tests fast
@@ -54,9 +49,9 @@ CANDIDATES = {
     ],
     "reduce": [
         MoeGemmConfig(128, 128, 64, 8, 4),
+        MoeGemmConfig(128, 64, 64, 4, 4),
+        MoeGemmConfig(128, 256, 64, 8, 3),
         MoeGemmConfig(128, 128, 64, 4, 4),
-        MoeGemmConfig(128, 128, 64, 8, 4, flatten=True),
-        MoeGemmConfig(128, 256, 64, 8, 3, flatten=True),
     ],
 }
 
@@ -119,8 +114,7 @@ def launch_gemm(
         flag0, err, rank, max_spins, done_slot, *(clear or (0, 0)), contrib_slot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WORLD=world,
         GATHER=gather, SWIGLU=swiglu, REDUCE=reduce, WAIT=wait, USE_TMA=use_tma,
-        EXIT_CLEAR=clear is not None, FLATTEN=cfg.flatten and not wait, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        EXIT_CLEAR=clear is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **traced,
     )  # fmt: skip
 
