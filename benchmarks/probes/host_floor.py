@@ -1,0 +1,111 @@
+"""The floor under an eager call's host time: what each piece of a graph-backed call costs
+the CPU on its own, next to the whole call and to ``torch.mm`` (one cuBLAS launch).
+
+One GPU, a world of one rank, AG+GEMM ``fused`` at LLaMA-3-8B, M 2048 (as ``bench host``).
+After warm-up (compile, capture), each line is the median, over batches of 50
+back-to-back calls (the device synchronised before each batch), of the host time per
+call (``--iters`` calls in all):
+
+* ``call``: the whole eager call ``ctx(a, b)`` (graph replay);
+* ``torch.mm``: ``torch.mm(a_full, b)`` (the cuBLAS call a user makes instead);
+* ``torch.empty``: the output's allocation;
+* ``stream write``: ``runtime.streams.stream_write_value32`` (the call fingerprint's write);
+* ``driver write``: the driver's ``cuStreamWriteValue32`` alone (through ``ctypes``);
+* ``begin+check``: the op's argument checks of one call (``_check_call``);
+* a one-kernel graph (a Triton kernel that adds 1 to one float) through each layer:
+  ``triton launch`` (the kernel launched eagerly), ``EagerGraph.launch`` (interlace's
+  replay, nothing to patch), ``CUDAGraph.replay`` (torch's), ``cuGraphLaunch`` (the
+  driver call alone through ``ctypes``).
+
+    python benchmarks/probes/host_floor.py [--iters 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+
+def per_call_us(fn, iters: int, batch: int = 50) -> float:
+    """Median over batches of ``batch`` back-to-back calls of the host time per call."""
+    samples = []
+    for _ in range(max(1, iters // batch)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        samples.append((time.perf_counter() - t0) * 1e6 / batch)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+@triton.jit
+def _touch(x):
+    tl.store(x, tl.load(x) + 1)
+
+
+def body(group, iters: int):
+    import interlace
+    from interlace.bench.dense import model_shape
+    from interlace.runtime import driver
+    from interlace.runtime.graphs import EagerGraph
+    from interlace.runtime.streams import stream_write_value32
+
+    dev = group.device
+    s = model_shape("ag_gemm", "llama3-8b", 2048, 1)
+    a = torch.randn(s.M, s.K, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(s.K, s.N, device=dev, dtype=torch.bfloat16) / s.K**0.5
+    rows = {"device": torch.cuda.get_device_name(dev)}
+    with interlace.AGGemm(group, max_m=s.M, n=s.N, k=s.K, strategy="fused") as ctx:
+        for _ in range(5):
+            ctx(a, b)
+        torch.cuda.synchronize()
+        rows["call"] = per_call_us(lambda: ctx(a, b), iters)
+        rows["torch.mm"] = per_call_us(lambda: torch.mm(a, b), iters)
+        rows["torch.empty"] = per_call_us(
+            lambda: torch.empty(s.M, s.N, device=dev, dtype=torch.bfloat16), iters
+        )
+        rows["begin+check"] = per_call_us(lambda: ctx._check_call(a, b, None, s.M), iters)
+        slot = ctx.pad.local("call").view(torch.uint32)
+        rows["stream write"] = per_call_us(lambda: stream_write_value32(slot, 0, 7), iters)
+        ctx.check()
+    # a one-kernel graph: the floor of a replay, through each layer
+    x = torch.zeros(1, device=dev)
+    _touch[(1,)](x)
+    rows["triton launch"] = per_call_us(lambda: _touch[(1,)](x), iters)
+    g = EagerGraph(lambda: _touch[(1,)](x), [x])
+    rows["EagerGraph.launch"] = per_call_us(lambda: g.launch([x]), iters)
+    tg = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(tg):
+        _touch[(1,)](x)
+    rows["CUDAGraph.replay"] = per_call_us(tg.replay, iters)
+    if driver.enabled():
+        stream = driver.current_stream(dev.index)
+        addr = x.data_ptr()
+        rows["driver write"] = per_call_us(lambda: driver.write_value32(addr, 7, stream), iters)
+        rows["cuGraphLaunch"] = per_call_us(lambda: g._graph_launch(g._exec, stream), iters)
+    torch.cuda.synchronize()
+    return rows
+
+
+def main() -> int:
+    from interlace.testing import World
+
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--iters", type=int, default=2000)
+    args = p.parse_args()
+    with World(1, "cuda", timeout=600) as world:
+        rows = world.run(body, args.iters)[0]
+    print(f"host us per call, median of batches of back-to-back calls ({rows.pop('device')})")
+    for name, v in rows.items():
+        print(f"{name:>18}  {v:8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
