@@ -10,20 +10,21 @@ protocol (signals, copies, waits) where a machine has one GPU, never speed.
 results; a rank's exception is re-raised here with that rank's traceback. Each run has a
 time limit; a world whose ranks did not all answer, or in which a body failed on some rank,
 is torn down (and restarted by the next ``run``). While a body runs, each rank rewrites its
-Python stack a little more often than the time it could be given (``faulthandler``'s
-watchdog), so the error shows where each rank that did not answer last was. ``close()``
-removes every /dev/shm file the world made, also after failures.
+Python stack a little more often than the time it could be given (:class:`_StackWriter`),
+so the error shows where each rank that did not answer last was. ``close()`` removes every
+/dev/shm file the world made, also after failures.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import glob
 import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -51,6 +52,42 @@ def _free_port() -> int:
 def _stack_file(prefix: str, rank: int | str) -> str:
     """Where rank ``rank`` of the world named ``prefix`` writes its stack (see ``run``)."""
     return os.path.join(tempfile.gettempdir(), f"{prefix}-stack-r{rank}.txt")
+
+
+class _StackWriter:
+    """While a body runs: a daemon thread that rewrites ``file`` with the calling thread's
+    Python stack every ``period`` s, most recent call first (``File "...", line N in
+    name``). It reads the stack through ``sys._current_frames()`` with the GIL held, so it
+    never sees a frame being torn down (``faulthandler``'s watchdog reads them without the
+    GIL and crashed ranks of long CPU-emulation bodies). A body stuck in C code that holds
+    the GIL leaves the stack of the period before."""
+
+    def __init__(self, file, period: float):
+        self.file, self.period = file, period
+        self.target = threading.get_ident()
+        self.start = time.monotonic()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="stack-writer", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.period):
+            frame = sys._current_frames().get(self.target)
+            lines = [f"Stack after {time.monotonic() - self.start:.1f} s of the body "
+                     "(most recent call first):"]  # fmt: skip
+            while frame is not None:
+                code = frame.f_code
+                where = f'File "{code.co_filename}", line {frame.f_lineno}'
+                lines.append(f"  {where} in {code.co_name}")
+                frame = frame.f_back
+            self.file.seek(0)
+            self.file.truncate()
+            self.file.write("\n".join(lines) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 def _worker(
@@ -91,16 +128,18 @@ def _worker(
         if job is None:
             break
         fn, args, kwargs, period = job
-        # every thread's stack, written by a watchdog thread every ``period`` s of the body
+        # this thread's stack, rewritten every ``period`` s of the body
+        writer = None
         if stacks is not None:
             stacks.seek(0)
             stacks.truncate()
-            faulthandler.dump_traceback_later(period, repeat=True, file=stacks)
+            writer = _StackWriter(stacks, period)
         try:
             try:
                 result = fn(group, *args, **kwargs)
             finally:
-                faulthandler.cancel_dump_traceback_later()
+                if writer is not None:
+                    writer.close()
             outbox.put((rank, "ok", result))
         except BaseException:  # noqa: BLE001 - the parent re-raises it with the traceback
             text = traceback.format_exc()
@@ -243,9 +282,8 @@ class World:
                     text = f.read()
             except OSError:
                 continue
-            dumps = text.split("Timeout (")  # each dump starts with its watchdog's header
             if text.strip():
-                out[r] = "Timeout (" + dumps[-1] if len(dumps) > 1 else text
+                out[r] = text
         return out
 
     @staticmethod

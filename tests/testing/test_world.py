@@ -81,3 +81,16 @@ def test_after_a_failure_a_hung_peer_is_shown_where_it_waits(monkeypatch):
         world.run(_pid)
         with pytest.raises(WorldError, match=want):
             world.run(_rank_0_fails_rank_1_hangs)
+
+
+def test_stack_writes_never_disturb_a_long_body(monkeypatch):
+    """A rank's stack is rewritten every half second while a body runs the interpreter (a
+    sequence-parallel attention forward and backward, ten seconds at W 2; bodies of the CPU
+    suite run that long and longer): every rank answers. (Stacks read without the GIL, by
+    faulthandler's watchdog, crashed such ranks within seconds.)"""
+    from interlace.testing import world as world_mod
+    from tests.ops.test_sp_attention import _fwd_bwd_body
+
+    monkeypatch.setattr(world_mod, "STACK_MARGIN_S", world_mod.ERROR_GRACE_S - 0.5)
+    with World(2, "cpu", timeout=120) as world:
+        world.run(_fwd_bwd_body, True, 0, 4, 2, 64, "bfloat16", "fused", True)
