@@ -17,10 +17,9 @@ cut into chunks of ``CHUNK`` entries (``cps`` chunks per source).
   tiles need only the shards that arrive first.
 * ``moe_scatter_kernel`` (one program per chunk): a stable counting sort. Each entry's row
   is ``offsets[e] + (entries of e in earlier chunks) + (rank in its chunk)``, so rows are
-  sorted by (expert, arrival position, token, slot). Writes ``sorted_tok[row]`` (the
-  token's global index ``src * m + t``; -1 in padding rows), ``sorted_entry[row]`` (the
-  entry's global index ``(src * m + t) * k + slot``; -1 in padding rows) and
-  ``sorted_w[row]``.
+  sorted by (expert, arrival position, token, slot). Writes ``sorted_entry[row]`` (the
+  entry's global index ``(src * m + t) * k + slot``, whose token is ``entry // k``; -1
+  in padding rows) and ``sorted_w[row]``.
 
 Ids outside ``[0, E)`` are dropped (the op checks them on the host where it can).
 
@@ -28,7 +27,7 @@ Grouped GEMM (``moe_gemm_kernel``): persistent; tile ``g`` is row tile ``g // ti
 the tile table and column tile ``g % tiles_n``; the real tile count is read on the device,
 so the grid and the tables have a worst-case size known on the host. Two modes:
 
-* gather (the first half): A's rows are gathered through ``sorted_tok`` (this rank's
+* gather (the first half): A's rows are gathered through each row's token (this rank's
   tokens read in place from ``x_own``, the peers' from ``gathered``), after a wait on the
   arrival flags of the positions the tile reads; optional fused SwiGLU: ``w`` holds the
   gate columns ``[0, I)`` and the up columns ``[I, 2 I)`` side by side, and the tile's
@@ -183,15 +182,15 @@ def moe_scan_kernel(
         tl.store(t_dst + TILE_LAST, t_last, mask=t_ok)
 
 
-@triton.jit(do_not_specialize=["rank", "mk", "cps", "m_loc", "max_spins", "flag0", "n_chunks"])
+@triton.jit(do_not_specialize=["rank", "mk", "cps", "max_spins", "flag0", "n_chunks"])
 def moe_scatter_kernel(
-    meta, meta_stride, w_off, mk, cps, m_loc, k, E, prefix, n_chunks, offsets, base_scratch,
-    sorted_tok, sorted_entry, sorted_w, sig, flag0, err, rank, max_spins,
+    meta, meta_stride, w_off, mk, cps, E, prefix, n_chunks, offsets, base_scratch,
+    sorted_entry, sorted_w, sig, flag0, err, rank, max_spins,
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
     WAIT: tl.constexpr,
 ):  # fmt: skip
     """Rows of this program's chunk (see the module docstring); program 0 also marks each
-    expert's padding rows (token and entry -1, weight 0)."""
+    expert's padding rows (entry -1, weight 0)."""
     c = tl.program_id(0)
     p, src, i0 = _chunk_source(rank, cps, CHUNK, WORLD)
     token = _meta_wait(sig, flag0, p, err, rank, max_spins, WAIT)
@@ -215,7 +214,6 @@ def moe_scatter_kernel(
     row = tl.load(base_scratch + c * E_PAD + e_s, mask=valid, other=0) + idx
     entry = i0 + orig
     wgt = tl.load((src_meta + w_off + entry).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
-    tl.store(sorted_tok + row, src * m_loc + entry // k, mask=valid)
     tl.store(sorted_entry + row, src * mk + entry, mask=valid)
     tl.store(sorted_w + row, wgt, mask=valid)
     if c == 0:
@@ -224,7 +222,6 @@ def moe_scatter_kernel(
         r = tl.arange(0, BLOCK_M)
         rows = (start + total)[:, None] + r[None, :]
         mask = (r[None, :] < pad[:, None]) & (e_r < E)[:, None]
-        tl.store(sorted_tok + rows, tl.full((E_PAD, BLOCK_M), -1, tl.int32), mask=mask)
         tl.store(sorted_entry + rows, tl.full((E_PAD, BLOCK_M), -1, tl.int32), mask=mask)
         tl.store(sorted_w + rows, tl.zeros((E_PAD, BLOCK_M), tl.float32), mask=mask)
 
@@ -259,7 +256,7 @@ def _load_b(w, b_desc, row, col, k_left, N_W, USE_TMA: tl.constexpr,
     ]
 )  # fmt: skip
 def moe_gemm_kernel(
-    a, x_own, w, out, tiles, tile_count, sorted_tok, sorted_entry, sorted_w, m_loc, E, K, N,
+    a, x_own, w, out, tiles, tile_count, sorted_entry, sorted_w, m_loc, k_top, E, K, N,
     N_W, UP, rows_out, sig, sig_table, flag0, err, rank, max_spins, done_slot, clear_first,
     clear_count, contrib_slot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -302,8 +299,8 @@ def moe_gemm_kernel(
         row0 = tl.load(info + TILE_ROW0)
         e = tl.load(info + TILE_EXPERT)
         rows = row0 + r
-        tok = tl.load(sorted_tok + rows)
-        live = tok >= 0
+        ent = tl.load(sorted_entry + rows)
+        live = ent >= 0
         if GATHER:
             token = 1
             if WAIT:
@@ -316,6 +313,7 @@ def moe_gemm_kernel(
                     sig + flag0 + lo, 1, needed, err, rank, flag0 + lo, max_spins, count
                 )
                 trace_event(TRACE, tbuf, EV_WAIT_END, g, hi, token)
+            tok = tl.where(live, ent // k_top, 0)
             src = tok // m_loc
             own = src == rank
             a_rows = tl.where(own, x_own + (tok - src * m_loc).to(tl.int64) * K,
@@ -341,7 +339,6 @@ def moe_gemm_kernel(
         cols = col + tl.arange(0, BLOCK_N)
         if REDUCE:
             # each weighted row to its entry's row of this rank's row buffer
-            ent = tl.load(sorted_entry + rows)
             wgt = tl.load(sorted_w + rows, mask=live, other=0.0)
             dst = rows_out + ent.to(tl.int64) * N
             tl.store(

@@ -31,9 +31,8 @@ def _routing_kernels():
         "tiles": p32, "tile_count": p32, "scratch": p32,
     }, {"BLOCK_M": 128, "E_PAD": 64, "WORLD": 8, "CB": 32, "TB": 64}  # fmt: skip
     yield g.moe_scatter_kernel, {
-        **common, "w_off": i32, "m_loc": i32, "k": i32, "prefix": p32, "n_chunks": i32,
-        "offsets": p32, "base_scratch": p32, "sorted_tok": p32, "sorted_entry": p32,
-        "sorted_w": "*fp32",
+        **common, "w_off": i32, "prefix": p32, "n_chunks": i32, "offsets": p32,
+        "base_scratch": p32, "sorted_entry": p32, "sorted_w": "*fp32",
     }, {"CHUNK": 1024, "E_PAD": 64, "WORLD": 4, "BLOCK_M": 128, "WAIT": True}  # fmt: skip
     yield g.moe_finish_kernel, {
         "rows_table": "*i64", "set_off": i32, "y": "*bf16", "m_loc": i32, "N": i32,
@@ -53,10 +52,9 @@ def _gemm_sig():
     i32, p32 = "i32", "*i32"
     return {
         "a": "*bf16", "x_own": "*bf16", "w": "*bf16", "out": "*bf16", "tiles": p32,
-        "tile_count": p32, "sorted_tok": p32, "sorted_entry": p32, "sorted_w": "*fp32",
-        "m_loc": i32, "E": i32, "K": i32, "N": i32, "N_W": i32, "UP": i32, "rows_out": "*fp32",
-        "sig": p32,
-        "sig_table": "*i64", "flag0": i32, "err": "i64", "rank": i32, "max_spins": i32,
+        "tile_count": p32, "sorted_entry": p32, "sorted_w": "*fp32", "m_loc": i32,
+        "k_top": i32, "E": i32, "K": i32, "N": i32, "N_W": i32, "UP": i32, "rows_out": "*fp32",
+        "sig": p32, "sig_table": "*i64", "flag0": i32, "err": "i64", "rank": i32, "max_spins": i32,
         "done_slot": i32, "clear_first": i32, "clear_count": i32, "contrib_slot": i32,
     }  # fmt: skip
 

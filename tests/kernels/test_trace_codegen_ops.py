@@ -91,7 +91,7 @@ def _moe(kernel, variant: str, trace: bool) -> dict:
     i32, p32 = "i32", "*i32"
     sig = {
         "a": BF16, "x_own": BF16, "w": BF16, "out": BF16, "tiles": p32, "tile_count": p32,
-        "sorted_tok": p32, "sorted_entry": p32, "sorted_w": "*fp32", "m_loc": i32, "E": i32,
+        "sorted_entry": p32, "sorted_w": "*fp32", "m_loc": i32, "k_top": i32, "E": i32,
         "K": i32, "N": i32,
         "N_W": i32, "UP": i32, "rows_out": "*fp32", "sig": p32, "sig_table": "*i64",
         "flag0": i32, "err": "i64", "rank": i32, "max_spins": i32, "done_slot": i32,

@@ -91,7 +91,7 @@ def launch_gemm(
     use_tma = tma_ok(w) if use_tma is None else bool(use_tma) and tma_ok(w)
     if use_tma:
         install_scratch_allocator()
-    stand_in = routing.token_ids
+    stand_in = routing.entry_ids
     k = w.shape[1]
     traced = {}
     if _trace.ACTIVE:  # recorded where a recorder is in force
@@ -105,10 +105,9 @@ def launch_gemm(
         tbuf = _trace.buffer(grid, -(-tiles // grid), info)
         if tbuf is not None:
             traced = dict(TRACE=True, tbuf=tbuf)
-    entry_ids = routing.entry_ids if routing.entry_ids is not None else stand_in
     moe_gemm_kernel[(grid,)](
         a, x_own if x_own is not None else a, w, out if out is not None else a, routing.tiles,
-        routing.tile_count, routing.token_ids, entry_ids, routing.weights, routing.m_loc,
+        routing.tile_count, routing.entry_ids, routing.weights, routing.m_loc, routing.topk,
         w.shape[0], k, n, w.shape[2], up, rows_out if rows_out is not None else a,
         sig if sig is not None else stand_in, sig_table if sig_table is not None else stand_in,
         flag0, err, rank, max_spins, done_slot, *(clear or (0, 0)), contrib_slot,
@@ -156,6 +155,5 @@ def launch_finish(
     moe_finish_kernel[(grid,)](
         rows_table, set_off, y, m, n, sig, contrib_slot, done_slot, err, rank, max_spins,
         WORLD=world, TOPK=topk, BLOCK_M=bm, BLOCK_N=bn, ROWS_F32=rows_f32, ALIGNED=aligned,
-        num_warps=8,
-        **traced,
+        num_warps=8, **traced,
     )  # fmt: skip

@@ -11,7 +11,7 @@ rank); ``topk_ids [m, k]`` (int32 or int64) and ``topk_weights [m, k]``: their r
 ``w_gate_up [E, H, 2 * inter]``: this rank's shard of the expert weights, gate columns
 ``[0, inter)`` then up columns ``[inter, 2 * inter)`` (``activation=None``: ``[E, H, inter]``
 and no activation). Returns ``h [routing.rows, inter]``: one row per (token, slot) in
-expert-sorted order (``routing.token_ids`` says which token each row is; rows past
+expert-sorted order (``routing.entry_ids`` says which (token, slot) each row is; rows past
 ``routing.offsets[E]`` hold nothing), and the :class:`MoeRouting` that
 :class:`~interlace.MoERS` takes.
 

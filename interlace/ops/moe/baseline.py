@@ -63,7 +63,7 @@ def ag_moe_none(group, x, ids, weights, w, experts, activation):
     ids_all = _all_gather(ids.to(torch.int32), group)
     w_all = _all_gather(weights.float(), group)
     routing = dense_routing(ids_all, w_all, x.shape[0], experts, group.world_size)
-    rows = x_all.index_select(0, routing.token_ids.long())
+    rows = x_all.index_select(0, routing.entry_ids.long() // routing.topk)  # (no padding)
     h = grouped_mm(rows, w, routing.offsets[1:])
     if activation == "swiglu":
         h = swiglu(h, w.shape[2] // 2)

@@ -190,8 +190,7 @@ class MoERS(_MoeContext):
         # makes the call run eagerly: nothing is replayed with a stale routing)
         tables = [routing.storage]
         if routing.storage is None:
-            tables = [routing.token_ids, routing.entry_ids, routing.weights, routing.tiles,
-                      routing.tile_count]  # fmt: skip
+            tables = [routing.entry_ids, routing.weights, routing.tiles, routing.tile_count]
         self._enqueue("fused", run, h, *tables, w, y)
         return y
 

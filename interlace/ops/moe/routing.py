@@ -32,16 +32,16 @@ class MoeRouting:
     """What the second half needs of the first half's routing (device tensors, valid until
     the caller drops them; each call makes new ones).
 
-    ``token_ids[row]``: the token of each expert-sorted row, as a global index ``src * m +
-    t`` into the gathered tokens (rank ``src``'s token ``t``), -1 for a padding row;
-    ``entry_ids[row]``: its (token, slot) entry, ``token * k + slot``, -1 for padding;
+    ``entry_ids[row]``: the (token, slot) entry of each expert-sorted row, ``token * k +
+    slot``, where ``token`` is a global index ``src * m + t`` into the gathered tokens
+    (rank ``src``'s token ``t``), -1 for a padding row (:attr:`token_ids`: the tokens);
     ``weights[row]``: its routing weight (float32, 0 for padding); ``offsets``: int32
     ``[E + 1]``, each expert's first row and (last) the rows in use; ``tiles`` /
     ``tile_count``: the tile table (``layout="padded"`` only); ``storage``: the one
     allocation all of them are views of (``padded``: a graph-replayed call re-points
     it)."""
 
-    token_ids: torch.Tensor
+    entry_ids: torch.Tensor
     weights: torch.Tensor
     offsets: torch.Tensor
     tiles: torch.Tensor | None
@@ -53,13 +53,18 @@ class MoeRouting:
     block_m: int
     layout: str  # "padded" (the fused kernels) or "dense" (torch ops)
     storage: torch.Tensor | None = None
-    entry_ids: torch.Tensor | None = None
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """The token of each row (``entry_ids // topk``; -1 for a padding row), made anew."""
+        e = self.entry_ids
+        return torch.where(e >= 0, e // self.topk, -1)
 
     @property
     def rows(self) -> int:
         """Rows of the expert-sorted buffers (a worst case for ``padded``; the rows in use
         are ``offsets[E]``)."""
-        return self.token_ids.shape[0]
+        return self.entry_ids.shape[0]
 
 
 def padded_rows(tokens: int, topk: int, experts: int, block_m: int) -> int:
@@ -106,7 +111,7 @@ def alloc_routing(m_loc, topk, experts, world, block_m, device) -> RoutingWork:
     rows = padded_rows(world * m_loc, topk, experts, block_m)
     max_tiles = rows // block_m
     sizes = [
-        rows, rows, rows, experts + 1, max_tiles * TILE_COLS.value, 1, n_chunks * ep,
+        rows, rows, experts + 1, max_tiles * TILE_COLS.value, 1, n_chunks * ep,
         (n_chunks + 1) * ep, (2 * world + 1) * ep, n_chunks * ep,
     ]  # fmt: skip
     buf = torch.empty(sum(sizes), dtype=torch.int32, device=device)
@@ -114,12 +119,12 @@ def alloc_routing(m_loc, topk, experts, world, block_m, device) -> RoutingWork:
     for s in sizes:
         views.append(buf[at : at + s])
         at += s
-    tok, ent, wts, offsets, tiles, count, counts, prefix, scratch, base = views
+    ent, wts, offsets, tiles, count, counts, prefix, scratch, base = views
     routing = MoeRouting(
-        token_ids=tok, weights=wts.view(torch.float32), offsets=offsets,
+        entry_ids=ent, weights=wts.view(torch.float32), offsets=offsets,
         tiles=tiles.view(max_tiles, TILE_COLS.value), tile_count=count, m_loc=m_loc,
         topk=topk, experts=experts, world=world, block_m=block_m, layout="padded",
-        storage=buf, entry_ids=ent,
+        storage=buf,
     )  # fmt: skip
     return RoutingWork(routing, counts, prefix, scratch, base)
 
@@ -149,8 +154,8 @@ def launch_routing(
         work.scratch, BLOCK_M=rt.block_m, E_PAD=ep, WORLD=w, CB=32, TB=64, num_warps=4,
     )  # fmt: skip
     moe_scatter_kernel[(n_chunks,)](
-        meta, meta_stride, mk, mk, cps, rt.m_loc, rt.topk, e, work.prefix, n_chunks,
-        rt.offsets, work.base_scratch, rt.token_ids, rt.entry_ids, rt.weights, sig_t, flag0,
+        meta, meta_stride, mk, mk, cps, e, work.prefix, n_chunks, rt.offsets,
+        work.base_scratch, rt.entry_ids, rt.weights, sig_t, flag0,
         err or _no_err(meta), rank, max_spins, CHUNK=chunk, E_PAD=ep, WORLD=w,
         BLOCK_M=rt.block_m, WAIT=wait, num_warps=4,
     )  # fmt: skip
@@ -186,7 +191,7 @@ def dense_routing(ids_all, w_all, m_loc, experts, world) -> MoeRouting:
     offsets = torch.zeros(experts + 1, dtype=torch.int32, device=flat.device)
     offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
     return MoeRouting(
-        token_ids=(order // topk).to(torch.int32), weights=w_all.reshape(-1)[order].float(),
+        entry_ids=order.to(torch.int32), weights=w_all.reshape(-1)[order].float(),
         offsets=offsets, tiles=None, tile_count=None, m_loc=m_loc, topk=topk,
-        experts=experts, world=world, block_m=1, layout="dense", entry_ids=order.to(torch.int32),
+        experts=experts, world=world, block_m=1, layout="dense",
     )  # fmt: skip
