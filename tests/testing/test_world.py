@@ -94,3 +94,23 @@ def test_stack_writes_never_disturb_a_long_body(monkeypatch):
     monkeypatch.setattr(world_mod, "STACK_MARGIN_S", world_mod.ERROR_GRACE_S - 0.5)
     with World(2, "cpu", timeout=120) as world:
         world.run(_fwd_bwd_body, True, 0, 4, 2, 64, "bfloat16", "fused", True)
+
+
+def _rank_1_exits(group):
+    if group.rank == 1:
+        os._exit(3)
+    return True
+
+
+def test_a_rank_that_dies_is_named_with_its_exit_code():
+    """A rank whose process ends in a body is reported at once, with its exit code (not as
+    a rank that ran out of time)."""
+    import time
+
+    with World(2, "cpu", timeout=120) as world:
+        world.run(_pid)
+        start = time.monotonic()
+        want = "ranks \\[1\\] did not answer: rank 1 exited with code 3"
+        with pytest.raises(WorldError, match=want):
+            world.run(_rank_1_exits)
+        assert time.monotonic() - start < 60
