@@ -162,6 +162,16 @@ def call_fingerprint(err):
 
 
 @triton.jit
+def call_bump_kernel(slot, base):
+    """A one-program kernel that writes the next call's fingerprint into this rank's
+    ``call`` slot from the last one: ``base << 8 | (last + 1) mod 256`` (``base``: the
+    call kind's part). A CUDA graph that replays a call of one kind starts with it, so
+    the call count advances on the device and the host writes nothing per call."""
+    last = tl.load(slot)
+    tl.store(slot, (base << 8) | ((last + 1) & 0xFF))
+
+
+@triton.jit
 def failed(err):
     """Non-zero once a wait of this rank, or any rank's fault, has been recorded."""
     state = tl.load(err.to(tl.pointer_type(tl.int32)), volatile=True)

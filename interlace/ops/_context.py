@@ -35,7 +35,7 @@ from ..errors import (
     InterlaceTypeError,
     InterlaceValueError,
 )
-from ..language.primitives import barrier_kernel
+from ..language.primitives import barrier_kernel, call_bump_kernel
 from ..runtime import ErrorWord, Group, SignalPad, default_max_spins, graphs
 from ..runtime.signals import (
     CALL_WORDS,
@@ -45,6 +45,7 @@ from ..runtime.signals import (
     field_value,
     hash_text,
 )
+from ..runtime.streams import stream_write_value32
 from ..runtime.symmetric import check_group
 from . import _trace
 from ._launch import PreparedLaunch
@@ -293,39 +294,40 @@ class OpContext:
     # ------------------------------------------------------------------ call fingerprints
     def _init_calls(self) -> None:
         self._call_seq = 0
-        self._call_kinds: dict = {}  # fields -> (fingerprint base, values, staged copy)
+        # fields -> (fingerprint base, values, staged copy, device count launch)
+        self._call_kinds: dict = {}
         self._call_written = None  # the fields whose values the call slot holds
+        self._pending_count = None  # a graphed call's device count launch (``_enqueue``)
         slot = self.pad.local("call")
         if self.group.backend == "cpu":
             self._call_host = (ctypes.c_int32 * CALL_WORDS).from_address(slot.data_ptr())
         else:
             self._call_slot = slot.view(torch.uint32)
+            self._call_slot_i32 = slot
         for name in getattr(self, "STRATEGIES", ()):
             hash_text(name)  # so a peer's strategy reads back as its name
 
-    def _begin_call(self, **fields) -> int:
+    def _begin_call(self, *, graphed: bool = False, **fields) -> int:
         """Mark the start of a call's device work and fingerprint it: ``fields`` are the
         call's arguments that its peers depend on (shapes, strategy, buffer set; ints or
         strings; at most 14). Writes the fingerprint (and, when they changed, the field
         values) into this rank's ``call`` slot in stream order, before the call's kernels.
         Returns the fingerprint: ``(hash of op and fields) << 8 | call count mod 256``,
         positive and non-zero, so that ranks whose arguments or call counts differ
-        disagree on it."""
+        disagree on it.
+
+        Where eager calls replay CUDA graphs (``eager_graphs``) the call count is kept on
+        the device: a one-program kernel (``call_bump_kernel``) writes the fingerprint
+        from the last one, so every path of a call (eager, captured, replayed) advances
+        it alike on every rank. ``graphed``: the call's next device work is
+        :meth:`_enqueue`, which puts that kernel first in the graph it replays (the host
+        writes nothing per call) or launches it before an eager run."""
+        self._pending_count = None
         key = tuple(fields.items())
         kind = self._call_kinds.get(key)
         if kind is None:
-            if len(fields) > MAX_CALL_FIELDS:
-                raise InterlaceValueError(
-                    f"{self.op_name}: a call fingerprint takes at most {MAX_CALL_FIELDS} fields"
-                )
-            values = [len(fields)] + [field_value(v) for v in fields.values()]
-            base = zlib.crc32(repr((self.op_name, key)).encode()) & 0x7FFFFF or 1
-            staged = None
-            if self.group.backend == "cuda":
-                staged = torch.tensor(values, dtype=torch.int32).pin_memory().view(torch.uint32)
-            kind = self._call_kinds[key] = (base, values, staged)
-            self.pad.call_names = tuple(fields)
-        base, values, staged = kind
+            kind = self._call_kinds[key] = self._new_call_kind(key)
+        base, values, staged, count = kind
         self._call_seq += 1
         self.call_flag = base
         fp = base << 8 | (self._call_seq & 0xFF)
@@ -337,13 +339,16 @@ class OpContext:
                 self._call_written = kind
             self._call_host[0] = fp
         else:
-            from ..runtime.streams import stream_write_value32
-
             if self._call_written is not kind or self._capture:
                 self._call_slot[1 : 1 + len(values)].copy_(staged, non_blocking=True)
                 # a captured write replays only inside its graph
                 self._call_written = None if self._capture else kind
-            stream_write_value32(self._call_slot, 0, fp)
+            if count is None:
+                stream_write_value32(self._call_slot, 0, fp)
+            elif graphed and not self._capture and not _trace.ACTIVE:
+                self._pending_count = count
+            else:
+                count()
         self.pad.call_names = tuple(fields)
         if self._fault_at_begin:
             self._fault_at_begin = False
@@ -351,8 +356,35 @@ class OpContext:
         self.error.in_call = True
         return fp
 
+    def _new_call_kind(self, key: tuple) -> tuple:
+        """``(base, values, staged, count)`` of a new call kind (``_begin_call``): the
+        fingerprint's op-and-fields part, the field values (with their pinned copy on a
+        GPU) and, where the count is kept on the device, its prepared launch."""
+        if len(key) > MAX_CALL_FIELDS:
+            raise InterlaceValueError(
+                f"{self.op_name}: a call fingerprint takes at most {MAX_CALL_FIELDS} fields"
+            )
+        values = [len(key)] + [field_value(v) for _, v in key]
+        base = zlib.crc32(repr((self.op_name, key)).encode()) & 0x7FFFFF or 1
+        staged = count = None
+        if self.group.backend == "cuda":
+            staged = torch.tensor(values, dtype=torch.int32).pin_memory().view(torch.uint32)
+            if self.eager_graphs:
+                count = PreparedLaunch(call_bump_kernel, 1, (self._call_slot_i32, base), {}, ())
+                count.compile()
+        self.pad.call_names = tuple(name for name, _ in key)
+        return base, values, staged, count
+
+    def _flush_count(self) -> None:
+        """Launch a graphed call's pending device count now (device work of the call that
+        reads its fingerprint comes before :meth:`_enqueue`)."""
+        count, self._pending_count = self._pending_count, None
+        if count is not None:
+            count()
+
     _capture = False
     _fault_at_begin = False
+    _pending_count = None
     eager_graphs = False
     #: The value this call's copies raise their peers' flags to, where the consumer checks
     #: it (``primitives.call_flag``): the fingerprint's op-and-arguments part, the same
@@ -368,6 +400,7 @@ class OpContext:
         any rank recorded raises now, on every rank. On ``cuda`` it raises at the next
         call or ``check()``."""
         self.error.in_call = False
+        self._flush_count()  # (a graphed call that ran no ``_enqueue``)
         if self._fault_at_begin:  # a call that had no device work to fingerprint
             self._fault_at_begin = False
             self._fail()
@@ -430,31 +463,33 @@ class OpContext:
         and every call of that kind then replays the graph with its own ``operands``: one
         launch from the host instead of every kernel, copy and signal write. The device
         work is the same, so ranks need not agree on it."""
+        count, self._pending_count = self._pending_count, None
         if not self.eager_graphs or self._capturing() or _trace.ACTIVE:  # (traced: eager)
-            run()
+            self._eager(count, run)
             return
         s = getattr(self, "_next_set", None)  # the buffer set this call will use
         # Triton specialises a kernel on its pointers' 16-byte alignment: a replay with an
         # operand aligned otherwise than the captured one would run the wrong kernel
         kinds = [None if t is None else (t.shape, t.data_ptr() % 16 == 0) for t in operands]
-        key = (strategy, s, *kinds)
+        key = (strategy, s, count, *kinds)
         graph = self._graphs.get(key)
         if graph is None:
             self._graphs[key] = "seen"  # the first call of this kind runs eagerly
-            run()
+            self._eager(count, run)
             return
         if isinstance(graph, str):
             if graph != "seen":  # this kind cannot be replayed (why: ``graph``)
-                run()
+                self._eager(count, run)
                 return
+            body = run if count is None else lambda: self._eager(count, run)
             try:
-                graph = graphs.EagerGraph(run, operands)  # runs run()'s host code only
+                graph = graphs.EagerGraph(body, operands)  # runs body's host code only
             except graphs.GraphUnsupported as e:
                 self._graphs[key] = str(e)
                 if s is not None:
                     self._next_set = s  # the capture advanced it; the eager call will
                 warnings.warn(f"{self.op_name}: {e}; these calls run eagerly", stacklevel=3)
-                run()
+                self._eager(count, run)
                 return
             graph.next_set = getattr(self, "_next_set", None)
             self._graphs[key] = graph
@@ -462,10 +497,19 @@ class OpContext:
         if s is not None:
             self._next_set = graph.next_set  # as run() would have left it
 
+    @staticmethod
+    def _eager(count, run) -> None:
+        """The call's device count (where ``_begin_call`` left it to ``_enqueue``), then
+        ``run()``."""
+        if count is not None:
+            count()
+        run()
+
     # ------------------------------------------------------------------ device helpers
     def _barrier(self, clear_first: int = 0, clear_count: int = 0) -> None:
         """Device-side barrier over the group on the current stream; optionally zeroes
         ``clear_count`` local signal slots from ``clear_first`` before arriving."""
+        self._flush_count()  # (the barrier carries the call's fingerprint)
         self._barrier_launch(clear_first, clear_count)()
 
     def _barrier_launch(self, clear_first: int = 0, clear_count: int = 0) -> PreparedLaunch:

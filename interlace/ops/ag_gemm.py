@@ -162,7 +162,14 @@ class AGGemm(AlternatingSets, OverlappedGemm):
             self._check_out(out, (w * m_loc, n))
             segment_gemm.check_tma_aligned(self.op_name, out, names=("out",))
         strategy = self._resolve(w * m_loc, n, self.k)
-        self._begin_call(M=w * m_loc, N=n, K=self.k, strategy=strategy, bias=bias is not None)
+        self._begin_call(
+            graphed=strategy == "fused",
+            M=w * m_loc,
+            N=n,
+            K=self.k,
+            strategy=strategy,
+            bias=bias is not None,
+        )
         if strategy == "none":
             self._baseline(a_shard, b, bias, out)
         elif strategy == "fused":

@@ -15,6 +15,8 @@ import time
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import interlace
 from interlace.errors import (
@@ -445,6 +447,60 @@ def _call_slot_body(group):
 def test_call_slot_rewrites_field_values_only_when_the_kind_changes(world):
     results = world.run(_call_slot_body)
     assert all(r == [True] * 4 for r in results), results
+
+
+@triton.jit
+def _add_one(x):
+    tl.store(x, tl.load(x) + 1)
+
+
+class _GraphedSteps(_Steps):
+    """A context whose call adds 1 to its operand through ``_enqueue`` (eager graphs on: a
+    graph replay from the second call on) after a graphed ``_begin_call``."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self._init_eager_graphs(True)
+
+    def step(self, x, **fields) -> int:
+        self._begin()
+        fp = self._begin_call(graphed=True, **fields)
+        self._enqueue("add", lambda: _add_one[(1,)](x), x)
+        self._end()
+        return fp
+
+
+def _device_count_body(group):
+    """With eager graphs the call count is kept on the device: eager first calls, graph
+    replays, a user-captured graph's replays (each replay is a call) and a return to eager
+    calls advance it by one per call on every rank alike; the slot then holds
+    ``base << 8 | calls mod 256`` and every call's work ran once."""
+    ctx = _GraphedSteps(group)
+    slot = ctx.pad.local("call").view(torch.int32)
+    x = torch.zeros(1, device=group.device)
+    fps = [ctx.step(x, n=5) for _ in range(4)]  # eager, capture + replay, replays
+    torch.cuda.synchronize()
+    seen = [slot[0].item() == fps[-1], len(ctx._graphs) == 1]
+    user = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(user):
+        ctx.step(x, n=5)
+    for _ in range(3):
+        user.replay()
+    fps.append(ctx.step(x, n=6))  # another kind: eager
+    fps.append(ctx.step(x, n=6))
+    torch.cuda.synchronize()
+    calls = 4 + 3 + 2
+    got = slot[0].item()
+    seen += [got & 0xFF == calls, got >> 8 == fps[-1] >> 8, x.item() == calls]
+    ctx.close()
+    return seen, got
+
+
+@pytest.mark.parametrize("world", PARAMS[2:3], indirect=True)
+def test_device_kept_call_count_advances_once_per_call_on_every_path(world):
+    results = world.run(_device_count_body)
+    assert all(seen == [True] * 5 for seen, _ in results), results
+    assert len({got for _, got in results}) == 1, results
 
 
 def _host_failure_body(group):

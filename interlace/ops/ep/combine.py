@@ -41,7 +41,7 @@ def check_combine_args(ctx, expert_out, handle, out) -> None:
 
 def combine(ctx, expert_out, handle, out=None) -> torch.Tensor:
     check_combine_args(ctx, expert_out, handle, out)
-    ctx._fingerprint()
+    ctx._fingerprint(graphed=True)
     n = handle.num_tokens
     if out is None:
         out = torch.empty(n, ctx.hidden, dtype=ctx.dtype, device=ctx.group.device)

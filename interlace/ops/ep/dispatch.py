@@ -164,7 +164,7 @@ class EPAllToAll(EPCallChecks, OpContext):
         :class:`EPHandle`. Collective."""
         self._begin()
         check_routing_args(self.op_name, x, topk_idx, topk_weights, self)
-        self._fingerprint()
+        self._fingerprint(graphed=True)
         n = x.shape[0]
         if n == 0:
             run = lambda: self._dispatch(n, None, None, None)  # noqa: E731

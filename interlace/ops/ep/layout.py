@@ -146,10 +146,11 @@ class EPCallChecks:
     """Mixed into the EP contexts (``OpContext`` subclasses with ``hidden``, ``experts``,
     ``topk`` and a ``bad_index`` signal region): what their dispatch and combine share."""
 
-    def _fingerprint(self) -> None:
+    def _fingerprint(self, graphed: bool = False) -> None:
         """``_begin_call`` of a dispatch or combine: the arguments every rank shares (token
-        counts differ by rank); a rank that skipped a step differs in its call count."""
-        self._begin_call(hidden=self.hidden, experts=self.experts, topk=self.topk)
+        counts differ by rank); a rank that skipped a step differs in its call count.
+        ``graphed``: the call's device work is one ``_enqueue`` (``OpContext._begin_call``)."""
+        self._begin_call(graphed=graphed, hidden=self.hidden, experts=self.experts, topk=self.topk)
 
     def _bad_index_error(self, rank: int, slot: int, what: str):
         """The error of an expert id outside [-1, experts), found alike on every rank

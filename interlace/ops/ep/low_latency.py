@@ -202,7 +202,7 @@ class EPLowLatency(EPCallChecks, OpContext):
         for combine. Returns an :class:`EPLowLatencyHandle`. Collective."""
         self._begin()
         check_routing_args(self.op_name, x, topk_idx, topk_weights, self)
-        self._fingerprint()
+        self._fingerprint(graphed=True)
         n = x.shape[0]
         if n == 0:  # placeholders the kernel never reads
             x, topk_idx, topk_weights = self._stub, self.home_idx, self.home_w
@@ -282,7 +282,7 @@ class EPLowLatency(EPCallChecks, OpContext):
                 raise InterlaceValueError(
                     f"{op}: out must be a contiguous [{n}, {self.hidden}] tensor"
                 )
-        self._fingerprint()
+        self._fingerprint(graphed=True)
         dst = out if n else self._stub  # placeholder, never written
         run = lambda: self._combine(n, expert_out, dst)  # noqa: E731
         self._enqueue(f"combine{n == 0}", run, expert_out, dst)

@@ -50,7 +50,14 @@ class GemmRS(ScatterGemm):
             self._check_out(out, (m // w, n))
             segment_gemm.check_tma_aligned(self.op_name, out, names=("out",))
         strategy = self._resolve(m, n, self.k)
-        self._begin_call(M=m, N=n, K=self.k, strategy=strategy, bias=bias is not None)
+        self._begin_call(
+            graphed=strategy not in ("none", "signal_reorder"),
+            M=m,
+            N=n,
+            K=self.k,
+            strategy=strategy,
+            bias=bias is not None,
+        )
         self._switch_barrier(strategy)
         if strategy == "none":
             c = torch.matmul(a, b)

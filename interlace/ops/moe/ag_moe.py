@@ -191,7 +191,7 @@ class AGMoE(_MoeContext):
         self._check(x_shard, topk_ids, topk_weights, w)
         strategy = self._resolve()
         self._check_capturable(strategy)
-        self._begin_call(m=x_shard.shape[0], strategy=strategy)
+        self._begin_call(graphed=strategy != "none", m=x_shard.shape[0], strategy=strategy)
         if strategy == "none":
             h, routing = ag_moe_none(
                 self.group, x_shard, topk_ids, topk_weights, w, self.experts, self.activation

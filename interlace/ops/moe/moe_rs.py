@@ -151,7 +151,7 @@ class MoERS(_MoeContext):
             fused = AUTO_FUSED_ON_GPU or not gpu or not self._none_capturable()
             strategy = "fused" if padded and fused else "none"
         self._check_capturable(strategy)
-        self._begin_call(m=routing.m_loc, strategy=strategy)
+        self._begin_call(graphed=strategy != "none", m=routing.m_loc, strategy=strategy)
         if strategy == "none":
             y = moe_rs_none(self.group, h, routing, w_down, self.dtype)
         else:
