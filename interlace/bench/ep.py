@@ -4,9 +4,10 @@
 
 On one GPU: (1) a world of one rank (every kernel of the op with its waits met at once):
 GPU time of dispatch, combine and the MoE layer against the ``none`` baseline
-(``all_to_all_single`` + ``torch._grouped_mm``) and the host time of one eager call
-(replayed from a CUDA graph; with each step of its call path, ``host_<step>_us`` as
-``bench host`` times them) and of a user-captured graph's replay; (2) a world of two
+(``all_to_all_single`` + ``torch._grouped_mm``) and the host time of an eager call
+(replayed from a CUDA graph) as ``bench host`` measures it: ``host_us`` in a loop of calls,
+``host_cold_us`` alone after a barrier, each step of the call path (``host_<step>_us``),
+``torch.mm``'s host time beside it; and of a user-captured graph's replay; (2) a world of two
 ranks sharing the GPU: the same calls' times (the ranks' kernels time-slice one GPU, so
 these check the protocol under load, not NVLink speed). With two or more GPUs, one rank
 per GPU: the op against ``all_to_all_single`` (NCCL) in the same run, with the algorithm
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from .cli import add_several_only, runs_one_gpu
 from .host import step_times
-from .timing import host_us, max_over_ranks, median_ms
+from .timing import host_cold_us, host_us, max_over_ranks, median_ms, torch_mm_host
 
 MODE = "normal"
 
@@ -48,6 +49,8 @@ class _Times:
     combine_ms: float
     dispatch_us: float | None = None
     combine_us: float | None = None
+    dispatch_cold_us: float | None = None
+    combine_cold_us: float | None = None
     graph_ms: float | None = None
     graph_us: float | None = None
     #: host time of each step of the eager call path (``host.step_times``)
@@ -65,8 +68,10 @@ def _times(group, ctx, x, idx, wts, eo, iters, host=True) -> _Times:
     if not host:
         return t
     t.dispatch_us = host_us(group, lambda: ctx.dispatch(x, idx, wts), iters)
+    t.dispatch_cold_us = host_cold_us(group, lambda: ctx.dispatch(x, idx, wts), iters)
     h = ctx.dispatch(x, idx, wts)
     t.combine_us = host_us(group, lambda: ctx.combine(eo, h), iters)
+    t.combine_cold_us = host_cold_us(group, lambda: ctx.combine(eo, h), iters)
     t.dispatch_steps = step_times(ctx, lambda c: c.dispatch(x, idx, wts), iters)
     h = ctx.dispatch(x, idx, wts)
     t.combine_steps = step_times(ctx, lambda c: c.combine(eo, h), iters)
@@ -119,7 +124,15 @@ def _routing(n, topk, experts, gen, dev):
 
 
 def bench_body(group, shapes, with_none: bool, iters: int) -> list[dict]:
-    return [rec for shape in shapes for rec in _one_shape(group, shape, with_none, iters)]
+    recs = [rec for shape in shapes for rec in _one_shape(group, shape, with_none, iters)]
+    return _with_mm_host(group, recs, iters)
+
+
+def _with_mm_host(group, recs: list[dict], iters: int) -> list[dict]:
+    """``torch.mm``'s host time in this world (``timing.torch_mm_host``) beside every
+    host-time record."""
+    ref = torch_mm_host(group, iters)
+    return [dict(r, **ref) if r.get("host_us") is not None else r for r in recs]
 
 
 def _one_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
@@ -141,9 +154,11 @@ def _one_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
     t = _times(group, ctx, x, idx, wts, eo, iters)
     ctx.check()
     rec_d = dict(op="ep_dispatch", strategy="symm", **base, t_ms=t.dispatch_ms,
-                 host_us=t.dispatch_us, **t.dispatch_steps)  # fmt: skip
+                 host_us=t.dispatch_us, host_cold_us=t.dispatch_cold_us,
+                 **t.dispatch_steps)  # fmt: skip
     rec_c = dict(op="ep_combine", strategy="symm", **base, t_ms=t.combine_ms,
-                 host_us=t.combine_us, **t.combine_steps)  # fmt: skip
+                 host_us=t.combine_us, host_cold_us=t.combine_cold_us,
+                 **t.combine_steps)  # fmt: skip
     rec_g = dict(op="ep_dispatch_combine", strategy="graph", **base, t_ms=t.graph_ms,
                  host_us=t.graph_us)  # fmt: skip
     nbytes = tokens * hidden * 2 * (topk if experts == w else _ranks_per_token(idx, e_loc))
@@ -176,7 +191,8 @@ def _one_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
 def ll_body(group, shapes, with_none: bool, iters: int) -> list[dict]:
     """Low-latency dispatch / combine, both arrival protocols, against the normal mode
     and (``with_none``) the ``all_to_all_single`` path, at each shape."""
-    return [rec for shape in shapes for rec in _ll_shape(group, shape, with_none, iters)]
+    recs = [rec for shape in shapes for rec in _ll_shape(group, shape, with_none, iters)]
+    return _with_mm_host(group, recs, iters)
 
 
 def _ll_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
@@ -206,12 +222,14 @@ def _ll_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
             ll.combine(eo, h)
             t = _times(group, ll, x, idx, wts, eo, iters)
             ll.check()
-        for op, t_ms, host, steps, t_norm in (
-            ("ep_dispatch", t.dispatch_ms, t.dispatch_us, t.dispatch_steps, normal.dispatch_ms),
-            ("ep_combine", t.combine_ms, t.combine_us, t.combine_steps, normal.combine_ms),
-        ):
+        for op, t_ms, host, cold, steps, t_norm in (
+            ("ep_dispatch", t.dispatch_ms, t.dispatch_us, t.dispatch_cold_us, t.dispatch_steps,
+             normal.dispatch_ms),
+            ("ep_combine", t.combine_ms, t.combine_us, t.combine_cold_us, t.combine_steps,
+             normal.combine_ms),
+        ):  # fmt: skip
             rec = dict(op=op, strategy=protocol, mode="low_latency", **base, t_ms=t_ms,
-                       host_us=host, t_normal_ms=t_norm,
+                       host_us=host, host_cold_us=cold, t_normal_ms=t_norm,
                        algbw_gbps=nbytes / (t_ms * 1e-3) / 1e9, **steps)  # fmt: skip
             if with_none:
                 rec["t_nccl_ms"] = t_nd if op == "ep_dispatch" else t_nc
@@ -236,7 +254,8 @@ def _merge(per_rank: list[list[dict]]) -> list[dict]:
     out = []
     for recs in zip(*per_rank):
         rec = dict(recs[0])
-        for k in ("t_ms", "host_us", "t_nccl_ms", "t_none_ms", "t_serial_ms", "t_normal_ms"):
+        for k in ("t_ms", "host_us", "host_cold_us", "host_torch_mm_us", "host_torch_mm_cold_us",
+                  "t_nccl_ms", "t_none_ms", "t_serial_ms", "t_normal_ms"):  # fmt: skip
             vals = [r.get(k) for r in recs if r.get(k) is not None]
             if vals:
                 rec[k] = max(vals)
@@ -295,19 +314,21 @@ def main(argv: list[str] | None = None) -> int:
     results += recs
     print(
         f"{'op':20s} {'mode/strategy':24s} {'W':>2s} {'tok':>4s} {'t_ms':>8s} {'normal':>8s} "
-        f"{'nccl/none':>9s} {'host_us':>8s}"
+        f"{'nccl/none':>9s} {'host_us':>8s} {'cold':>6s} {'mm':>5s}"
     )
     for r in results:
         cols = []
         for k in ("t_normal_ms", "t_nccl_ms"):
             v = r.get(k) if k != "t_nccl_ms" else (r.get("t_nccl_ms") or r.get("t_none_ms"))
             cols.append("-" if v is None else f"{v:.3f}")
-        host = r.get("host_us")
-        host_s = "-" if host is None else f"{host:.1f}"
+        host_s = [
+            "-" if r.get(k) is None else f"{r[k]:.1f}"
+            for k in ("host_us", "host_cold_us", "host_torch_mm_us")
+        ]
         tag = f"{r.get('mode', MODE)}/{r['strategy']}" + ("/sh" if r.get("shared_gpu") else "")
         print(
             f"{r['op']:20s} {tag:24s} {r['as_world']:2d} {r['tokens']:4d} {r['t_ms']:8.3f} "
-            f"{cols[0]:>8s} {cols[1]:>9s} {host_s:>8s}"
+            f"{cols[0]:>8s} {cols[1]:>9s} {host_s[0]:>8s} {host_s[1]:>6s} {host_s[2]:>5s}"
         )
     return 0
 

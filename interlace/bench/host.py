@@ -1,19 +1,23 @@
 """``python -m interlace bench host``: the host time of one eager call per op, graphs on
 (``eager_graphs``, the default where the driver allows: a call replays its captured graph).
 
-What a user's eager call costs the CPU before it returns, with the device idle at its start
-and every rank past a host barrier (``host_us``: median of ``--iters`` calls after warm-up
-calls that compile and capture). On one GPU it runs twice: in a world of one rank (the
-op's host path alone, ``as_world`` 1), then in a world of two ranks sharing the GPU
-(``World(share_device=True)``; records marked ``shared_gpu: true``, ``variant:
-shared_gpu``), whose host times include what two processes driving one GPU cost each
-other. Ops:
-AG+GEMM, GEMM+RS and GEMM+AR in ``fused`` (and GEMM+RS / GEMM+AR in ``ce_fused``) at
-LLaMA-3-8B, M 2048; the collectives in their default method at 16 MB per rank. Records:
-``op``, ``strategy``, the shape, ``as_world``, ``host_us``, ``eager_graphs: true``, and the
-host time of each step of the call path (``host_check_us``, ``host_fingerprint_us``,
-``host_enqueue_us``, ..., :data:`STEPS`; timed apart in back-to-back calls); written with
-``world_size`` 1 on one GPU, with the world size on several.
+What a user's eager call costs the CPU before it returns, after warm-up calls that compile
+and capture: ``host_us``, per call in a loop of calls (``timing.host_us``: median over
+``--iters`` batches of back-to-back calls, each batch started with the device idle and
+every rank past a host barrier), and ``host_cold_us``, a lone call right after such a
+barrier (``timing.host_cold_us``). Every record carries ``torch.mm``'s host time measured
+the same two ways in the same world (``host_torch_mm_us``, ``host_torch_mm_cold_us``,
+``timing.torch_mm_host``): what one library call costs that CPU. On one GPU it runs
+twice: in a world of one rank (the op's host path alone, ``as_world`` 1), then in a world
+of two ranks sharing the GPU (``World(share_device=True)``; records marked ``shared_gpu:
+true``, ``variant: shared_gpu``), whose host times include what two processes driving one
+GPU cost each other. Ops: AG+GEMM, GEMM+RS and GEMM+AR in ``fused`` (and GEMM+RS /
+GEMM+AR in ``ce_fused``) at LLaMA-3-8B, M 2048; the collectives in their default method at
+16 MB per rank. Records: ``op``, ``strategy``, the shape, ``as_world``, ``host_us``,
+``host_cold_us``, ``eager_graphs: true``, and the host time of each step of the call path
+(``host_check_us``, ``host_fingerprint_us``, ``host_enqueue_us``, ..., :data:`STEPS`;
+timed apart in back-to-back calls); written with ``world_size`` 1 on one GPU, with the
+world size on several.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 
 from .collectives import _inputs
 from .dense import model_shape
-from .timing import host_us, max_over_ranks
+from .timing import host_cold_us, host_us, max_over_ranks, torch_mm_host
 
 DENSE = (("ag_gemm", "fused"), ("gemm_rs", "fused"), ("gemm_rs", "ce_fused"),
          ("gemm_ar", "fused"), ("gemm_ar", "ce_fused"))  # fmt: skip
@@ -100,19 +104,22 @@ def _timed(group, make, call, iters: int, warmup: int) -> dict:
     from ..errors import InterlaceError
 
     out = {}
-    t, steps = None, {}
+    t = cold = None
+    steps = {}
     try:
         with make() as ctx:
             out["method"] = getattr(ctx, "method", "default")
             for _ in range(warmup):
                 call(ctx)
             t = host_us(group, lambda: call(ctx), iters)
+            cold = host_cold_us(group, lambda: call(ctx), iters)
             steps = step_times(ctx, call, iters)
             ctx.check()
     except InterlaceError as e:
         t, out["error"] = None, f"{type(e).__name__}: {e}"
-    worst = max_over_ranks(group, {"t": t})["t"]
-    out["host_us"] = None if worst is None else round(worst, 1)
+    worst = max_over_ranks(group, {"t": t, "cold": cold})
+    out["host_us"] = None if worst["t"] is None else round(worst["t"], 1)
+    out["host_cold_us"] = None if worst["cold"] is None else round(worst["cold"], 1)
     if worst is not None:  # (this rank's steps; every rank runs the same path)
         out.update(steps)
     return out
@@ -152,7 +159,8 @@ def measure(group, iters: int = 20, warmup: int = 5) -> list[dict]:
         records.append({"op": op, "strategy": got.pop("method", "default"),
                         "bytes_per_rank": COLLECTIVE_BYTES, "as_world": w, "eager_graphs": True,
                         **got})  # fmt: skip
-    return records
+    ref = max_over_ranks(group, torch_mm_host(group, iters))
+    return [dict(r, **ref) for r in records]
 
 
 def table(records: list[dict]) -> None:
@@ -167,9 +175,14 @@ def table(records: list[dict]) -> None:
         shape = (f"{r['model']} M={r['M']}" if "model" in r
                  else f"{r['bytes_per_rank'] >> 20} MB/rank")  # fmt: skip
         t = "failed" if r["host_us"] is None else f"{r['host_us']:.1f}"
-        rows.append([*who(r), shape, t])
-    print_table("host time of one eager call (graphs on)",
-                ["op", "strategy", "as W", "shape", "host_us"], rows)  # fmt: skip
+        cold = r.get("host_cold_us")
+        rows.append([*who(r), shape, t, str(r.get("host_torch_mm_us", "-")),
+                     "-" if cold is None else f"{cold:.1f}",
+                     str(r.get("host_torch_mm_cold_us", "-"))])  # fmt: skip
+    print_table("host us per eager call (graphs on): in a loop of calls / a lone call after "
+                "a barrier; torch.mm beside each",
+                ["op", "strategy", "as W", "shape", "host_us", "torch.mm", "cold", "mm cold"],
+                rows)  # fmt: skip
     steps = ["check", "resolve", "fingerprint", "enqueue", "end", "other"]
     rows = [who(r) + [str(r.get(f"host_{k}_us", "-")) for k in steps]
             for r in records if r.get("host_us") is not None]  # fmt: skip

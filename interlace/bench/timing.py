@@ -88,9 +88,32 @@ def pipelined_median_ms(group, fn, iters: int = 20, warmup: int = 5) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def host_us(group, fn, iters: int = 20) -> float:
-    """Median host time of one call of ``fn()`` in µs on this rank, each call started with
-    all ranks aligned (device idle, host barrier), so that no call waits for a queue."""
+#: Calls per batch of :func:`host_us`: enough that the per-call figure is the steady
+#: state of a loop of calls, few enough that the device's launch queue never fills (a
+#: full queue would make the host wait for the device).
+HOST_BATCH = 20
+
+
+def host_us(group, fn, iters: int = 20, batch: int = HOST_BATCH) -> float:
+    """Host time per call of ``fn()`` in µs on this rank, as a loop of calls pays it (a
+    training or serving loop): the median over ``iters`` batches of ``batch`` calls made
+    back to back, each batch started with all ranks aligned (device idle, host barrier).
+    The device runs behind the host, so no call waits for the device."""
+    samples = []
+    for _ in range(iters):
+        _align(group)
+        start = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        samples.append((time.perf_counter() - start) * 1e6 / batch)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def host_cold_us(group, fn, iters: int = 20) -> float:
+    """Host time of a lone call of ``fn()`` in µs on this rank: the median over ``iters``
+    calls, each made right after all ranks aligned (device idle, host barrier), so the
+    CPU comes to it from a wait (caches and clocks as a barrier leaves them)."""
     samples = []
     for _ in range(iters):
         _align(group)
@@ -99,6 +122,27 @@ def host_us(group, fn, iters: int = 20) -> float:
         samples.append((time.perf_counter() - start) * 1e6)
     torch.cuda.synchronize()
     return statistics.median(samples)
+
+
+#: The ``torch.mm`` every host-time record is put beside: LLaMA-3-8B's QKV projection of
+#: 2048 tokens on one GPU, bf16 (one cuBLAS launch and the output's allocation).
+REF_MM = (2048, 4096, 6144)
+
+
+def torch_mm_host(group, iters: int = 20) -> dict:
+    """``host_torch_mm_us`` / ``host_torch_mm_cold_us``: the host time of ``torch.mm`` at
+    :data:`REF_MM`, by :func:`host_us` and :func:`host_cold_us`, on this machine in this
+    run: what one plain library call costs the same CPU."""
+    m, k, n = REF_MM
+    dev = group.device if group is not None else torch.device("cuda")
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+    for _ in range(5):
+        torch.mm(a, b)
+    return {
+        "host_torch_mm_us": round(host_us(group, lambda: torch.mm(a, b), iters), 2),
+        "host_torch_mm_cold_us": round(host_cold_us(group, lambda: torch.mm(a, b), iters), 2),
+    }
 
 
 def max_over_ranks(group, values: dict) -> dict:
