@@ -470,7 +470,10 @@ class OpContext:
         s = getattr(self, "_next_set", None)  # the buffer set this call will use
         # Triton specialises a kernel on its pointers' 16-byte alignment: a replay with an
         # operand aligned otherwise than the captured one would run the wrong kernel
-        kinds = [None if t is None else (t.shape, t.data_ptr() % 16 == 0) for t in operands]
+        # (and on its dtype: the graph's kernels were compiled for the captured one)
+        ptrs = [None if t is None else t.data_ptr() for t in operands]
+        kinds = [None if t is None else (t.shape, t.dtype, p % 16 == 0)
+                 for t, p in zip(operands, ptrs)]  # fmt: skip
         key = (strategy, s, count, *kinds)
         graph = self._graphs.get(key)
         if graph is None:
@@ -493,7 +496,7 @@ class OpContext:
                 return
             graph.next_set = getattr(self, "_next_set", None)
             self._graphs[key] = graph
-        graph.launch(operands)
+        graph.launch(operands, ptrs)
         if s is not None:
             self._next_set = graph.next_set  # as run() would have left it
 

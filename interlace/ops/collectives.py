@@ -22,6 +22,10 @@ uses a third set behind a barrier). The cost is three receive buffers instead of
 Their copies raise each arrival flag to the call's ``call_flag`` (its fingerprint's
 op-and-arguments part), which the receiver expects: a peer that called with another
 length or method raises ``CallMismatchError`` on every rank at once.
+
+Eager calls replay CUDA graphs (``eager_graphs``, as the overlapped ops): from the second
+call of a kind (length, buffer set, operand alignment) on, a call's copies, flag writes,
+barriers and kernels are one graph launch from the host.
 """
 
 from __future__ import annotations
@@ -74,10 +78,12 @@ class AllGather(AlternatingSets, OpContext):
         dtype: torch.dtype,
         method: str = "ce_push",
         max_spins=None,
+        eager_graphs: bool | None = None,
     ):
         self.method = _check_method(self.op_name, method, self.METHODS)
         w = group.world_size
         super().__init__(group, dtype, max_numel, {"arrival": BUFFER_SETS * w}, max_spins)
+        self._init_eager_graphs(eager_graphs)
         # ce_push: the prepared own-shard copy and arrival wait, per (buffer set, numel)
         self._arrival_waits: dict[tuple[int, int], PreparedLaunch] = {}
         if method == "ce_push":
@@ -90,13 +96,17 @@ class AllGather(AlternatingSets, OpContext):
         self._check_tensor("x", x, max_numel=self.max_numel)
         shape = (self.world_size * x.shape[0], *x.shape[1:])
         out = self._check_out(out, shape)
-        self._begin_call(numel=x.numel(), method=self.method)
+        self._begin_call(graphed=True, numel=x.numel(), method=self.method)
         if self.method == "ce_push":
-            result = self._push(x, x.numel()).view(shape)
+            n, s = x.numel(), self._next_set  # (the set a replay uses: see _enqueue)
+            ran = []
+            self._enqueue("push", lambda: ran.append(self._push(x, n)), x)
+            result = (ran[0] if ran else self.gathered.local[s, : self.world_size * n]).view(shape)
             if out is not None:
                 result = out.copy_(result)
         else:
-            result = self._pull(x, out if out is not None else x.new_empty(shape))
+            result = out if out is not None else x.new_empty(shape)
+            self._enqueue("pull", lambda: self._pull(x, result), x, result)
         self._end()
         return result
 
@@ -173,6 +183,7 @@ class ReduceScatter(AlternatingSets, OpContext):
         method: str = "ce_scatter",
         pieces: int | None = None,
         max_spins=None,
+        eager_graphs: bool | None = None,
     ):
         """``max_numel``: capacity of the per-rank *output* (elements)."""
         self.method = _check_method(self.op_name, method, self.METHODS)
@@ -186,6 +197,7 @@ class ReduceScatter(AlternatingSets, OpContext):
         super().__init__(group, dtype, max_numel, regions, max_spins)
         self.pieces = pieces
         self._plans: dict[tuple[int, int], tuple] = {}
+        self._init_eager_graphs(eager_graphs)
         if method == "ce_scatter":
             self.recv = self._track(symm_empty((BUFFER_SETS, w, self.max_numel), dtype, group))
         else:
@@ -202,14 +214,20 @@ class ReduceScatter(AlternatingSets, OpContext):
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         self._begin()
-        w, r = self.world_size, self.rank
+        w = self.world_size
         self._check_tensor("x", x, max_numel=w * self.max_numel, numel_multiple=w)
         shape = (x.shape[0] // w, *x.shape[1:])
         out = self._check_out(out, shape)
         if out is None:
             out = torch.empty(shape, dtype=self.dtype, device=x.device)
         m = x.numel() // w
-        self._begin_call(numel=x.numel(), method=self.method)
+        self._begin_call(graphed=True, numel=x.numel(), method=self.method)
+        self._enqueue(self.method, lambda: self._reduce_scatter(x, out, m), x, out)
+        self._end()
+        return out
+
+    def _reduce_scatter(self, x: torch.Tensor, out: torch.Tensor, m: int) -> None:
+        w, r = self.world_size, self.rank
         src = x.reshape(w, m)
         if self.method == "ce_scatter":
             self._scatter_reduce(src, out.view(-1), m)
@@ -230,8 +248,6 @@ class ReduceScatter(AlternatingSets, OpContext):
                 num_warps=8,
             )
             self._barrier()  # nobody still reads my staging buffer
-        self._end()
-        return out
 
     def _scatter_plan(self, m: int, s: int) -> tuple[int, list, PreparedLaunch]:
         """Piece count, every transfer (source range, peer, destination view, the peer's
@@ -301,9 +317,11 @@ class AllReduce(OpContext):
         dtype: torch.dtype,
         method: str = "two_shot",
         max_spins=None,
+        eager_graphs: bool | None = None,
     ):
         self.method = _check_method(self.op_name, method, self.METHODS)
         super().__init__(group, dtype, max_numel, {}, max_spins)
+        self._init_eager_graphs(eager_graphs)
         self.staging = self._track(symm_empty((self.max_numel,), dtype, group))
         if method == "two_shot":
             self.reduced = self._track(symm_empty((self.max_numel,), dtype, group))
@@ -314,8 +332,13 @@ class AllReduce(OpContext):
         out = self._check_out(out, x.shape)
         if out is None:
             out = torch.empty_like(x)
+        self._begin_call(graphed=True, numel=x.numel(), method=self.method)
+        self._enqueue(self.method, lambda: self._all_reduce(x, out), x, out)
+        self._end()
+        return out
+
+    def _all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> None:
         w, r, n = self.world_size, self.rank, x.numel()
-        self._begin_call(numel=n, method=self.method)
         flat = out.view(-1)
         self._stage(x)
         self._barrier()  # every rank's input is staged
@@ -356,5 +379,3 @@ class AllReduce(OpContext):
                 if phi > plo:
                     flat[plo:phi].copy_(self.reduced.peers[peer][plo:phi])
         self._barrier()  # nobody still reads my staging / reduced buffers
-        self._end()
-        return out

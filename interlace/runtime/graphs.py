@@ -277,12 +277,16 @@ class EagerGraph:
         """Kernel and copy nodes re-pointed at each call's operands."""
         return len(self._kernels) + len(self._copies)
 
-    def launch(self, operands) -> None:
+    def launch(self, operands, ptrs=None) -> None:
         """Replay on the current stream with ``operands``: the same sizes, in the same
         order, None where the capture had None, each 16-byte aligned where the captured one
         was and only there (Triton specialised the kernels on it; the caller's key
-        guarantees all of it)."""
-        starts = [operands[i].data_ptr() for i in self._present]
+        guarantees all of it). ``ptrs``: the operands' ``data_ptr()`` where the caller has
+        them already."""
+        if ptrs is None:
+            starts = [operands[i].data_ptr() for i in self._present]
+        else:
+            starts = [ptrs[i] for i in self._present]
         if starts != self._last:
             present = [operands[i] for i in self._present]
             for t, size, old in zip(present, self._sizes, self._starts):

@@ -10,6 +10,7 @@ import torch
 
 import interlace
 from interlace.errors import InterlaceTypeError, InterlaceValueError, WaitTimeoutError
+from interlace.runtime.graphs import EagerGraph
 from tests.ops._helpers import capture, gathered, reduced, rel_err, replay, run_on_gpus, sync
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -124,6 +125,10 @@ def _back_to_back_body(group, calls):
             assert torch.equal(ys_ag[i], gathered(xs_ag[i], group)), f"all-gather call {i}"
             ref = reduced(xs_rs[i], group)[r * rows : (r + 1) * rows]
             assert rel_err(ys_rs[i], ref) < 1e-2, f"reduce-scatter call {i}"
+        if group.backend == "cuda":  # later calls replayed graphs (one per buffer set)
+            for ctx in (ag, rs):
+                replayed = [g for g in ctx._graphs.values() if isinstance(g, EagerGraph)]
+                assert len(replayed) == 2, (ctx.op_name, ctx._graphs)
     finally:
         ag.close()
         rs.close()
