@@ -23,8 +23,6 @@ call (``--iters`` calls in all):
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import triton
@@ -32,16 +30,11 @@ import triton.language as tl
 
 
 def per_call_us(fn, iters: int, batch: int = 50) -> float:
-    """Median over batches of ``batch`` back-to-back calls of the host time per call."""
-    samples = []
-    for _ in range(max(1, iters // batch)):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            fn()
-        samples.append((time.perf_counter() - t0) * 1e6 / batch)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
+    """Median over batches of ``batch`` back-to-back calls of the host time per call
+    (``bench.timing.host_us`` in this process alone)."""
+    from interlace.bench.timing import host_us
+
+    return host_us(None, fn, max(1, iters // batch), batch)
 
 
 @triton.jit

@@ -85,15 +85,7 @@ class GemmAR(ScatterGemm):
         m, n = a.shape[0], b.shape[1]
         out = self._check_out(out, (m, n))
         strategy = self._resolve(m, n, self.k)
-        self._begin_call(
-            graphed=strategy not in ("none", "signal_reorder"),
-            M=m,
-            N=n,
-            K=self.k,
-            strategy=strategy,
-            bias=bias is not None,
-        )
-        self._switch_barrier(strategy)
+        self._begin_gemm_call(m, n, strategy, bias)
         if strategy == "none":
             result = torch.matmul(a, b, out=out) if out is not None else torch.matmul(a, b)
             dist.all_reduce(result, group=self._pg)

@@ -1,7 +1,7 @@
 """``bench host``'s per-op step on the CPU (2 ranks): an op that raises an interlace error
 (on every rank, as the ops do) is reported with ``host_us: None`` and its error, and the
-suite goes on to the next op; one that works reports the worst rank's time. The host clock
-is replaced by a fixed value per rank."""
+suite goes on to the next op; one that works reports the worst rank's times (in a loop of
+calls and alone). The host clocks are replaced by fixed values per rank."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ def _body(group):
     from interlace.errors import InterlaceValueError
 
     host.host_us = lambda group, fn, iters: (fn(), 3.0 + group.rank)[1]
+    host.host_cold_us = lambda group, fn, iters: (fn(), 7.0 + group.rank)[1]
 
     class Ctx(contextlib.AbstractContextManager):
         method = "m"
@@ -42,7 +43,7 @@ def test_a_failed_op_is_reported_and_the_next_runs():
     for bad, good in get_world("cpu", 2).run(_body):
         assert bad["host_us"] is None and "peer never arrived" in bad["error"]
         assert good.pop("host_other_us") >= 0  # (no step of the call path to time apart)
-        assert good == {"method": "m", "host_us": 4.0}
+        assert good == {"method": "m", "host_us": 4.0, "host_cold_us": 8.0}
 
 
 def test_one_gpu_runs_a_one_rank_world_then_a_shared_one(monkeypatch, tmp_path):

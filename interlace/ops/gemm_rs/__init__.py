@@ -50,15 +50,7 @@ class GemmRS(ScatterGemm):
             self._check_out(out, (m // w, n))
             segment_gemm.check_tma_aligned(self.op_name, out, names=("out",))
         strategy = self._resolve(m, n, self.k)
-        self._begin_call(
-            graphed=strategy not in ("none", "signal_reorder"),
-            M=m,
-            N=n,
-            K=self.k,
-            strategy=strategy,
-            bias=bias is not None,
-        )
-        self._switch_barrier(strategy)
+        self._begin_gemm_call(m, n, strategy, bias)
         if strategy == "none":
             c = torch.matmul(a, b)
             dist.reduce_scatter_tensor(out, c, group=self._pg)

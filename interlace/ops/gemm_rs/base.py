@@ -66,6 +66,15 @@ class ScatterGemm(AlternatingSets, Fused, CeFused, CeScatter, Ring, ChunkShippin
             return "ce_fused"
         return "fused"
 
+    def _begin_gemm_call(self, m: int, n: int, strategy: str, bias) -> None:
+        """``_begin_call`` of a GEMM+RS / GEMM+AR call (graphed where the strategy's device
+        work is one ``_enqueue``), then the barrier of a strategy switch."""
+        self._begin_call(
+            graphed=strategy not in ("none", "signal_reorder"), M=m, N=n, K=self.k,
+            strategy=strategy, bias=bias is not None,
+        )  # fmt: skip
+        self._switch_barrier(strategy)
+
     def _switch_barrier(self, strategy: str) -> None:
         """``fused`` and ``ce_fused`` share receive buffers and signal slots, and neither
         waits for the other's last call: when ``auto`` switches between them, a device
