@@ -592,7 +592,7 @@ class _CopyingGraph:
         self.run, self.operands, self.fresh = run, operands, True
         run()
 
-    def launch(self, operands):
+    def launch(self, operands, ptrs=None):
         if self.fresh:  # the capture's own call: it ran in __init__
             self.fresh = False
             return
