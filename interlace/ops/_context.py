@@ -372,7 +372,6 @@ class OpContext:
             if self.eager_graphs:
                 count = PreparedLaunch(call_bump_kernel, 1, (self._call_slot_i32, base), {}, ())
                 count.compile()
-        self.pad.call_names = tuple(name for name, _ in key)
         return base, values, staged, count
 
     def _flush_count(self) -> None:

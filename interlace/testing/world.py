@@ -261,16 +261,18 @@ class World:
             missing = sorted(set(range(self.world_size)) - set(replies))
             errors = {r: v for r, v in replies.items() if v[0] == "error"}
             stacks = self._stacks(missing)
-            exited = [f"rank {r} exited with code {self._procs[r].exitcode}"
-                      for r in missing if not self._procs[r].is_alive()]  # fmt: skip
+            alive = [r for r in missing if self._procs[r].is_alive()]
+            why = [f"rank {r} exited with code {self._procs[r].exitcode}"
+                   for r in missing if r not in alive]  # fmt: skip
+            if alive:
+                why.append(f"ranks {alive} within {timeout:.0f} s (hung)")
             self.close()
             detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, (_, tb) in sorted(errors.items()))
             detail += "".join(
                 f"\n--- rank {r}, where it was (Python stack) ---\n{text}"
                 for r, text in sorted(stacks.items())
             )  # fmt: skip
-            why = ": " + "; ".join(exited) if exited else f" within {timeout:.0f} s (hung)"
-            raise WorldError(f"{what}: ranks {missing} did not answer{why}{detail}")
+            raise WorldError(f"{what}: ranks {missing} did not answer: {'; '.join(why)}{detail}")
         return replies
 
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
