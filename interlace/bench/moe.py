@@ -7,7 +7,7 @@ time is the GPU time of a replayed CUDA graph of the work (median of the runs), 
 host's launch cost, which the ops hide in a graph and which differs between Triton's and
 torch's launchers, is in none of them.
 
-* ``ag_moe``: the three routing kernels + the grouped GEMM that gathers its rows and
+* ``ag_moe``: the routing build (one launch) + the grouped GEMM that gathers its rows and
   applies SwiGLU (``t_ms``); that GEMM alone (``t_gemm_only_ms``); the same GEMM on rows
   already permuted (``t_kernel_ms``: no table, no gather). Reference (``ref:
   grouped_mm``, ``t_ref_ms``): ``torch._grouped_mm`` ``[M * k, H] x [E, H, 2 I / W]``
@@ -45,6 +45,8 @@ from .cli import add_several_only, runs_one_gpu
 SHAPES = [(2048, 1536, 8, 2), (2048, 1536, 32, 2), (2048, 1536, 32, 5),
           (4096, 2048, 8, 2), (4096, 2048, 32, 2), (4096, 2048, 32, 5)]  # fmt: skip
 TOKENS = 8192
+#: the first slot of the bench's flag array that starts at zero (the routing's barrier)
+BAR_SLOT = 32
 
 
 def routing_ids(tokens, k, experts, kind, gen):
@@ -58,7 +60,8 @@ def routing_ids(tokens, k, experts, kind, gen):
 
 
 def _cfg_name(c):
-    return f"{c.block_m}x{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}"
+    flat = "f" if c.flatten else ""
+    return f"{c.block_m}x{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}{flat}"
 
 
 #: a candidate config whose result is further than this from float32 is not timed
@@ -112,7 +115,9 @@ class _Problem:
         self.meta = torch.empty(world, self.stride, dtype=torch.int32, device=dev)
         for s in range(world):
             pack_meta(self.meta[s], ids[s * m : (s + 1) * m], wts[s * m : (s + 1) * m])
-        self.sig = torch.ones(64, dtype=torch.int32, device=dev)  # every arrival flag raised
+        # every arrival flag raised; slots from BAR_SLOT at zero (the routing's barrier)
+        self.sig = torch.ones(64, dtype=torch.int32, device=dev)
+        self.sig[BAR_SLOT:] = 0
         self.err = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=dev)
         flat = ids.reshape(-1)
         order = torch.sort(flat, stable=True).indices
@@ -157,7 +162,7 @@ class _Problem:
         def route():
             launch_routing(
                 work, self.meta, self.stride, rank=0, sig=self.sig, flag0=0,
-                err=self.err.data_ptr(), max_spins=1 << 20, wait=True,
+                err=self.err.data_ptr(), max_spins=1 << 20, wait=True, bar_slot=BAR_SLOT,
             )  # fmt: skip
 
         route()

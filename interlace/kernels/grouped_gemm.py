@@ -1,25 +1,30 @@
 """Kernels of the tensor-parallel MoE ops: the device-built routing tables and the
 persistent grouped GEMM that reads them.
 
-Routing (three launches, no host synchronisation). The token entries ``(token, slot j)``
-of every rank's routing reach each rank as a packed meta buffer: per source rank ``src``
-its ``m * k`` expert ids (int32), then its ``m * k`` weights (float32 bits), at
+Routing (``moe_route_kernel``, no host synchronisation). The token entries ``(token, slot
+j)`` of every rank's routing reach each rank as a packed meta buffer: per source rank
+``src`` its ``m * k`` expert ids (int32), then its ``m * k`` weights (float32 bits), at
 ``meta + src * meta_stride``. Entries are visited in *arrival order*: position ``p`` holds
 source rank ``(rank + p) % WORLD`` (this rank first, then the rank-rotated copy order),
-cut into chunks of ``CHUNK`` entries (``cps`` chunks per source).
+cut into chunks of ``CHUNK`` entries (``cps`` chunks per source), one program per chunk,
+in two phases:
 
-* ``moe_count_kernel`` (one program per chunk): the chunk's histogram of expert ids.
-* ``moe_scan_kernel`` (one program): prefix sums of the histograms over chunks; each
-  expert's rows padded to ``BLOCK_M`` (``offsets``: padded start of each expert, the total
-  at ``E``); the number of row tiles; and the *tile table*: row tile ``q`` in the order the
-  GEMM runs them -> (first row, expert, first and last arrival position its rows read).
-  Tiles are ordered by the last arrival position they need, then by expert, so the first
-  tiles need only the shards that arrive first.
-* ``moe_scatter_kernel`` (one program per chunk): a stable counting sort. Each entry's row
-  is ``offsets[e] + (entries of e in earlier chunks) + (rank in its chunk)``, so rows are
-  sorted by (expert, arrival position, token, slot). Writes ``sorted_entry[row]`` (the
-  entry's global index ``(src * m + t) * k + slot``, whose token is ``entry // k``; -1
-  in padding rows) and ``sorted_w[row]``.
+* count: the chunk's histogram of expert ids;
+* build, from every chunk's histogram (each program sums them itself): each expert's
+  rows padded to ``BLOCK_M`` (``offsets``: padded start of each expert, the total at
+  ``E``); the number of row tiles; the *tile table*, which the programs share: row tile
+  ``q`` in the order the GEMM runs them -> (first row, expert, first and last arrival
+  position its rows read), ordered by the last arrival position they need, then by
+  expert, so the first tiles need only the shards that arrive first; and the chunk's
+  rows, by a stable counting sort: each entry's row is ``offsets[e] + (entries of e in
+  earlier chunks) + (rank in its chunk)``, so rows are sorted by (expert, arrival
+  position, token, slot). Writes ``sorted_entry[row]`` (the entry's global index ``(src *
+  m + t) * k + slot``, whose token is ``entry // k``; -1 in padding rows) and
+  ``sorted_w[row]``.
+
+On a GPU both phases run in one launch whose programs meet at a grid barrier (all of
+them resident: at most one per SM); the interpreter, which runs programs one after
+another, launches each phase alone.
 
 Ids outside ``[0, E)`` are dropped (the op checks them on the host where it can).
 
@@ -96,102 +101,35 @@ def _meta_wait(sig, flag0, p, err, rank, max_spins, WAIT: tl.constexpr):
     return token
 
 
-@triton.jit(do_not_specialize=["rank", "mk", "cps", "max_spins", "flag0"])
-def moe_count_kernel(
-    meta, meta_stride, mk, cps, counts, E, sig, flag0, err, rank, max_spins,
-    CHUNK: tl.constexpr, E_PAD: tl.constexpr, WORLD: tl.constexpr, WAIT: tl.constexpr,
-):  # fmt: skip
-    """``counts[c, e]``: entries of chunk ``c`` routed to expert ``e`` (``E_PAD`` columns;
-    the last column, at least ``E``, collects the ids out of range)."""
-    p, src, i0 = _chunk_source(rank, cps, CHUNK, WORLD)
-    token = _meta_wait(sig, flag0, p, err, rank, max_spins, WAIT)
-    offs = i0 + tl.arange(0, CHUNK)
-    ok = guard(offs < mk, token, 1)
-    ids = tl.load(meta + src.to(tl.int64) * meta_stride + offs, mask=ok, other=-1)
-    ids = tl.where((ids >= 0) & (ids < E), ids, E_PAD - 1)
-    hist = tl.histogram(ids, E_PAD)
-    e_r = tl.arange(0, E_PAD)
-    hist = tl.where(e_r < E, hist, 0)
-    tl.store(counts + tl.program_id(0) * E_PAD + e_r, hist)
+#: rows of a program's scratch in ``moe_route_kernel`` (``E_PAD`` int32 each): per
+#: arrival position ``p`` the entries of each expert from positions ``<= p``, the tiles of
+#: each expert complete by position ``p``, and the table index of each expert's first tile
+#: that needs ``p`` last; then each expert's first padded row
+ROW_CUM = tl.constexpr(0)
+ROW_NLE = tl.constexpr(1)
+ROW_BASE = tl.constexpr(2)
 
 
-@triton.jit(do_not_specialize=["n_chunks", "cps", "E"])
-def moe_scan_kernel(
-    counts, prefix, n_chunks, cps, E, offsets, tiles, tile_count, scratch,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, WORLD: tl.constexpr,
-    CB: tl.constexpr, TB: tl.constexpr,
-):  # fmt: skip
-    """One program. ``prefix[c, e]``: entries of expert ``e`` in chunks before ``c``
-    (row ``n_chunks``: the totals); ``offsets``, ``tile_count`` and ``tiles`` as in the
-    module docstring. ``scratch``: int32 ``[2 * WORLD + 1, E_PAD]`` of working space."""
-    e_r = tl.arange(0, E_PAD)
-    carry = tl.zeros((E_PAD,), dtype=tl.int32)
-    for c0 in range(0, n_chunks, CB):
-        rows = c0 + tl.arange(0, CB)
-        ok = (rows < n_chunks)[:, None]
-        blk = tl.load(counts + rows[:, None] * E_PAD + e_r[None, :], mask=ok, other=0)
-        excl = tl.cumsum(blk, axis=0) - blk + carry[None, :]
-        tl.store(prefix + rows[:, None] * E_PAD + e_r[None, :], excl, mask=ok)
-        carry += tl.sum(blk, axis=0)
-    total = tl.where(e_r < E, carry, 0)
-    tl.store(prefix + n_chunks * E_PAD + e_r, total)
-    padded = tl.cdiv(total, BLOCK_M) * BLOCK_M
-    start = tl.cumsum(padded, axis=0) - padded
-    tl.store(offsets + e_r, start, mask=e_r < E)
-    rows_total = tl.sum(padded, axis=0)
-    tl.store(offsets + E, rows_total)
-    n_tiles = rows_total // BLOCK_M
-    tl.store(tile_count, n_tiles)
-    tl.debug_barrier()
-    # Per arrival position p: the tiles of each expert whose rows all come from positions
-    # <= p (``n_le``), and where the bucket of tiles that need p last starts in the order.
-    prev = tl.zeros((E_PAD,), dtype=tl.int32)
-    q0 = 0
-    for p in tl.static_range(WORLD):
-        cum = tl.load(prefix + ((p + 1) * cps) * E_PAD + e_r)  # rows of e from positions <= p
-        n_le = tl.where(cum == total, tl.cdiv(total, BLOCK_M), cum // BLOCK_M)
-        b = n_le - prev
-        tl.store(scratch + p * E_PAD + e_r, q0 + tl.cumsum(b, axis=0) - b - prev)
-        tl.store(scratch + (WORLD + p) * E_PAD + e_r, n_le)
-        tl.store(scratch + (2 * WORLD) * E_PAD + e_r, start)
-        q0 += tl.sum(b, axis=0)
-        prev = n_le
-    tl.debug_barrier()
-    for j0 in range(0, n_tiles, TB):
-        # (names unused before this loop: Triton carries a reassigned name through it)
-        tj = j0 + tl.arange(0, TB)
-        t_ok = tj < n_tiles
-        t_row0 = tj * BLOCK_M
-        # the tile's expert: the last one whose padded rows start at or before its row
-        t_before = (start[None, :] <= t_row0[:, None]) & (e_r < E)[None, :]
-        t_e = tl.maximum(tl.sum(t_before.to(tl.int32), axis=1) - 1, 0)
-        t_start = tl.load(scratch + (2 * WORLD) * E_PAD + t_e, mask=t_ok, other=0)
-        t_i = (t_row0 - t_start) // BLOCK_M  # the tile's index inside its expert
-        t_first = tl.zeros((TB,), dtype=tl.int32)
-        t_last = tl.zeros((TB,), dtype=tl.int32)
-        for tp in tl.static_range(WORLD - 1):
-            t_cum = tl.load(prefix + ((tp + 1) * cps) * E_PAD + t_e, mask=t_ok, other=0)
-            t_nle = tl.load(scratch + (WORLD + tp) * E_PAD + t_e, mask=t_ok, other=0)
-            t_first += (t_cum <= t_i * BLOCK_M).to(tl.int32)  # positions wholly before it
-            t_last += (t_nle <= t_i).to(tl.int32)  # positions before it is complete
-        t_q = tl.load(scratch + t_last * E_PAD + t_e, mask=t_ok, other=0) + t_i
-        t_dst = tiles + t_q * TILE_COLS
-        tl.store(t_dst + TILE_ROW0, t_row0, mask=t_ok)
-        tl.store(t_dst + TILE_EXPERT, t_e, mask=t_ok)
-        tl.store(t_dst + TILE_FIRST, t_first, mask=t_ok)
-        tl.store(t_dst + TILE_LAST, t_last, mask=t_ok)
-
-
-@triton.jit(do_not_specialize=["rank", "mk", "cps", "max_spins", "flag0", "n_chunks"])
-def moe_scatter_kernel(
-    meta, meta_stride, w_off, mk, cps, E, prefix, n_chunks, offsets, base_scratch,
-    sorted_entry, sorted_w, sig, flag0, err, rank, max_spins,
+@triton.jit(
+    do_not_specialize=["rank", "mk", "cps", "max_spins", "flag0", "n_chunks", "bar_slot"]
+)  # fmt: skip
+def moe_route_kernel(
+    meta, meta_stride, w_off, mk, cps, E, counts, n_chunks, offsets, tiles, tile_count,
+    scratch, base_scratch, sorted_entry, sorted_w, sig, flag0, bar_slot, err, rank,
+    max_spins,
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
-    WAIT: tl.constexpr,
+    CB: tl.constexpr, TB: tl.constexpr, WAIT: tl.constexpr, PHASE: tl.constexpr,
 ):  # fmt: skip
-    """Rows of this program's chunk (see the module docstring); program 0 also marks each
-    expert's padding rows (entry -1, weight 0)."""
+    """The routing build, one program per chunk (see the module docstring). ``PHASE`` 1:
+    count (``counts[c, e]``: entries of chunk ``c`` routed to expert ``e``; ``E_PAD``
+    columns, the last collecting ids out of range); 2: build (offsets, the tile table and
+    this chunk's rows, from the counts of a finished count launch); 0: both in one launch,
+    the programs meeting at a grid barrier between them (counter ``sig + bar_slot`` and the
+    departure counter after it, left at zero: every program must be resident at once).
+    ``scratch``: int32 ``[n_chunks, 3 * WORLD + 1, E_PAD]``, ``base_scratch``: ``[n_chunks,
+    E_PAD]``, working space."""
     c = tl.program_id(0)
+    n_prog = tl.num_programs(0)
     p, src, i0 = _chunk_source(rank, cps, CHUNK, WORLD)
     token = _meta_wait(sig, flag0, p, err, rank, max_spins, WAIT)
     e_r = tl.arange(0, E_PAD)
@@ -201,9 +139,93 @@ def moe_scatter_kernel(
     ids = tl.load(src_meta + i0 + idx, mask=ok, other=-1)
     ids = tl.where((ids >= 0) & (ids < E), ids, E_PAD - 1)
     hist = tl.histogram(ids, E_PAD)
-    start = tl.load(offsets + e_r, mask=e_r < E, other=0)
-    before = tl.load(prefix + c * E_PAD + e_r)
-    # row of the s-th entry in (expert, index) order = base[e] + s
+    hist = tl.where(e_r < E, hist, 0)
+    if PHASE != 2:
+        tl.store(counts + c * E_PAD + e_r, hist)
+    seen = n_prog
+    if PHASE == 0:  # every chunk's counts stored before any program reads them
+        tl.debug_barrier()
+        tl.atomic_add(sig + bar_slot, 1, sem="release", scope="gpu")
+        seen = wait(sig + bar_slot, n_prog, err, rank, bar_slot, max_spins)
+        gone = tl.atomic_add(sig + bar_slot + 1, 1, sem="relaxed", scope="gpu")
+        if gone == n_prog - 1:  # the last to leave: every program is past its wait
+            tl.store(sig + bar_slot + tl.arange(0, 2), tl.zeros((2,), tl.int32))
+    if PHASE != 1:
+        _route_build(
+            c, n_prog, hist, ids, idx, i0, mk, cps, E, src, src_meta, w_off, counts,
+            n_chunks, offsets, tiles, tile_count, scratch + c * (3 * WORLD + 1) * E_PAD,
+            base_scratch, sorted_entry, sorted_w, seen >= n_prog, CHUNK, E_PAD, WORLD,
+            BLOCK_M, CB, TB,
+        )  # fmt: skip
+
+
+@triton.jit
+def _route_build(
+    c, n_prog, hist, ids, idx, i0, mk, cps, E, src, src_meta, w_off, counts, n_chunks,
+    offsets, tiles, tile_count, scr, base_scratch, sorted_entry, sorted_w, counted,
+    CHUNK: tl.constexpr, E_PAD: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
+    CB: tl.constexpr, TB: tl.constexpr,
+):  # fmt: skip
+    """``moe_route_kernel``'s build: from every chunk's counts (read only if ``counted``:
+    the grid barrier held), each expert's padded start and this chunk's prefix, then tiles
+    ``c * TB ..`` of the table (every ``n_prog * TB``), this chunk's rows, and (program 0)
+    the offsets, the tile count and the experts' padding rows."""
+    e_r = tl.arange(0, E_PAD)
+    # per arrival position: the running count of each expert (chunks are in arrival order)
+    run = tl.zeros((E_PAD,), dtype=tl.int32)
+    before = tl.zeros((E_PAD,), dtype=tl.int32)  # entries of each expert in chunks < c
+    for q in tl.static_range(WORLD):
+        for c0 in range(q * cps, (q + 1) * cps, CB):
+            rows = c0 + tl.arange(0, CB)
+            ok = (rows < (q + 1) * cps) & counted
+            blk = tl.load(counts + rows[:, None] * E_PAD + e_r[None, :], mask=ok[:, None], other=0)
+            run += tl.sum(blk, axis=0)
+            before += tl.sum(tl.where((rows < c)[:, None], blk, 0), axis=0)
+        tl.store(scr + (ROW_CUM * WORLD + q) * E_PAD + e_r, run)
+    total = tl.where(e_r < E, run, 0)
+    padded = tl.cdiv(total, BLOCK_M) * BLOCK_M
+    start = tl.cumsum(padded, axis=0) - padded
+    rows_total = tl.sum(padded, axis=0)
+    n_tiles = rows_total // BLOCK_M
+    tl.store(scr + (3 * WORLD) * E_PAD + e_r, start)
+    # Per arrival position q: the tiles of each expert whose rows all come from positions
+    # <= q (``n_le``), and where the bucket of tiles that need q last starts in the order.
+    prev = tl.zeros((E_PAD,), dtype=tl.int32)
+    q0 = 0
+    for q in tl.static_range(WORLD):
+        cum = tl.load(scr + (ROW_CUM * WORLD + q) * E_PAD + e_r)
+        n_le = tl.where(cum == total, tl.cdiv(total, BLOCK_M), cum // BLOCK_M)
+        b = n_le - prev
+        tl.store(scr + (ROW_BASE * WORLD + q) * E_PAD + e_r, q0 + tl.cumsum(b, axis=0) - b - prev)
+        tl.store(scr + (ROW_NLE * WORLD + q) * E_PAD + e_r, n_le)
+        q0 += tl.sum(b, axis=0)
+        prev = n_le
+    tl.debug_barrier()
+    for j0 in range(c * TB, n_tiles, n_prog * TB):
+        # (names unused before this loop: Triton carries a reassigned name through it)
+        tj = j0 + tl.arange(0, TB)
+        t_ok = tj < n_tiles
+        t_row0 = tj * BLOCK_M
+        # the tile's expert: the last one whose padded rows start at or before its row
+        t_before = (start[None, :] <= t_row0[:, None]) & (e_r < E)[None, :]
+        t_e = tl.maximum(tl.sum(t_before.to(tl.int32), axis=1) - 1, 0)
+        t_start = tl.load(scr + (3 * WORLD) * E_PAD + t_e, mask=t_ok, other=0)
+        t_i = (t_row0 - t_start) // BLOCK_M  # the tile's index inside its expert
+        t_first = tl.zeros((TB,), dtype=tl.int32)
+        t_last = tl.zeros((TB,), dtype=tl.int32)
+        for tp in tl.static_range(WORLD - 1):
+            t_cum = tl.load(scr + (ROW_CUM * WORLD + tp) * E_PAD + t_e, mask=t_ok, other=0)
+            t_nle = tl.load(scr + (ROW_NLE * WORLD + tp) * E_PAD + t_e, mask=t_ok, other=0)
+            t_first += (t_cum <= t_i * BLOCK_M).to(tl.int32)  # positions wholly before it
+            t_last += (t_nle <= t_i).to(tl.int32)  # positions before it is complete
+        t_q = tl.load(scr + (ROW_BASE * WORLD + t_last) * E_PAD + t_e, mask=t_ok, other=0) + t_i
+        t_dst = tiles + t_q * TILE_COLS
+        tl.store(t_dst + TILE_ROW0, t_row0, mask=t_ok)
+        tl.store(t_dst + TILE_EXPERT, t_e, mask=t_ok)
+        tl.store(t_dst + TILE_FIRST, t_first, mask=t_ok)
+        tl.store(t_dst + TILE_LAST, t_last, mask=t_ok)
+    # this chunk's rows: a stable counting sort; the s-th entry in (expert, index) order
+    # goes to row base[e] + s
     base = start + before - (tl.cumsum(hist, axis=0) - hist)
     tl.store(base_scratch + c * E_PAD + e_r, base)
     tl.debug_barrier()
@@ -217,13 +239,15 @@ def moe_scatter_kernel(
     tl.store(sorted_entry + row, src * mk + entry, mask=valid)
     tl.store(sorted_w + row, wgt, mask=valid)
     if c == 0:
-        total = tl.load(prefix + n_chunks * E_PAD + e_r, mask=e_r < E, other=0)
-        pad = tl.cdiv(total, BLOCK_M) * BLOCK_M - total
+        tl.store(offsets + e_r, start, mask=e_r < E)
+        tl.store(offsets + E, rows_total)
+        tl.store(tile_count, n_tiles)
+        pad = padded - total
         r = tl.arange(0, BLOCK_M)
-        rows = (start + total)[:, None] + r[None, :]
+        pad_rows = (start + total)[:, None] + r[None, :]
         mask = (r[None, :] < pad[:, None]) & (e_r < E)[:, None]
-        tl.store(sorted_entry + rows, tl.full((E_PAD, BLOCK_M), -1, tl.int32), mask=mask)
-        tl.store(sorted_w + rows, tl.zeros((E_PAD, BLOCK_M), tl.float32), mask=mask)
+        tl.store(sorted_entry + pad_rows, tl.full((E_PAD, BLOCK_M), -1, tl.int32), mask=mask)
+        tl.store(sorted_w + pad_rows, tl.zeros((E_PAD, BLOCK_M), tl.float32), mask=mask)
 
 
 @triton.jit
@@ -262,7 +286,7 @@ def moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WORLD: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, REDUCE: tl.constexpr,
     WAIT: tl.constexpr, USE_TMA: tl.constexpr, EXIT_CLEAR: tl.constexpr,
-    TRACE: tl.constexpr = False, tbuf=None,
+    FLATTEN: tl.constexpr = False, TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """See the module docstring. ``a``: gathered tokens ``[WORLD * m_loc, K]`` (``GATHER``)
     or ``h [rows, K]``; ``w``: ``[E, K, N_W]``; ``out``: ``[rows, N]`` (gather mode);
@@ -285,14 +309,20 @@ def moe_gemm_kernel(
     tiles_n = tl.cdiv(N, BLOCK_N)
     n_tiles = tl.load(tile_count) * tiles_n
     b_desc = None
+    a_desc = None
     if USE_TMA:
         b_desc = tl.make_tensor_descriptor(
             w, shape=[E * K, N_W], strides=[N_W, 1],
             block_shape=[BLOCK_K, BLOCK_N],
         )  # fmt: skip
+        if not GATHER:  # the expert-sorted rows in use: whole tiles
+            a_desc = tl.make_tensor_descriptor(
+                a, shape=[tl.load(tile_count) * BLOCK_M, K], strides=[K, 1],
+                block_shape=[BLOCK_M, BLOCK_K],
+            )  # fmt: skip
     ks = tl.arange(0, BLOCK_K)
     r = tl.arange(0, BLOCK_M)
-    for g in tl.range(pid, n_tiles, n_prog):
+    for g in tl.range(pid, n_tiles, n_prog, flatten=FLATTEN):
         q = g // tiles_n
         col = (g % tiles_n) * BLOCK_N
         info = tiles + q * TILE_COLS
@@ -326,8 +356,11 @@ def moe_gemm_kernel(
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         w_row = e * K
         for kk in range(0, K, BLOCK_K):
-            a_t = tl.load(a_rows[:, None] + (kk + ks)[None, :],
-                          mask=a_ok[:, None] & ((kk + ks) < K)[None, :], other=0.0)  # fmt: skip
+            if USE_TMA and not GATHER:  # (a padding row's product is never stored)
+                a_t = a_desc.load([row0, kk])
+            else:
+                a_t = tl.load(a_rows[:, None] + (kk + ks)[None, :],
+                              mask=a_ok[:, None] & ((kk + ks) < K)[None, :], other=0.0)  # fmt: skip
             b_t = _load_b(w, b_desc, w_row + kk, col, K - kk, N_W, USE_TMA, BLOCK_K, BLOCK_N)
             acc = _dot(a_t, b_t, acc)
             if SWIGLU:

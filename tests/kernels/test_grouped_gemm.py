@@ -21,19 +21,16 @@ def _routing_kernels():
     i32, p32 = "i32", "*i32"
     common = {"meta": p32, "meta_stride": i32, "mk": i32, "cps": i32, "E": i32, "sig": p32,
               "flag0": i32, "err": "i64", "rank": i32, "max_spins": i32}  # fmt: skip
-    yield (
-        g.moe_count_kernel,
-        {**common, "counts": p32},
-        {"CHUNK": 1024, "E_PAD": 64, "WORLD": 4, "WAIT": True},
-    )
-    yield g.moe_scan_kernel, {
-        "counts": p32, "prefix": p32, "n_chunks": i32, "cps": i32, "E": i32, "offsets": p32,
-        "tiles": p32, "tile_count": p32, "scratch": p32,
-    }, {"BLOCK_M": 128, "E_PAD": 64, "WORLD": 8, "CB": 32, "TB": 64}  # fmt: skip
-    yield g.moe_scatter_kernel, {
-        **common, "w_off": i32, "prefix": p32, "n_chunks": i32, "offsets": p32,
-        "base_scratch": p32, "sorted_entry": p32, "sorted_w": "*fp32",
-    }, {"CHUNK": 1024, "E_PAD": 64, "WORLD": 4, "BLOCK_M": 128, "WAIT": True}  # fmt: skip
+    route = {
+        **common, "w_off": i32, "counts": p32, "n_chunks": i32, "offsets": p32, "tiles": p32,
+        "tile_count": p32, "scratch": p32, "base_scratch": p32, "sorted_entry": p32,
+        "sorted_w": "*fp32", "bar_slot": i32,
+    }  # fmt: skip
+    for phase in (0, 1, 2):  # one launch, the count alone, the build alone
+        yield g.moe_route_kernel, route, {
+            "CHUNK": 1024, "E_PAD": 64, "WORLD": 4 if phase else 8, "BLOCK_M": 128, "CB": 32,
+            "TB": 64, "WAIT": True, "PHASE": phase,
+        }  # fmt: skip
     yield g.moe_finish_kernel, {
         "rows_table": "*i64", "set_off": i32, "y": "*bf16", "m_loc": i32, "N": i32,
         "sig": p32,
@@ -48,6 +45,10 @@ def test_routing_kernels_compile_for_hopper(i):
     inspect.compile_for_hopper(kernel, sig, const, num_stages=1)
 
 
+#: the arguments Triton sees 16-byte aligned at the ops' launches
+_ALIGNED = ("a", "x_own", "w", "out", "rows_out", "K", "N")
+
+
 def _gemm_sig():
     i32, p32 = "i32", "*i32"
     return {
@@ -59,28 +60,32 @@ def _gemm_sig():
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", ["gather_swiglu", "gather_plain", "reduce"])
+@pytest.mark.parametrize("mode", ["gather_swiglu", "gather_plain", "reduce", "reduce_flat"])
 @pytest.mark.parametrize("tma", [True, False])
 def test_gemm_compiles_for_hopper(mode, tma):
     from interlace.kernels.grouped_gemm import moe_gemm_kernel
 
+    reduce = mode.startswith("reduce")
     const = dict(
-        BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORLD=4, GATHER=mode != "reduce",
-        SWIGLU=mode == "gather_swiglu", REDUCE=mode == "reduce", WAIT=mode != "reduce",
-        USE_TMA=tma, EXIT_CLEAR=mode != "reduce", TRACE=False, tbuf=None,
+        BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORLD=4, GATHER=not reduce,
+        SWIGLU=mode == "gather_swiglu", REDUCE=reduce, WAIT=not reduce,
+        USE_TMA=tma, EXIT_CLEAR=not reduce, FLATTEN=mode == "reduce_flat" and tma,
+        TRACE=False, tbuf=None,
     )  # fmt: skip
     ir = inspect.compile_for_hopper(
         moe_gemm_kernel, _gemm_sig(), const,
-        aligned=("a", "x_own", "w", "out", "rows_out", "K", "N"), num_warps=8, num_stages=3,
+        aligned=_ALIGNED, num_warps=8, num_stages=3,
     )  # fmt: skip
     assert "wgmma" in ir["ptx"], "the grouped GEMM should use Hopper's wgmma"
     assert "local" not in re.findall(r"\bst\.(\w+)", ir["ptx"]), "registers spill"
-    if mode == "reduce":  # weighted rows: plain 16-byte stores, no float atomics
+    if reduce and tma:  # A and the weights through TMA descriptors (bulk tensor copies)
+        assert "cp.async.bulk.tensor" in ir["ptx"] and "cp.async.cg" not in ir["ptx"]
+    if reduce:  # weighted rows: plain 16-byte stores, no float atomics
         atomics = set(re.findall(r"\b(?:atom|red)\.global\.[\w.]+", ir["ptx"]))
         assert not any(a.endswith("f32") for a in atomics), atomics
         assert re.search(r"\bst\.global(\.\w+)*\.v4\.b32", ir["ptx"]), "no 16-byte stores"
         assert not any("sys" in a and "f32" in a for a in atomics), atomics
-    if mode != "reduce":  # the gathered rows' loads take their mask from the wait
+    if not reduce:  # the gathered rows' loads take their mask from the wait
         loads = inspect.data_loads(ir["ttgir"])
         assert any(ld.guarded_by("mask") for ld in loads), "no A load depends on the wait"
 
@@ -102,3 +107,30 @@ def test_finish_loads_16_bytes_where_aligned(rows_f32, aligned):
     wide = re.findall(r"\bld\.global\.v4\.b32", ptx)
     assert bool(wide) == aligned, len(wide)
     assert "local" not in re.findall(r"\bst\.(\w+)", ptx), "registers spill"
+
+
+def _configs():
+    from interlace.ops.moe import _gemm
+
+    for mode in ("gather", "reduce"):
+        for cfg in dict.fromkeys([_gemm.GPU_CONFIGS[mode], *_gemm.CANDIDATES[mode]]):
+            yield mode, cfg
+
+
+@pytest.mark.parametrize("mode,cfg", list(_configs()), ids=str)
+def test_every_gpu_config_fits_in_shared_memory(mode, cfg):
+    """Each config the ops or ``bench moe``'s sweep launch on a GPU (TMA descriptors on, as
+    there) fits in an H100 / H200 block's shared memory."""
+    from interlace.kernels.grouped_gemm import moe_gemm_kernel
+
+    gather = mode == "gather"
+    const = dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WORLD=4, GATHER=gather,
+        SWIGLU=gather, REDUCE=not gather, WAIT=gather, USE_TMA=True, EXIT_CLEAR=gather,
+        FLATTEN=cfg.flatten and not gather, TRACE=False, tbuf=None,
+    )  # fmt: skip
+    ir = inspect.compile_for_hopper(
+        moe_gemm_kernel, _gemm_sig(), const, aligned=_ALIGNED, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    assert ir["shared"] <= 232448, f"{cfg}: {ir['shared']} bytes of shared memory"

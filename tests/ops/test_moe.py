@@ -401,7 +401,7 @@ def test_moe_gpu_shapes(world):
 
 # ------------------------------------------------------------------------- per-rank path
 def _per_rank_body(group):
-    """The per-rank path ``bench.moe`` times, on rank 0 alone: the routing kernels for all
+    """The per-rank path ``bench.moe`` times, on rank 0 alone: the routing build for all
     ``W`` source ranks (flags preset), the reduce GEMM with few programs running many tiles
     each (several K steps, ragged N), then the owner's finish over ``W`` row buffers (the
     computing rank's poisoned first: every entry's row must be written; the others zero
@@ -434,6 +434,7 @@ def _per_rank_case(group, cfg):
     tokens = world * m
     i32 = dict(dtype=torch.int32, device=dev)
     sig_in, err = torch.ones(16, **i32), torch.zeros(4, **i32)
+    sig_in[8:] = 0  # slots 8, 9: the routing build's grid barrier (one launch on a GPU)
     w2 = rand(gen, experts, inter, hidden, dtype=torch.bfloat16, device="cpu")
     # every rank's row buffer (only the rank computing writes its own)
     bufs = torch.zeros(world, tokens * k, hidden, device=dev)
@@ -448,7 +449,7 @@ def _per_rank_case(group, cfg):
         work = alloc_routing(m, k, experts, world, cfg.block_m, dev)
         launch_routing(
             work, meta, 2 * m * k, rank=rank, sig=sig_in, flag0=0, err=err.data_ptr(),
-            max_spins=1 << 20, wait=True,
+            max_spins=1 << 20, wait=True, bar_slot=8,
         )  # fmt: skip
         rt = work.routing
         h = rand(gen, rt.rows, inter, dtype=torch.bfloat16, device="cpu")
@@ -467,6 +468,7 @@ def _per_rank_case(group, cfg):
         )  # fmt: skip
         sync(group)
         assert int(err[0]) == 0 and sig.tolist() == [0] * 8
+        assert sig_in[8:].tolist() == [0] * 8, "the barrier's counters are left at zero"
         # float32 reference: every row in use times its weight, summed into its token
         used = int(rt.offsets[-1])
         tok = rt.token_ids[:used].long().cpu()

@@ -19,7 +19,7 @@ Strategies:
 
 * ``fused``: the ranks' routing (ids and weights, packed) and then their token shards
   reach every peer by the copy engine, peer by peer in rank-rotated order, each copy
-  raising the peer's arrival flag from the stream. The routing kernels wait only for the
+  raising the peer's arrival flag from the stream. The routing build waits only for the
   routing, build the tile table on the device, and the persistent grouped GEMM runs tiles
   in arrival order, each waiting for the shards its rows read and gathering those rows
   itself (this rank's tokens read in place): no permuted copy of the tokens exists.
@@ -31,7 +31,7 @@ a third, behind a device barrier, and can be replayed with new tokens and routin
 ``eager_graphs`` (the default where the driver allows) an eager ``fused`` call is replayed
 from a CUDA graph the context captured on the second call of its kind
 (``OpContext._enqueue``): one launch from the host instead of the packing, the copies and
-their flags, the routing kernels and the GEMM.
+their flags, the routing build and the GEMM.
 """
 
 from __future__ import annotations
@@ -45,7 +45,14 @@ from .._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext
 from . import _checks
 from ._gemm import MoeGemmConfig, config_for, launch_gemm, programs
 from .baseline import ag_moe_none
-from .routing import MoeRouting, _no_err, alloc_routing, launch_routing, pack_meta
+from .routing import (
+    BARRIER_SLOTS,
+    MoeRouting,
+    _no_err,
+    alloc_routing,
+    launch_routing,
+    pack_meta,
+)
 
 ACTIVATIONS = ("swiglu", None)
 ID_DTYPES = (torch.int32, torch.int64)
@@ -134,8 +141,9 @@ class AGMoE(_MoeContext):
                 f"ag_moe: activation must be one of {ACTIVATIONS}, got {activation!r}"
             )
         w = group.world_size
-        # per buffer set: meta flags, token flags (one per arrival position), "done"
-        self._set_size = 2 * w + 1
+        # per buffer set: meta flags, token flags (one per arrival position), "done", the
+        # routing build's grid barrier
+        self._set_size = 2 * w + 1 + BARRIER_SLOTS
         super().__init__(
             group, max_tokens, hidden, inter, experts, topk, dtype, strategy, config,
             validate, max_spins, {"moe": BUFFER_SETS * self._set_size}, eager_graphs,
@@ -242,7 +250,7 @@ class AGMoE(_MoeContext):
             sig, err = self.pad.buffer.local, self.error.address
             routing = launch_routing(
                 work, meta, self._meta_stride, rank=r, sig=sig, flag0=meta_flags, err=err,
-                max_spins=self.max_spins, wait=wsz > 1,
+                max_spins=self.max_spins, wait=wsz > 1, bar_slot=done + 1,
             )  # fmt: skip
             grid = programs(routing, self.inter, cfg, dev, self.group.backend)
             launch_gemm(

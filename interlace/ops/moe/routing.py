@@ -1,6 +1,7 @@
 """The routing of one MoE call as the GEMMs read it (:class:`MoeRouting`), built on the
-device with no host synchronisation (``kernels.grouped_gemm``: a histogram per chunk of
-entries, one scan, a stable counting sort), and argument checks shared by both halves.
+device with no host synchronisation (``kernels.grouped_gemm.moe_route_kernel``: a
+histogram per chunk of entries, then the offsets, the tile table and a stable counting
+sort, in one launch on a GPU), and argument checks shared by both halves.
 
 Row layout (``layout="padded"``): rows are sorted by (expert, arrival position of the
 source rank, token, slot); each expert's rows are padded to ``block_m`` (token -1, weight
@@ -17,14 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels.grouped_gemm import (
-    TILE_COLS,
-    moe_count_kernel,
-    moe_scan_kernel,
-    moe_scatter_kernel,
-)
+from ...kernels.grouped_gemm import TILE_COLS, moe_route_kernel
 from ...runtime.signals import ERROR_WORDS
-from .._context import cdiv
+from .._context import cdiv, sm_count
 
 
 @dataclass(frozen=True)
@@ -96,7 +92,6 @@ class RoutingWork:
 
     routing: MoeRouting
     counts: torch.Tensor
-    prefix: torch.Tensor
     scratch: torch.Tensor
     base_scratch: torch.Tensor
 
@@ -112,31 +107,39 @@ def alloc_routing(m_loc, topk, experts, world, block_m, device) -> RoutingWork:
     max_tiles = rows // block_m
     sizes = [
         rows, rows, experts + 1, max_tiles * TILE_COLS.value, 1, n_chunks * ep,
-        (n_chunks + 1) * ep, (2 * world + 1) * ep, n_chunks * ep,
+        n_chunks * (3 * world + 1) * ep, n_chunks * ep,
     ]  # fmt: skip
     buf = torch.empty(sum(sizes), dtype=torch.int32, device=device)
     views, at = [], 0
     for s in sizes:
         views.append(buf[at : at + s])
         at += s
-    ent, wts, offsets, tiles, count, counts, prefix, scratch, base = views
+    ent, wts, offsets, tiles, count, counts, scratch, base = views
     routing = MoeRouting(
         entry_ids=ent, weights=wts.view(torch.float32), offsets=offsets,
         tiles=tiles.view(max_tiles, TILE_COLS.value), tile_count=count, m_loc=m_loc,
         topk=topk, experts=experts, world=world, block_m=block_m, layout="padded",
         storage=buf,
     )  # fmt: skip
-    return RoutingWork(routing, counts, prefix, scratch, base)
+    return RoutingWork(routing, counts, scratch, base)
+
+
+#: sig slots a one-launch routing build needs (``launch_routing``'s ``bar_slot``)
+BARRIER_SLOTS = 2
 
 
 def launch_routing(
     work: RoutingWork, meta: torch.Tensor, meta_stride: int, *, rank: int, sig=None,
     flag0: int = 0, err: int = 0, max_spins: int = 0, wait: bool = False,
+    bar_slot: int | None = None,
 ) -> MoeRouting:  # fmt: skip
-    """Enqueue the three routing kernels on the current stream. ``meta``: the packed ids
-    and weights of every source rank (``meta_stride`` int32 per source: ``m * k`` ids,
-    then ``m * k`` weights); ``wait``: entries of other ranks wait for their meta flag
-    (``sig + flag0 + arrival position``)."""
+    """Enqueue the routing build (``moe_route_kernel``) on the current stream. ``meta``:
+    the packed ids and weights of every source rank (``meta_stride`` int32 per source:
+    ``m * k`` ids, then ``m * k`` weights); ``wait``: entries of other ranks wait for
+    their meta flag (``sig + flag0 + arrival position``). ``bar_slot``: two ``sig`` slots
+    at zero (left at zero) for the grid barrier of a one-launch build, which runs on a GPU
+    where every chunk's program can be resident at once (one per SM); otherwise (None, the
+    interpreter, more chunks than SMs) the count and the build are two launches."""
     rt = work.routing
     w, e = rt.world, rt.experts
     mk = rt.m_loc * rt.topk
@@ -145,20 +148,21 @@ def launch_routing(
     n_chunks = w * cps
     ep = e_pad(e)
     sig_t = sig if sig is not None else work.counts
-    moe_count_kernel[(n_chunks,)](
-        meta, meta_stride, mk, cps, work.counts, e, sig_t, flag0, err or _no_err(meta),
-        rank, max_spins, CHUNK=chunk, E_PAD=ep, WORLD=w, WAIT=wait, num_warps=4,
+    one = (
+        bar_slot is not None and sig is not None and meta.is_cuda
+        and n_chunks <= sm_count(meta.device.index)
     )  # fmt: skip
-    moe_scan_kernel[(1,)](
-        work.counts, work.prefix, n_chunks, cps, e, rt.offsets, rt.tiles, rt.tile_count,
-        work.scratch, BLOCK_M=rt.block_m, E_PAD=ep, WORLD=w, CB=32, TB=64, num_warps=4,
+    args = (
+        meta, meta_stride, mk, mk, cps, e, work.counts, n_chunks, rt.offsets, rt.tiles,
+        rt.tile_count, work.scratch, work.base_scratch, rt.entry_ids, rt.weights, sig_t,
+        flag0, bar_slot or 0, err or _no_err(meta), rank, max_spins,
     )  # fmt: skip
-    moe_scatter_kernel[(n_chunks,)](
-        meta, meta_stride, mk, mk, cps, e, work.prefix, n_chunks, rt.offsets,
-        work.base_scratch, rt.entry_ids, rt.weights, sig_t, flag0,
-        err or _no_err(meta), rank, max_spins, CHUNK=chunk, E_PAD=ep, WORLD=w,
-        BLOCK_M=rt.block_m, WAIT=wait, num_warps=4,
+    consts = dict(
+        CHUNK=chunk, E_PAD=ep, WORLD=w, BLOCK_M=rt.block_m, CB=32, TB=64, WAIT=wait,
+        num_warps=4,
     )  # fmt: skip
+    for phase in (0,) if one else (1, 2):
+        moe_route_kernel[(n_chunks,)](*args, PHASE=phase, **consts)
     return rt
 
 
