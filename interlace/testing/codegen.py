@@ -55,7 +55,7 @@ def compile_for_hopper(
     num_warps: int = 4,
     num_stages: int = 3,
     capability: int = 90,
-) -> dict[str, str]:
+) -> dict:
     """Compile the ``@triton.jit`` function ``kernel`` for ``cuda:<capability>``.
 
     ``signature`` maps each runtime argument to its Triton type (``"*fp16"``, ``"i32"``);
@@ -63,7 +63,8 @@ def compile_for_hopper(
     (pointers, or integers such as strides) to mark divisible by 16, as Triton specialises
     them at a launch with aligned tensors; without it Triton cannot vectorise the loads and
     does not turn them into ``cp.async`` copies. Returns the IR stages ``ttir``, ``ttgir``,
-    ``llir`` and ``ptx`` as text.
+    ``llir`` and ``ptx`` as text, and ``shared``: the bytes of shared memory a program
+    takes (an H100 / H200 has 232448 per block).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -83,7 +84,9 @@ def compile_for_hopper(
         target=GPUTarget("cuda", capability, 32),
         options={"num_warps": num_warps, "num_stages": num_stages},
     )
-    return {k: compiled.asm[k] for k in ("ttir", "ttgir", "llir", "ptx")}
+    ir = {k: compiled.asm[k] for k in ("ttir", "ttgir", "llir", "ptx")}
+    ir["shared"] = compiled.metadata.shared
+    return ir
 
 
 _unavailable: list[str | None] = []

@@ -25,18 +25,27 @@ class MoeGemmConfig:
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    #: one software-pipelined loop over the program's tiles and their K steps
+    #: (``tl.range(flatten=True)``): the next tile's loads are issued under this one's
+    #: epilogue. Only where A is read through a TMA descriptor (reduce mode): the gather's
+    #: row loads lose their asynchronous copies in a flattened loop.
+    flatten: bool = False
 
 
 #: the interpreter: small tiles keep the CPU tests fast
 CPU_CONFIG = MoeGemmConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
 
 #: configs on an H100 / H200. gather: 128 x 128 per SwiGLU half, 8 warps, 4 stages won 7 of
-#: the 12 TP-4 shapes of the sweep (3 stages the rest, within 5 %); reduce: 128 x 128 (the
-#: sweep's faster 128 x 256 failed the CUDA-graph test at rel err 1.08e-2, see
+#: the 12 TP-4 shapes of the sweep (3 stages the rest, within 5 %); reduce: 128 x 128,
+#: 4 stages, flattened tile loop: the sweep's fastest on 8 of the 12 TP-4 shapes on an H200
+#: (benchmarks/results/2026-11-29-h200-w1.json, config ``128x128x64w8s4f``; the others
+#: chose 128 x 256, which failed the CUDA-graph test at rel err 1.08e-2, see
 #: benchmarks/results/history/2026-11-25-h100-moe2-bench.log)
 GPU_CONFIGS = {
     "gather": MoeGemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
-    "reduce": MoeGemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4),
+    "reduce": MoeGemmConfig(
+        block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, flatten=True
+    ),
 }
 
 #: the configs ``bench.moe --sweep`` times (the row height is shared by both halves)
@@ -52,6 +61,9 @@ CANDIDATES = {
         MoeGemmConfig(128, 64, 64, 4, 4),
         MoeGemmConfig(128, 256, 64, 8, 3),
         MoeGemmConfig(128, 128, 64, 4, 4),
+        MoeGemmConfig(128, 256, 64, 8, 2, flatten=True),
+        MoeGemmConfig(128, 128, 64, 8, 4, flatten=True),
+        MoeGemmConfig(128, 128, 64, 8, 3, flatten=True),
     ],
 }
 
@@ -61,8 +73,8 @@ def config_for(mode: str, backend: str) -> MoeGemmConfig:
 
 
 def tma_ok(w: torch.Tensor) -> bool:
-    """The weight's rows can be read through a TMA descriptor (16-byte aligned rows and
-    base) on a GPU."""
+    """The tensor's rows (the weight's, or reduce mode's A) can be read through a TMA
+    descriptor (16-byte aligned rows and base) on a GPU."""
     n_w = w.shape[-1]
     return w.is_cuda and (n_w * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
 
@@ -83,12 +95,14 @@ def launch_gemm(
     wait=False, world=1, use_tma: bool | None = None,
 ):  # fmt: skip
     """One launch of the grouped GEMM on the current stream (see the kernel).
-    ``use_tma``: read the weight tiles through a TMA descriptor; None: wherever
-    ``tma_ok`` allows it (False forces the pointer path, which probes compare against).
+    ``use_tma``: read the weight tiles (and reduce mode's A tiles) through TMA
+    descriptors; None: wherever ``tma_ok`` allows it (False forces the pointer path, which
+    probes compare against).
     A launch is traced (``TRACE`` on) where a recorder is in force
     (``interlace.trace.record``): gather mode (``AGMoE``) as ``_trace.GROUPED_GEMM``,
     reduce mode (``MoERS``) as :data:`REDUCE_GEMM`."""
     use_tma = tma_ok(w) if use_tma is None else bool(use_tma) and tma_ok(w)
+    use_tma = use_tma and (gather or tma_ok(a))  # reduce mode reads A through TMA too
     if use_tma:
         install_scratch_allocator()
     stand_in = routing.entry_ids
@@ -113,7 +127,8 @@ def launch_gemm(
         flag0, err, rank, max_spins, done_slot, *(clear or (0, 0)), contrib_slot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WORLD=world,
         GATHER=gather, SWIGLU=swiglu, REDUCE=reduce, WAIT=wait, USE_TMA=use_tma,
-        EXIT_CLEAR=clear is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EXIT_CLEAR=clear is not None, FLATTEN=cfg.flatten and use_tma and not gather,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **traced,
     )  # fmt: skip
 
