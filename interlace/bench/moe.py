@@ -13,8 +13,8 @@ torch's launchers, is in none of them.
   grouped_mm``, ``t_ref_ms``): ``torch._grouped_mm`` ``[M * k, H] x [E, H, 2 I / W]``
   alone on rows already permuted; and what a user runs instead (``t_torch_path_ms``, path
   in ``torch_path``): ``index_select`` of the rows + that ``torch._grouped_mm`` + SwiGLU.
-* ``moe_rs``: the grouped GEMM whose epilogue stores each weighted row at its (token,
-  slot) entry's row of the local row buffer + the owner's finish, which sums the ``k``
+* ``moe_rs``: the grouped GEMM whose epilogue stores the weighted rows in expert-sorted
+  order into the local row buffer + the owner's finish, which sums the ``k``
   rows of each of its tokens in the ``W`` ranks' row buffers (here: this rank's and ``W -
   1`` zero stand-ins, read the same way) and converts them (``t_ms``); the GEMM alone
   (``t_kernel_ms``); the same as ``t_ms`` with the rows stored in bf16, rounded before the
@@ -241,9 +241,12 @@ class _Problem:
         from ..ops.moe import _gemm
 
         m, hidden, dev, world, k = self.m, self.hidden, self.dev, self.world, self.k
-        rows = torch.zeros(TOKENS * k, hidden, dtype=row_dtype, device=dev)
-        peers = torch.zeros(TOKENS * k, hidden, dtype=row_dtype, device=dev)  # stand-ins
+        rows = torch.zeros(rt.rows, hidden, dtype=row_dtype, device=dev)
+        peers = torch.zeros(rt.rows, hidden, dtype=row_dtype, device=dev)  # stand-ins
         table = torch.tensor([rows.data_ptr()] + [peers.data_ptr()] * (world - 1), device=dev)
+        # every rank's entry -> row map: this rank's (the stand-ins' rows are zeros)
+        row_of = torch.zeros(TOKENS * k, dtype=torch.int32, device=dev)
+        maps = torch.tensor([row_of.data_ptr()] * world, device=dev)
         sig = torch.zeros(8, dtype=torch.int32, device=dev)
         sig_table = torch.tensor([sig.data_ptr()] * world, device=dev)
         y = torch.empty(m, hidden, dtype=torch.bfloat16, device=dev)
@@ -253,16 +256,16 @@ class _Problem:
         def gemm():
             _gemm.launch_gemm(
                 a=hp, x_own=None, w=self.w2, out=None, routing=rt, n=hidden, up=0, cfg=cfg,
-                grid=grid, gather=False, swiglu=False, reduce=True, rows_out=rows, sig=sig,
-                sig_table=sig_table, err=err_ptr, rank=0, max_spins=1 << 20, done_slot=0,
-                contrib_slot=1, world=world,
+                grid=grid, gather=False, swiglu=False, reduce=True, rows_out=rows,
+                row_of=row_of, sig=sig, sig_table=sig_table, err=err_ptr, rank=0,
+                max_spins=1 << 20, done_slot=0, contrib_slot=1, world=world,
             )  # fmt: skip
 
         def rs():
             gemm()
             _gemm.launch_finish(
-                table, 0, y, m, k, sig, 1, 2, err_ptr, 0, 1 << 20, world, dev, "cuda",
-                rows_f32=row_dtype == torch.float32,
+                table, 0, maps, 0, y, m, k, sig, 1, 2, err_ptr, 0, 1 << 20, world, dev,
+                "cuda", rows_f32=row_dtype == torch.float32,
                 aligned=rows.data_ptr() % 16 == 0 and peers.data_ptr() % 16 == 0,
             )  # fmt: skip
 

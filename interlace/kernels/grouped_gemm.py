@@ -37,16 +37,17 @@ so the grid and the tables have a worst-case size known on the host. Two modes:
   arrival flags of the positions the tile reads; optional fused SwiGLU: ``w`` holds the
   gate columns ``[0, I)`` and the up columns ``[I, 2 I)`` side by side, and the tile's
   output is ``silu(x @ gate) * (x @ up)``.
-* reduce (the second half): A is the expert-sorted ``h``; the epilogue multiplies each
-  row by its routing weight and stores it (float32, or the output type) at row ``entry =
-  token * k + slot`` of this rank's *local* row buffer ``rows_out [WORLD * m_loc * k,
-  N]``: the rows leave the GEMM in token order, each owner's ``m_loc * k`` rows
-  contiguous, and no row is added to another here (plain stores, no atomics). When every
-  program of the launch is done, the last one raises each owner's contribution counter;
-  ``moe_finish_kernel`` on the owner waits for all ``WORLD`` contributions, then sums, in
-  float32, the ``k`` rows of each of its tokens in every rank's row buffer (peer reads:
-  the top-k sum and the reduce-scatter in one pass) and writes them in the output type.
-  Every entry's row is rewritten by every call, so nothing is cleared between calls.
+* reduce (the second half): A is the expert-sorted ``h``, read through a TMA descriptor;
+  the epilogue multiplies each row by its routing weight and stores the tile (float32, or
+  the output type) in the same row order into this rank's *local* row buffer ``rows_out``
+  (whole tiles through a TMA descriptor: asynchronous, under the next tile's main loop),
+  and records each entry's row (``row_of[token * k + slot]``). No row is added to another
+  here (no atomics). When every program of the launch is done, the last one raises each
+  owner's contribution counter; ``moe_finish_kernel`` on the owner waits for all ``WORLD``
+  contributions, then sums, in float32, the ``k`` rows of each of its tokens in every
+  rank's row buffer, found through that rank's ``row_of`` (peer reads: the top-k sum and
+  the reduce-scatter in one pass), and writes them in the output type. Every entry's row
+  and map word are rewritten by every call, so nothing is cleared between calls.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import triton.language as tl
 
 from ..language.primitives import (
     INTERPRETED,
+    bulk_stores_done,
     guard,
     last_program_clears,
     notify,
@@ -281,8 +283,8 @@ def _load_b(w, b_desc, row, col, k_left, N_W, USE_TMA: tl.constexpr,
 )  # fmt: skip
 def moe_gemm_kernel(
     a, x_own, w, out, tiles, tile_count, sorted_entry, sorted_w, m_loc, k_top, E, K, N,
-    N_W, UP, rows_out, sig, sig_table, flag0, err, rank, max_spins, done_slot, clear_first,
-    clear_count, contrib_slot,
+    N_W, UP, rows_out, row_of, sig, sig_table, flag0, err, rank, max_spins, done_slot,
+    clear_first, clear_count, contrib_slot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WORLD: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, REDUCE: tl.constexpr,
     WAIT: tl.constexpr, USE_TMA: tl.constexpr, EXIT_CLEAR: tl.constexpr,
@@ -290,8 +292,9 @@ def moe_gemm_kernel(
 ):  # fmt: skip
     """See the module docstring. ``a``: gathered tokens ``[WORLD * m_loc, K]`` (``GATHER``)
     or ``h [rows, K]``; ``w``: ``[E, K, N_W]``; ``out``: ``[rows, N]`` (gather mode);
-    ``UP``: first up column of ``w`` (``SWIGLU``); ``rows_out``: the row buffer ``[WORLD *
-    m_loc * k, N]`` (``REDUCE``: weighted rows at their entry's index). ``WAIT``: tiles
+    ``UP``: first up column of ``w`` (``SWIGLU``); ``REDUCE``: ``rows_out [rows, N]``
+    takes the weighted rows in ``a``'s (expert-sorted) order, ``row_of [WORLD * m_loc *
+    k]`` each entry's row. ``WAIT``: tiles
     wait for the arrival flags ``flag0 + p`` of the positions they read; ``EXIT_CLEAR``:
     the last program waits for every position's flag (none may land after the clear) and
     zeroes ``clear_count`` slots from ``clear_first``, ``done_slot`` among them.
@@ -310,6 +313,7 @@ def moe_gemm_kernel(
     n_tiles = tl.load(tile_count) * tiles_n
     b_desc = None
     a_desc = None
+    rows_desc = None
     if USE_TMA:
         b_desc = tl.make_tensor_descriptor(
             w, shape=[E * K, N_W], strides=[N_W, 1],
@@ -320,6 +324,11 @@ def moe_gemm_kernel(
                 a, shape=[tl.load(tile_count) * BLOCK_M, K], strides=[K, 1],
                 block_shape=[BLOCK_M, BLOCK_K],
             )  # fmt: skip
+            if REDUCE:  # the weighted rows in the same order: whole tiles, stored async
+                rows_desc = tl.make_tensor_descriptor(
+                    rows_out, shape=[tl.load(tile_count) * BLOCK_M, N], strides=[N, 1],
+                    block_shape=[BLOCK_M, BLOCK_N],
+                )  # fmt: skip
     ks = tl.arange(0, BLOCK_K)
     r = tl.arange(0, BLOCK_M)
     for g in tl.range(pid, n_tiles, n_prog, flatten=FLATTEN):
@@ -371,13 +380,16 @@ def moe_gemm_kernel(
         trace_event(TRACE, tbuf, EV_TILE_END, g, q, e)
         cols = col + tl.arange(0, BLOCK_N)
         if REDUCE:
-            # each weighted row to its entry's row of this rank's row buffer
+            # the weighted rows in h's order (a padding row: weight 0), and (first column
+            # tile) each entry's row in the map the owners' finish reads
             wgt = tl.load(sorted_w + rows, mask=live, other=0.0)
-            dst = rows_out + ent.to(tl.int64) * N
-            tl.store(
-                dst[:, None] + cols[None, :], (acc * wgt[:, None]).to(rows_out.dtype.element_ty),
-                mask=live[:, None] & (cols < N)[None, :],
-            )  # fmt: skip
+            val = (acc * wgt[:, None]).to(rows_out.dtype.element_ty)
+            if USE_TMA:
+                rows_desc.store([row0, col], val)
+            else:
+                dst = rows_out + rows[:, None].to(tl.int64) * N + cols[None, :]
+                tl.store(dst, val, mask=(cols < N)[None, :])
+            tl.store(row_of + ent, rows, mask=live & (col == 0))
         else:
             if SWIGLU:
                 acc = acc / (1.0 + tl.exp(-acc)) * acc_up
@@ -385,6 +397,8 @@ def moe_gemm_kernel(
             tl.store(ptrs, acc.to(out.dtype.element_ty), mask=(cols < N)[None, :])
     if REDUCE:
         # the last program to finish publishes every program's rows to every owner
+        if USE_TMA:
+            bulk_stores_done()
         tl.debug_barrier()
         arrived = tl.atomic_add(sig + done_slot, 1, sem="acq_rel", scope="sys")
         if arrived == n_prog - 1:
@@ -409,19 +423,21 @@ def moe_gemm_kernel(
     ]
 )  # fmt: skip
 def moe_finish_kernel(
-    rows_table, set_off, y, m_loc, N, sig, contrib_slot, done_slot, err, rank, max_spins,
+    rows_table, set_off, map_table, map_off, y, m_loc, N, sig, contrib_slot, done_slot, err,
+    rank, max_spins,
     WORLD: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ROWS_F32: tl.constexpr = True, ALIGNED: tl.constexpr = False,
     TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """The owner's end of the top-k sum and the reduce-scatter. Once every rank has
     contributed (counter ``contrib_slot`` reaches ``WORLD``): ``y[t] = sum over ranks r
-    and slots j of rows_r[(rank * m_loc + t) * TOPK + j]`` in float32, stored in ``y``'s
-    type, where ``rows_r`` is rank ``r``'s row buffer (``rows_table[r]`` + ``set_off``
-    elements, ``[WORLD * m_loc * TOPK, N]``, float32 or, ``ROWS_F32`` off, ``y``'s type;
-    the rows already weighted). Ranks and slots are unrolled, so that a tile's ``WORLD *
-    TOPK`` loads are all in flight at once. ``ALIGNED``: every rank's buffer at
-    ``set_off`` starts on 16 bytes (the loads then move 16 bytes each).
+    and slots j of rows_r[map_r[(rank * m_loc + t) * TOPK + j]]`` in float32, stored in
+    ``y``'s type, where ``rows_r`` is rank ``r``'s row buffer (``rows_table[r]`` +
+    ``set_off`` elements, ``[rows, N]`` in that rank's expert-sorted order, float32 or,
+    ``ROWS_F32`` off, ``y``'s type; the rows already weighted) and ``map_r`` its entry ->
+    row map (int32, ``map_table[r]`` + ``map_off``). Ranks and slots are unrolled, so that
+    a tile's ``WORLD * TOPK`` row loads are all in flight at once. ``ALIGNED``: every
+    rank's buffer at ``set_off`` starts on 16 bytes (the loads then move 16 bytes each).
     Ranks are read in rotated order, this rank first, so that owners spread over the
     links. The last program zeroes the counter and ``done_slot`` (the next slot).
 
@@ -439,9 +455,10 @@ def moe_finish_kernel(
     for g in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         rows = (g // tiles_n) * BLOCK_M + r
         cols = (g % tiles_n) * BLOCK_N + c
+        row_ok = guard(rows < m_loc, token, WORLD)
         inside = (rows < m_loc)[:, None] & (cols < N)[None, :]
         ok = guard(inside, token, WORLD)
-        first = (rank * m_loc + rows).to(tl.int64) * TOPK
+        first = (rank * m_loc + rows) * TOPK
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in tl.static_range(WORLD):
             peer = (rank + i) % WORLD
@@ -452,9 +469,12 @@ def moe_finish_kernel(
                 base += set_off
             if ALIGNED:  # (the host checked it: 16-byte loads)
                 base = tl.multiple_of(base, 16)
+            row_map = tl.load(map_table + peer).to(tl.pointer_type(tl.int32)) + map_off
             for j in tl.static_range(TOPK):
-                at = (first + j)[:, None] * N + cols[None, :]
-                total += tl.load(base + at, mask=ok, other=0.0).to(tl.float32)
+                at = tl.load(row_map + first + j, mask=row_ok, other=0).to(tl.int64)
+                total += tl.load(base + at[:, None] * N + cols[None, :], mask=ok, other=0.0).to(
+                    tl.float32
+                )
         out = y + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(out, total.to(y.dtype.element_ty), mask=inside)
         trace_event(TRACE, tbuf, EV_TILE_END, g, g // tiles_n, g % tiles_n)

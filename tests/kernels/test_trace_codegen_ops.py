@@ -93,7 +93,8 @@ def _moe(kernel, variant: str, trace: bool) -> dict:
         "a": BF16, "x_own": BF16, "w": BF16, "out": BF16, "tiles": p32, "tile_count": p32,
         "sorted_entry": p32, "sorted_w": "*fp32", "m_loc": i32, "k_top": i32, "E": i32,
         "K": i32, "N": i32,
-        "N_W": i32, "UP": i32, "rows_out": "*fp32", "sig": p32, "sig_table": "*i64",
+        "N_W": i32, "UP": i32, "rows_out": "*fp32", "row_of": p32, "sig": p32,
+        "sig_table": "*i64",
         "flag0": i32, "err": "i64", "rank": i32, "max_spins": i32, "done_slot": i32,
         "clear_first": i32, "clear_count": i32, "contrib_slot": i32,
     }  # fmt: skip
@@ -101,7 +102,7 @@ def _moe(kernel, variant: str, trace: bool) -> dict:
     const = dict(
         BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORLD=4, GATHER=not reduce,
         SWIGLU=variant == "swiglu_tma", REDUCE=reduce, WAIT=not reduce,
-        USE_TMA=variant in ("swiglu_tma", "reduce"), EXIT_CLEAR=not reduce,
+        USE_TMA=variant in ("swiglu_tma", "reduce"), EXIT_CLEAR=not reduce, FLATTEN=reduce,
     )  # fmt: skip
     return _compile(kernel, sig, const, trace, ("a", "x_own", "w", "out", "rows_out", "K", "N"),
                     num_stages=4)  # fmt: skip
@@ -195,9 +196,9 @@ def _finish(kernel, variant: str, trace: bool) -> dict:
     from interlace.ops.moe._gemm import FINISH_BLOCK
 
     sig = {
-        "rows_table": "*i64", "set_off": "i64", "y": BF16, "m_loc": "i32", "N": "i32",
-        "sig": "*i32", "contrib_slot": "i32", "done_slot": "i32", "err": "i64", "rank": "i32",
-        "max_spins": "i64",
+        "rows_table": "*i64", "set_off": "i64", "map_table": "*i64", "map_off": "i64",
+        "y": BF16, "m_loc": "i32", "N": "i32", "sig": "*i32", "contrib_slot": "i32",
+        "done_slot": "i32", "err": "i64", "rank": "i32", "max_spins": "i64",
     }  # fmt: skip
     bm, bn = FINISH_BLOCK
     const = dict(WORLD=int(variant[1:]), TOPK=2, BLOCK_M=bm, BLOCK_N=bn, ROWS_F32=True,

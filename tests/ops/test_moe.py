@@ -423,7 +423,7 @@ def _per_rank_body(group):
 
 def _per_rank_case(group, cfg):
     from interlace.ops.moe import _gemm
-    from interlace.ops.moe.routing import alloc_routing, launch_routing, pack_meta
+    from interlace.ops.moe.routing import alloc_routing, launch_routing, pack_meta, padded_rows
 
     dev, backend = group.device, group.backend
     if backend == "cuda":
@@ -436,9 +436,12 @@ def _per_rank_case(group, cfg):
     sig_in, err = torch.ones(16, **i32), torch.zeros(4, **i32)
     sig_in[8:] = 0  # slots 8, 9: the routing build's grid barrier (one launch on a GPU)
     w2 = rand(gen, experts, inter, hidden, dtype=torch.bfloat16, device="cpu")
-    # every rank's row buffer (only the rank computing writes its own)
-    bufs = torch.zeros(world, tokens * k, hidden, device=dev)
+    # every rank's row buffer and entry -> row map (only the rank computing writes its own)
+    rows_cap = padded_rows(tokens, k, experts, cfg.block_m)
+    bufs = torch.zeros(world, rows_cap, hidden, device=dev)
     table = torch.tensor([bufs[r].data_ptr() for r in range(world)], device=dev)
+    maps = torch.zeros(world, tokens * k, **i32)
+    map_table = torch.tensor([maps[r].data_ptr() for r in range(world)], device=dev)
     sig = torch.zeros(8, **i32)
     sig_table = torch.tensor([sig.data_ptr()] * world, device=dev)
     for call, rank in enumerate((0, 1)):
@@ -457,14 +460,19 @@ def _per_rank_case(group, cfg):
         assert int(rt.tile_count[0]) * -(-hidden // cfg.block_n) > 3 * grid  # many per program
         bufs.zero_()
         bufs[rank].fill_(float("nan"))
+        # an entry whose map word were not written would read the last row: NaN, unwritten
+        assert int(rt.offsets[-1]) < rows_cap
+        maps.zero_()
+        maps[rank].fill_(rows_cap - 1)
         _gemm.launch_gemm(
             a=h.to(dev), x_own=None, w=w2.to(dev), out=None, routing=rt, n=hidden, up=0,
             cfg=cfg, grid=grid, gather=False, swiglu=False, reduce=True, rows_out=bufs[rank],
-            sig=sig, sig_table=sig_table, err=err.data_ptr(), rank=rank, max_spins=1 << 20,
-            done_slot=0, contrib_slot=1, world=world,
+            row_of=maps[rank], sig=sig, sig_table=sig_table, err=err.data_ptr(), rank=rank,
+            max_spins=1 << 20, done_slot=0, contrib_slot=1, world=world,
         )  # fmt: skip
         _gemm.launch_finish(
-            table, 0, y, m, k, sig, 1, 2, err.data_ptr(), rank, 1 << 20, world, dev, backend
+            table, 0, map_table, 0, y, m, k, sig, 1, 2, err.data_ptr(), rank, 1 << 20, world,
+            dev, backend,
         )  # fmt: skip
         sync(group)
         assert int(err[0]) == 0 and sig.tolist() == [0] * 8

@@ -59,9 +59,8 @@ CANDIDATES = {
     "reduce": [
         MoeGemmConfig(128, 128, 64, 8, 4),
         MoeGemmConfig(128, 64, 64, 4, 4),
-        MoeGemmConfig(128, 256, 64, 8, 3),
-        MoeGemmConfig(128, 128, 64, 4, 4),
         MoeGemmConfig(128, 256, 64, 8, 2, flatten=True),
+        MoeGemmConfig(128, 256, 32, 8, 4, flatten=True),
         MoeGemmConfig(128, 128, 64, 8, 4, flatten=True),
         MoeGemmConfig(128, 128, 64, 8, 3, flatten=True),
     ],
@@ -90,7 +89,8 @@ def programs(routing: MoeRouting, n: int, cfg: MoeGemmConfig, device, backend: s
 
 def launch_gemm(
     *, a, x_own, w, out, routing: MoeRouting, n: int, up: int, cfg: MoeGemmConfig, grid: int,
-    gather: bool, swiglu: bool, reduce: bool, rows_out=None, sig=None, sig_table=None,
+    gather: bool, swiglu: bool, reduce: bool, rows_out=None, row_of=None, sig=None,
+    sig_table=None,
     flag0=0, err=0, rank=0, max_spins=0, done_slot=0, clear=None, contrib_slot=0,
     wait=False, world=1, use_tma: bool | None = None,
 ):  # fmt: skip
@@ -102,7 +102,8 @@ def launch_gemm(
     (``interlace.trace.record``): gather mode (``AGMoE``) as ``_trace.GROUPED_GEMM``,
     reduce mode (``MoERS``) as :data:`REDUCE_GEMM`."""
     use_tma = tma_ok(w) if use_tma is None else bool(use_tma) and tma_ok(w)
-    use_tma = use_tma and (gather or tma_ok(a))  # reduce mode reads A through TMA too
+    # without the gather, A is read through TMA too; reduce mode stores its rows so
+    use_tma = use_tma and (gather or tma_ok(a)) and (not reduce or tma_ok(rows_out))
     if use_tma:
         install_scratch_allocator()
     stand_in = routing.entry_ids
@@ -123,6 +124,7 @@ def launch_gemm(
         a, x_own if x_own is not None else a, w, out if out is not None else a, routing.tiles,
         routing.tile_count, routing.entry_ids, routing.weights, routing.m_loc, routing.topk,
         w.shape[0], k, n, w.shape[2], up, rows_out if rows_out is not None else a,
+        row_of if row_of is not None else stand_in,
         sig if sig is not None else stand_in, sig_table if sig_table is not None else stand_in,
         flag0, err, rank, max_spins, done_slot, *(clear or (0, 0)), contrib_slot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, WORLD=world,
@@ -142,12 +144,14 @@ FINISH = "moe_finish"
 
 
 def launch_finish(
-    rows_table, set_off, y, m, topk, sig, contrib_slot, done_slot, err, rank, max_spins,
-    world, device, backend, rows_f32: bool = True, aligned: bool = False,
+    rows_table, set_off, map_table, map_off, y, m, topk, sig, contrib_slot, done_slot, err,
+    rank, max_spins, world, device, backend, rows_f32: bool = True, aligned: bool = False,
 ):  # fmt: skip
     """The owner's top-k sum and reduce-scatter of ``MoERS`` (``moe_finish_kernel``) into
     ``y [m, N]`` on the current stream: the ``topk`` rows of each of this rank's tokens in
-    every rank's row buffer (float32, or ``y``'s type: ``rows_f32`` off), summed; traced
+    every rank's row buffer (float32, or ``y``'s type: ``rows_f32`` off; ``set_off``
+    elements into each), found through that rank's entry -> row map (``map_table``,
+    ``map_off`` int32 elements into each), summed; traced
     (``TRACE`` on, as :data:`FINISH`) where a recorder is in force. ``aligned``: every
     rank's buffer in ``rows_table`` starts on 16 bytes (with ``set_off`` a multiple of 16
     bytes too, the loads move 16 bytes each)."""
@@ -168,7 +172,8 @@ def launch_finish(
     elem = 4 if rows_f32 else y.element_size()
     aligned = aligned and backend == "cuda" and set_off * elem % 16 == 0
     moe_finish_kernel[(grid,)](
-        rows_table, set_off, y, m, n, sig, contrib_slot, done_slot, err, rank, max_spins,
+        rows_table, set_off, map_table, map_off, y, m, n, sig, contrib_slot, done_slot, err,
+        rank, max_spins,
         WORLD=world, TOPK=topk, BLOCK_M=bm, BLOCK_N=bn, ROWS_F32=rows_f32, ALIGNED=aligned,
         num_warps=8, **traced,
     )  # fmt: skip

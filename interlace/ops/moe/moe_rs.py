@@ -14,18 +14,21 @@ ranks of ``weight * h_row @ w_down[expert]``, accumulated in float32.
 Strategies:
 
 * ``fused``: one persistent grouped GEMM whose epilogue multiplies each row by its routing
-  weight and stores it (float32) at its (token, slot) entry's row of this rank's local
-  row buffer, so the rows leave the GEMM in token order with no permuted copy and no
-  atomics; when all its tiles are done a rank raises every owner's counter, and each
-  owner, once all ranks have counted, sums the ``k`` rows of each of its tokens in every
-  rank's row buffer (peer reads: the top-k sum and the reduce-scatter in one pass) and
-  converts them to the output type (``moe_finish_kernel``). The row buffers take ``3 *
-  max_tokens * topk * hidden`` float32 per rank (two eager buffer sets and one for CUDA
-  graphs; 0.75 GiB at 8192 tokens, top-2, hidden 4096). Every call writes every entry's
-  row, so nothing is cleared between calls; an entry whose expert id is out of range (the
-  host checks refuse those, except in a call being captured) has no row, and the finish
-  would read that entry's row of an earlier call. Needs the padded routing of
-  ``AGMoE``'s ``fused`` strategy.
+  weight and stores the tile (float32) in ``h``'s expert-sorted row order into this
+  rank's local row buffer (whole tiles through a TMA descriptor, asynchronous, as a plain
+  GEMM stores; no atomics), and records each (token, slot) entry's row in this rank's
+  entry -> row map; when all its tiles are done a rank raises every owner's counter, and
+  each owner, once all ranks have counted, sums the ``k`` rows of each of its tokens in
+  every rank's row buffer, found through that rank's map (peer reads: the top-k sum and
+  the reduce-scatter in one pass), and converts them to the output type
+  (``moe_finish_kernel``). The row buffers take ``3 * rows * hidden`` float32 per rank,
+  ``rows`` the padded routing's worst case (``max_tokens * topk`` plus up to ``block_m -
+  1`` per expert; two eager buffer sets and one for CUDA graphs: 0.94 GiB at 8192 tokens,
+  top-2, 32 experts, hidden 4096). Every call rewrites every entry's row and map word,
+  so nothing is cleared between calls; an entry whose expert id is out of range (the host
+  checks refuse those, except in a call being captured) has no row, and the finish would
+  read that entry's row of an earlier call. Needs the padded routing of ``AGMoE``'s
+  ``fused`` strategy.
 * ``none``: ``torch._grouped_mm``, weights, ``index_add`` (float32), NCCL reduce-scatter.
 * ``auto``: ``fused`` for a padded routing (:data:`AUTO_FUSED_ON_GPU` on GPUs), ``none``
   for the ``none`` strategy's routing.
@@ -57,7 +60,7 @@ from . import _checks
 from ._gemm import MoeGemmConfig, launch_finish, launch_gemm, programs
 from .ag_moe import _MoeContext
 from .baseline import moe_rs_none
-from .routing import MoeRouting
+from .routing import MoeRouting, padded_rows
 
 #: ``auto`` picks ``fused`` on GPUs: on four H200s (one rank each, TileLink's 12 MoE
 #: cases) the eager ``fused`` call ran 1.24-2.12 x faster than ``none`` and the whole layer
@@ -85,10 +88,15 @@ class MoERS(_MoeContext):
             validate, max_spins, {"moe": BUFFER_SETS * self._set_size}, eager_graphs,
         )  # fmt: skip
         if strategy != "none":
-            # every (token, slot) entry's weighted row, per buffer set (symmetric
-            # allocations start on 16 bytes on every rank: the finish's aligned loads)
-            shape = (BUFFER_SETS, self.max_tokens * self.topk, self.hidden)
+            # per buffer set: the weighted rows in the routing's (padded, expert-sorted)
+            # order, and each (token, slot) entry's row (symmetric allocations start on 16
+            # bytes on every rank: the finish's aligned loads)
+            bm = self.config.block_m
+            self.row_cap = padded_rows(self.max_tokens, self.topk, self.experts, bm)
+            shape = (BUFFER_SETS, self.row_cap, self.hidden)
             self.row_buf = self._track(symm_zeros(shape, torch.float32, group))
+            entries = (BUFFER_SETS, self.max_tokens * self.topk)
+            self.row_map = self._track(symm_zeros(entries, torch.int32, group))
 
     def _check(self, h, routing, w) -> None:
         op, dev = self.op_name, self.group.device
@@ -175,14 +183,15 @@ class MoERS(_MoeContext):
                 a=h, x_own=None, w=w, out=None, routing=routing, n=self.hidden, up=0,
                 cfg=cfg, grid=programs(routing, self.hidden, cfg, dev, self.group.backend),
                 gather=False, swiglu=False, reduce=True, rows_out=self.row_buf.local[s],
-                sig=sig, sig_table=self.pad.ptrs, err=err, rank=self.rank,
-                max_spins=self.max_spins, done_slot=base, contrib_slot=base + 1,
-                world=self.world_size,
+                row_of=self.row_map.local[s], sig=sig, sig_table=self.pad.ptrs, err=err,
+                rank=self.rank, max_spins=self.max_spins, done_slot=base,
+                contrib_slot=base + 1, world=self.world_size,
             )  # fmt: skip
             launch_finish(
-                self.row_buf.ptrs, s * self.max_tokens * self.topk * self.hidden, y, m,
-                self.topk, sig, base + 1, base + 2, err, self.rank, self.max_spins,
-                self.world_size, dev, self.group.backend, aligned=True,
+                self.row_buf.ptrs, s * self.row_cap * self.hidden, self.row_map.ptrs,
+                s * self.max_tokens * self.topk, y, m, self.topk, sig, base + 1, base + 2, err,
+                self.rank, self.max_spins, self.world_size, dev, self.group.backend,
+                aligned=True,
             )  # fmt: skip
 
         # the routing's tensors: views of one allocation (the operand), of which the
