@@ -61,7 +61,8 @@ def routing_ids(tokens, k, experts, kind, gen):
 
 def _cfg_name(c):
     flat = "f" if c.flatten else ""
-    return f"{c.block_m}x{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}{flat}"
+    occ = f"o{c.occupancy}" if c.occupancy > 1 else ""
+    return f"{c.block_m}x{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}{flat}{occ}"
 
 
 #: a candidate config whose result is further than this from float32 is not timed
@@ -250,7 +251,7 @@ class _Problem:
         sig = torch.zeros(8, dtype=torch.int32, device=dev)
         sig_table = torch.tensor([sig.data_ptr()] * world, device=dev)
         y = torch.empty(m, hidden, dtype=torch.bfloat16, device=dev)
-        grid = _gemm.programs(rt, hidden, cfg, dev, "cuda")
+        grid = _gemm.programs(rt, hidden, cfg, dev, "cuda", reduce=True)
         err_ptr = self.err.data_ptr()
 
         def gemm():

@@ -30,6 +30,9 @@ class MoeGemmConfig:
     #: epilogue. Only where A is read through a TMA descriptor (reduce mode): the gather's
     #: row loads lose their asynchronous copies in a flattened loop.
     flatten: bool = False
+    #: reduce mode: programs per SM (its tiles wait for nothing, so a program's epilogue
+    #: can run beside another's main loop where two fit in an SM's shared memory)
+    occupancy: int = 1
 
 
 #: the interpreter: small tiles keep the CPU tests fast
@@ -63,6 +66,8 @@ CANDIDATES = {
         MoeGemmConfig(128, 256, 32, 8, 4, flatten=True),
         MoeGemmConfig(128, 128, 64, 8, 4, flatten=True),
         MoeGemmConfig(128, 128, 64, 8, 3, flatten=True),
+        MoeGemmConfig(128, 64, 64, 4, 3, flatten=True, occupancy=2),
+        MoeGemmConfig(128, 128, 32, 4, 3, flatten=True, occupancy=2),
     ],
 }
 
@@ -78,13 +83,17 @@ def tma_ok(w: torch.Tensor) -> bool:
     return w.is_cuda and (n_w * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
 
 
-def programs(routing: MoeRouting, n: int, cfg: MoeGemmConfig, device, backend: str) -> int:
-    """Persistent grid: one program per SM, never more than the worst-case tiles (all
-    programs must be resident: they wait on flags that other ranks raise)."""
+def programs(
+    routing: MoeRouting, n: int, cfg: MoeGemmConfig, device, backend: str, reduce: bool = False
+) -> int:  # fmt: skip
+    """Persistent grid: one program per SM (gather mode: all resident, they wait on flags
+    that other ranks raise), ``cfg.occupancy`` per SM in reduce mode; never more than the
+    worst-case tiles."""
     tiles = routing.tiles.shape[0] * -(-n // cfg.block_n)
     if backend != "cuda":
         return max(1, min(tiles, 3))
-    return max(1, min(tiles, sm_count(device.index)))
+    per_sm = cfg.occupancy if reduce else 1
+    return max(1, min(tiles, per_sm * sm_count(device.index)))
 
 
 def launch_gemm(

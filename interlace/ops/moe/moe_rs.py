@@ -181,7 +181,8 @@ class MoERS(_MoeContext):
             sig, err = self.pad.buffer.local, self.error.address
             launch_gemm(
                 a=h, x_own=None, w=w, out=None, routing=routing, n=self.hidden, up=0,
-                cfg=cfg, grid=programs(routing, self.hidden, cfg, dev, self.group.backend),
+                cfg=cfg,
+                grid=programs(routing, self.hidden, cfg, dev, self.group.backend, reduce=True),
                 gather=False, swiglu=False, reduce=True, rows_out=self.row_buf.local[s],
                 row_of=self.row_map.local[s], sig=sig, sig_table=self.pad.ptrs, err=err,
                 rank=self.rank, max_spins=self.max_spins, done_slot=base,
