@@ -120,7 +120,7 @@ def _timed(group, make, call, iters: int, warmup: int) -> dict:
     worst = max_over_ranks(group, {"t": t, "cold": cold})
     out["host_us"] = None if worst["t"] is None else round(worst["t"], 1)
     out["host_cold_us"] = None if worst["cold"] is None else round(worst["cold"], 1)
-    if worst is not None:  # (this rank's steps; every rank runs the same path)
+    if worst["t"] is not None:  # (this rank's steps; every rank runs the same path)
         out.update(steps)
     return out
 

@@ -303,7 +303,6 @@ class OpContext:
             self._call_host = (ctypes.c_int32 * CALL_WORDS).from_address(slot.data_ptr())
         else:
             self._call_slot = slot.view(torch.uint32)
-            self._call_slot_i32 = slot
         for name in getattr(self, "STRATEGIES", ()):
             hash_text(name)  # so a peer's strategy reads back as its name
 
@@ -370,7 +369,8 @@ class OpContext:
         if self.group.backend == "cuda":
             staged = torch.tensor(values, dtype=torch.int32).pin_memory().view(torch.uint32)
             if self.eager_graphs:
-                count = PreparedLaunch(call_bump_kernel, 1, (self._call_slot_i32, base), {}, ())
+                slot = self._call_slot.view(torch.int32)
+                count = PreparedLaunch(call_bump_kernel, 1, (slot, base), {}, ())
                 count.compile()
         return base, values, staged, count
 
