@@ -185,7 +185,8 @@ def gemm_segments_kernel(
     SUBTILE: tl.constexpr = False, ENTRY_BARRIER: tl.constexpr = False,
     EXIT_CLEAR: tl.constexpr = False, NOTIFY_STORES: tl.constexpr = False,
     STAGE_PUSHES: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
-    COUNT_UNIT: tl.constexpr = 1, TRACE: tl.constexpr = False, tbuf=None,
+    COUNT_UNIT: tl.constexpr = 1, PEER_LOADS: tl.constexpr = 1, TRACE: tl.constexpr = False,
+    tbuf=None,
 ):  # fmt: skip
     """See the module docstring. ``a_own`` ([own_rows, K]) is read by ``KIND_STORE_OWN``;
     ``recv`` ([WORLD, recv_rows, N], symmetric, table ``recv_table``) receives partials;
@@ -217,6 +218,8 @@ def gemm_segments_kernel(
       of tiles, ``lead_tiles`` the tiles of the leading segments that run in a first loop
       of their own (``KIND_STORE_OWN``; with pushes, the ``KIND_PUSH`` ones); a pushed
       or reduced tile adds ``COUNT_UNIT`` (the launch's ``num_warps``) to its counter.
+      Its reduce tiles load their peers' partials ``PEER_LOADS`` peers at a time (those
+      loads in flight together; ``segment_gemm.peer_loads`` picks it).
 
     There is one main loop for every kind: only the epilogue branches. (A second
     instantiation of the pipelined loop, e.g. one per A source, cost 35 % on an H200.)"""
@@ -252,7 +255,7 @@ def gemm_segments_kernel(
                 a, b, c, bias, M, N, K, seg, n_seg, mt_seg, lead_tiles, recv, recv_rows,
                 out_table, stage, sig, sig_table, err, rank, max_spins, b_desc, BLOCK_M,
                 BLOCK_N, BLOCK_K, GROUP_M, WORLD, HAS_BIAS, BROADCAST, SUBTILE, COUNT_UNIT,
-                TRACE, tbuf,
+                PEER_LOADS, TRACE, tbuf,
             )  # fmt: skip
         else:
             _one_loop(
@@ -531,7 +534,7 @@ def _one_loop_scatter(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, WORLD: tl.constexpr, HAS_BIAS: tl.constexpr,
     BROADCAST: tl.constexpr, SUBTILE: tl.constexpr, COUNT_UNIT: tl.constexpr,
-    TRACE: tl.constexpr = False, tbuf=None,
+    PEER_LOADS: tl.constexpr, TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """GEMM+RS / GEMM+AR ``ce_fused`` (``STAGE_PUSHES``) in one-loop mode (see
     ``_one_loop``): the ``lead_tiles`` tiles of the leading push segments in a first
@@ -605,7 +608,7 @@ def _one_loop_scatter(
                 left if h == 0 else right, col + h * (BLOCK_N // 2), rows,
                 row0 if BROADCAST else out_row0, out_row0,
                 tile_row, c, bias, recv, recv_rows, out_table, N, token, expected, rank,
-                out_ty, BLOCK_M, BLOCK_N // 2, WORLD, HAS_BIAS, BROADCAST,
+                out_ty, BLOCK_M, BLOCK_N // 2, WORLD, HAS_BIAS, BROADCAST, PEER_LOADS,
             )  # fmt: skip
         notify_slot = tl.load(row_of + SEG_NOTIFY)
         if BROADCAST:
@@ -617,11 +620,21 @@ def _one_loop_scatter(
 
 
 @triton.jit
+def _add_partial(
+    acc, recv, recv_rows, out_row0, tile_row, in_tile, ok, rank, i, N, WORLD: tl.constexpr
+):
+    """``acc`` plus the partial of the ``i``-th peer after ``rank`` (loads masked by ``ok``)."""
+    p = (rank + i) % WORLD
+    part_base = recv + (p * recv_rows + out_row0 + tile_row).to(tl.int64) * N
+    return acc + tl.load(part_base + in_tile, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _reduce_half(
     acc, col, rows, c_row0, out_row0, tile_row, c, bias, recv, recv_rows, out_table, N,
     token, expected, rank, out_ty,
     BLOCK_M: tl.constexpr, HALF_N: tl.constexpr, WORLD: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BROADCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BROADCAST: tl.constexpr, PEER_LOADS: tl.constexpr,
 ):  # fmt: skip
     """``_one_loop_scatter``'s reduce tile, ``HALF_N`` columns: add the peers' partials
     (loads guarded by the wait's token) and the bias, then store into ``c`` at row
@@ -631,10 +644,12 @@ def _reduce_half(
     mask = (tile_row + r < rows)[:, None] & (cols < N)[None, :]
     in_tile = r[:, None] * N + cols[None, :]
     ok = guard(mask, token, expected)
-    for i in tl.static_range(1, WORLD):
-        p = (rank + i) % WORLD
-        part_base = recv + (p * recv_rows + out_row0 + tile_row).to(tl.int64) * N
-        acc += tl.load(part_base + in_tile, mask=ok, other=0.0).to(tl.float32)
+    for i0 in range(1, WORLD, PEER_LOADS):  # PEER_LOADS peers' loads in flight together
+        for j in tl.static_range(PEER_LOADS):
+            acc = _add_partial(
+                acc, recv, recv_rows, out_row0, tile_row, in_tile, ok & (i0 + j < WORLD), rank,
+                i0 + j, N, WORLD,
+            )  # fmt: skip
     val = _add_bias(acc, bias, col, N, HALF_N, HAS_BIAS).to(out_ty)
     for i in range(0, WORLD if BROADCAST else 1):
         q = (rank + i) % WORLD
@@ -719,10 +734,7 @@ def _scatter_epilogue(
     # peer at a time (unrolled with four ranks the loads were hoisted together and spilled
     # registers); any other tile runs no iteration, so it pays for no masked-off loads.
     for i in range(1, tl.where(kind == KIND_REDUCE, WORLD, 1)):
-        p = (rank + i) % WORLD
-        part_base = recv + (p * recv_rows + out_row0 + tile_row).to(tl.int64) * N
-        part = tl.load(part_base + in_tile, mask=ok, other=0.0)
-        acc += part.to(tl.float32)
+        acc = _add_partial(acc, recv, recv_rows, out_row0, tile_row, in_tile, ok, rank, i, N, WORLD)
     if not USE_TMA:
         push_base = push_dst + tile_row.to(tl.int64) * N
         tl.store(push_base + in_tile, acc.to(out_ty), mask=mask & is_push)

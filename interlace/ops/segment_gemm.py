@@ -248,6 +248,11 @@ def programs_for(tiles: int, device, backend: str, comm_sms: int = 0, single: bo
     return max(1, min(tiles, sm_count(device.index) - comm_sms))
 
 
+#: Constexprs of ``gemm_segments_kernel`` that every launcher made from now on takes
+#: instead of its own: a probe sets them to time two variants of the kernel in one
+#: process (``benchmarks/probes/kernel_ab.py``). Empty in the library.
+KERNEL_OVERRIDES: dict = {}
+
 #: the segment GEMM's parameters that change from call to call (the op's operands)
 OPERANDS = ("a", "b", "c", "bias", "a_own")
 
@@ -303,6 +308,16 @@ class PeerStores:
     stage: torch.Tensor | None = None
 
 
+def peer_loads(world: int) -> int:
+    """How many peers' partials a reduce tile of the one-loop scatter loads at once: all
+    of them up to 4 ranks, one at a time beyond. On one H200 as rank 0 of 8 (``ce_fused``,
+    the public shapes at M 2048 / 8192), all seven at once took 1.06 x the time of one at
+    a time (GEMM+RS, LLaMA-7B, M 2048: 1.94 against 1.59 x cuBLAS), and GEMM+AR's spilled
+    registers; at 4 ranks one at a time was even (1.001 x):
+    ``benchmarks/results/history/2026-11-29-h200-w1-peer-loads-probe.txt``."""
+    return world - 1 if world <= 4 else 1
+
+
 def launcher(
     m: int, n: int, k: int, tiles: Tiles, *, dtype, device, has_bias: bool = False,
     own_rows: int = 0, signals: Signals | None = None, peers: PeerStores | None = None,
@@ -343,8 +358,9 @@ def launcher(
         ENTRY_BARRIER=sg.bar_slot is not None, EXIT_CLEAR=sg.clear is not None,
         NOTIFY_STORES=sg.notify_stores, STAGE_PUSHES=ps.stage is not None,
         ONE_LOOP=one_loop is not None, COUNT_UNIT=count_unit(one_loop, cfg),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PEER_LOADS=peer_loads(sg.world), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    kwargs.update(KERNEL_OVERRIDES)
     return GemmLaunch(PreparedLaunch(gemm_segments_kernel, tiles.grid, args, kwargs, OPERANDS))
 
 

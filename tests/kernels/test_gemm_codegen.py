@@ -14,6 +14,7 @@ import tempfile
 import pytest
 
 from interlace.kernels.gemm import gemm_segments_kernel
+from interlace.ops.segment_gemm import peer_loads
 from interlace.testing.codegen import compile_for_hopper, cuda_compile_unavailable, data_loads
 
 pytestmark = pytest.mark.skipif(
@@ -63,6 +64,18 @@ VARIANTS = {
         "HAS_BIAS": True,
         "EXIT_CLEAR": True,
     },
+    # eight ranks: the reduce tiles load their peers' partials one at a time
+    # (``segment_gemm.peer_loads``); all seven at once spilled registers here
+    "gemm_ar_ce_fused_one_loop_w8": {
+        "HAS_PUSH": True,
+        "STAGE_PUSHES": True,
+        "SUBTILE": True,
+        "ONE_LOOP": True,
+        "WORLD": 8,
+        "BROADCAST": True,
+        "HAS_BIAS": True,
+        "EXIT_CLEAR": True,
+    },
     # GEMM+AR ``ce_fused`` runs the reduce-scatter kernel (the copy engine gathers), here
     # with a bias and four ranks
     "gemm_ar_ce_fused": {
@@ -79,6 +92,7 @@ _cache: dict[str, dict] = {}
 def _compiled(variant: str) -> dict:
     if variant not in _cache:
         constexprs = dict(BASE, **VARIANTS[variant])
+        constexprs.setdefault("PEER_LOADS", peer_loads(constexprs["WORLD"]))
         sig = {n: "i32" for n in gemm_segments_kernel.arg_names if n not in constexprs}
         sig.update({n: "*bf16" for n in ("a", "b", "c", "bias", "a_own", "recv", "stage")})
         sig.update(seg="*i32", sig="*i32", err="i64", mt_seg="*i32")
