@@ -33,7 +33,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..language.primitives import INTERPRETED, guard_coord, notify, peer_ptr_aligned, wait
+from ..language.primitives import (
+    INTERPRETED,
+    guard_coord,
+    notify,
+    peer_ptr_aligned,
+    wait,
+    wait_inline,
+)
 from ..language.trace import (
     EV_END,
     EV_NOTIFY,
@@ -248,7 +255,7 @@ def _peer_chunk(t, rank, sig, arrival, err, max_spins, BKV, kv_row, WORLD: tl.co
     c = (rank + WORLD - t) % WORLD
     row = c * BKV + kv_row
     if WAIT:
-        token = wait(sig + arrival + c, 1, err, rank, arrival + c, max_spins)
+        token = wait_inline(sig + arrival + c, 1, 1, err, rank, arrival + c, max_spins)
         row = guard_coord(row, token, 1, WORLD * BKV)
     return c, row
 
