@@ -22,12 +22,13 @@ heads, kv_heads, d, S, causal, ``t_ms`` (kernels with their flag waits, all met)
 ``tflops`` (useful FLOPs: causal counts the visible half), ``as_world``, ``waits_met``,
 ``ref: sdpa``, ``t_ref_ms``, ``ref_backend``, ``t_sdpa_<backend>_ms`` for every SDPA
 timing (``default`` = no backend forced). The backward is the delta, dK/dV, dQ and
-reduction kernels. Host-cost records (``mode: host``, ``host_us``) time one eager forward
-call of a one-rank context, replayed from a CUDA graph (``variant: graph_replay``, the
-default) and launched kernel by kernel (``variant: launches``). ``--tune`` times
-candidate configs of the forward, dK / dV and dQ kernels (records ``op``
-``sp_attention_cfg``, ``kernel``, with the relative errors of the outputs;
-``--tune-only``: nothing else).
+reduction kernels as the op runs them (the dQ kernel beside the dK/dV kernel, on a second
+stream); ``t_serial_ms``: the same with the dQ kernel after the dK/dV kernel. Host-cost
+records (``mode: host``, ``host_us``) time one eager forward call of a one-rank context,
+replayed from a CUDA graph (``variant: graph_replay``, the default) and launched kernel by
+kernel (``variant: launches``). ``--tune`` times candidate configs of the forward, dK / dV
+and dQ kernels (records ``op`` ``sp_attention_cfg``, ``kernel``, with the relative errors
+of the outputs; ``--tune-only``: nothing else).
 
 Several GPUs: every rank runs ``fused``, ``none`` (NCCL all-gather + SDPA) and ``ring``
 forward on its shard, same run; records add ``t_none_ms`` and ``t_ring_ms``.
@@ -136,14 +137,23 @@ class _PerRank:
             wait=wait, clear=False, cfg=cfg,
         )  # fmt: skip
 
-    def bwd(self, wait=True, cfg_dkdv=None, cfg_dq=None):
+    def bwd(self, wait=True, cfg_dkdv=None, cfg_dq=None, side=None):
+        """The backward as the op runs it (``launch_backward``): the dQ kernel beside the
+        dK / dV kernel where ``side`` (default: ``SPAttention.SIDE_DQ``), else after it."""
         from ..ops.attention import sp_attention as sp
 
-        a, w = self.args, self.world
-        sp.launch_delta(a, self.o, self.do, self.delta)
-        self.dkdv(wait, cfg_dkdv)
-        self.dq_only(wait, cfg_dq)
-        sp.launch_reduce(a, self.recv, self.dk, self.dv, w + 1, self.k.shape[1] * self.s_loc)
+        if side is None:
+            side = sp.SPAttention.SIDE_DQ
+        bufs = sp.BackwardBuffers(
+            self.k_all, self.v_all, self.recv, self.recv_table, self.sig_table, 0,
+            self.world + 1,
+        )  # fmt: skip
+        sp.launch_backward(
+            self.args, self.q, self.k, self.v, self.o, self.do, self.lse, self.delta, self.dq,
+            self.dk, self.dv, bufs, wait=wait, clear=False,
+            side=sp.side_stream(self.q.device) if side else None, cfg_dkdv=cfg_dkdv,
+            cfg_dq=cfg_dq,
+        )  # fmt: skip
 
     def dkdv(self, wait=True, cfg=None):
         """The dK / dV kernel alone (its counters only grow; nothing waits on them)."""
@@ -412,9 +422,11 @@ def one_gpu(seqs, iters, world=AS_WORLD) -> list[dict]:
             t_fwd, t_fwd_nw = paired_median_ms(
                 None, [p.fwd, functools.partial(p.fwd, wait=False)], iters=iters, warmup=3
             )
-            t_bwd, t_bwd_nw = paired_median_ms(
-                None, [p.bwd, functools.partial(p.bwd, wait=False)], iters=iters, warmup=3,
-                setup=p.flags_up,
+            # the op's backward, without its waits, and with its dQ kernel after dK / dV
+            t_bwd, t_bwd_nw, t_bwd_serial = paired_median_ms(
+                None,
+                [p.bwd, functools.partial(p.bwd, wait=False), functools.partial(p.bwd, side=False)],
+                iters=iters, warmup=3, setup=p.flags_up,
             )  # fmt: skip
             del p
             torch.cuda.empty_cache()
@@ -422,6 +434,7 @@ def one_gpu(seqs, iters, world=AS_WORLD) -> list[dict]:
             torch.cuda.empty_cache()
             t_ref_fwd, extra_fwd = _ref_fields(ref["fwd"])
             t_ref_bwd, extra_bwd = _ref_fields(ref["bwd"])
+            extra_bwd["t_serial_ms"] = round(t_bwd_serial, 4)
             if errs:
                 extra_fwd["rel_err"] = round(errs["rel_err"], 5)
                 extra_bwd["rel_err_dq"] = round(errs["rel_err_dq"], 5)
@@ -439,7 +452,8 @@ def one_gpu(seqs, iters, world=AS_WORLD) -> list[dict]:
                     f"{r['op']:<17} S={s:>6} causal={causal!s:<5} {r['t_ms']:8.3f} ms "
                     f"{r['tflops']:6.0f} TF/s  sdpa ({r['ref_backend']}) {r['t_ref_ms']:8.3f} ms  "
                     f"x{r['t_ref_ms'] / r['t_ms']:.3f}  "
-                    f"wait +{100 * (r['t_ms'] / r['t_nowait_ms'] - 1):.1f}%",
+                    f"wait +{100 * (r['t_ms'] / r['t_nowait_ms'] - 1):.1f}%"
+                    + (f"  dQ after dK/dV {r['t_serial_ms']:.3f} ms" if "t_serial_ms" in r else ""),
                     flush=True,
                 )  # fmt: skip
     return records

@@ -278,6 +278,19 @@ def _exit_clear(sig, arrival, rank, err, max_spins, WORLD: tl.constexpr):
 
 
 @triton.jit
+def sp_attn_clear_kernel(sig, arrival, err, rank, max_spins, WORLD: tl.constexpr):
+    """One program, once every kernel that waits on this call's arrival flags is done (the
+    backward's dQ and dK/dV kernels run side by side, so neither can clear them as it
+    ends): waits for every peer's flag (a chunk no program needed may still be landing),
+    then zeroes the flags and the finished-program counter (slot ``arrival + WORLD``)."""
+    for t in range(1, WORLD):
+        c = (rank + WORLD - t) % WORLD
+        wait(sig + arrival + c, 1, err, rank, arrival + c, max_spins)
+    offs = tl.arange(0, 64)
+    tl.store(sig + arrival + offs, 0, mask=offs <= WORLD)
+
+
+@triton.jit
 def trace_step(TRACE: tl.constexpr, tbuf, KIND: tl.constexpr, j, a, b):
     """``language.trace.trace_event`` for a ``(query blocks, batch x heads)`` grid: the
     buffer holds one block of that layout per column ``program_id(1)`` (header and

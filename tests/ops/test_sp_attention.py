@@ -115,6 +115,23 @@ def test_varlen_forward_backward(world, causal):
     world.run(_fwd_bwd_body, causal, 3, 4, 2, 64, "bfloat16", "fused", True)
 
 
+def _side_dq_body(group, side):
+    """The backward with its dQ kernel beside the dK / dV kernel (a second stream, the
+    arrival flags cleared by a kernel of their own once both are done) or after it."""
+    before = SPAttention.SIDE_DQ
+    SPAttention.SIDE_DQ = side
+    try:
+        return _fwd_bwd_body(group, True, 0, 4, 2, 64, "bfloat16", "fused", True)
+    finally:
+        SPAttention.SIDE_DQ = before
+
+
+@pytest.mark.parametrize("world", GPU2, indirect=True)
+@pytest.mark.parametrize("side", [True, False], ids=["side", "serial"])
+def test_backward_dq_beside_or_after_dkdv(world, side):
+    world.run(_side_dq_body, side)
+
+
 @pytest.mark.parametrize("world", W23[:1] + GPU2, indirect=True)
 def test_full_attention_fp16(world):
     world.run(_fwd_bwd_body, False, 0, 4, 2, 64, "float16", "fused", True)

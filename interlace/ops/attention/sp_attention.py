@@ -28,8 +28,9 @@ Strategies:
   from the stream; the flash-attention kernel (``kernels.attention``) starts on the local
   chunk and takes each peer's chunk once its flag is up. Backward gathers K/V again the
   same way; its dK/dV kernel stores each chunk's partial gradient straight into the
-  owner's receive buffer (NVLink stores) and counts it there; the dQ kernel runs next
-  (hiding the last transfers) and a reduction kernel sums the partials of this rank's
+  owner's receive buffer (NVLink stores) and counts it there; the dQ kernel runs beside
+  it on a second stream (each fills the other's last wave, and the one that ends last
+  hides the last transfers), and a reduction kernel sums the partials of this rank's
   chunk once they have all landed.
 * ``none``: NCCL all-gather of K and V, then torch SDPA (differentiable: its backward
   reduces dK / dV over ranks).
@@ -261,6 +262,65 @@ def launch_reduce(a: KernelArgs, recv, dk, dv, dkv_slot: int, n_rows: int) -> No
     )  # fmt: skip
 
 
+_side_streams: dict = {}
+
+
+def side_stream(device: torch.device):
+    """The stream the backward's dQ kernel runs on beside the dK / dV kernel (one per
+    device, normal priority; None on the cpu backend, where kernels run one by one)."""
+    if device.type != "cuda":
+        return None
+    if device.index not in _side_streams:
+        _side_streams[device.index] = torch.cuda.Stream(device)
+    return _side_streams[device.index]
+
+
+@dataclass(frozen=True)
+class BackwardBuffers:
+    """What the backward's kernels read and write besides the call's tensors: the gathered
+    K / V views, this rank's dK / dV receive buffer with every rank's (``recv_table``)
+    and every rank's signal pad (``sig_table``), the arrival flags' first slot and the
+    dK / dV counters' first slot."""
+
+    k_all: torch.Tensor
+    v_all: torch.Tensor
+    recv: torch.Tensor
+    recv_table: torch.Tensor
+    sig_table: torch.Tensor
+    arrival: int
+    dkv_slot: int
+
+
+def launch_backward(a: KernelArgs, q, k, v, o, do, lse, delta, dq, dk, dv,
+                    bufs: BackwardBuffers, wait: bool, clear: bool, side=None,
+                    cfg_dkdv: AttnConfig | None = None,
+                    cfg_dq: AttnConfig | None = None) -> None:  # fmt: skip
+    """The backward's kernels on the current stream: delta; then dK / dV and dQ, the dQ
+    kernel on the CUDA stream ``side`` beside the dK / dV kernel where given (each fills
+    the other's last wave; joined before the reduction), else after it; ``clear``: the
+    arrival flags zeroed once both are done; the reduction of this rank's dK / dV."""
+    launch_delta(a, o, do, delta)
+    dq_args = (a, q, k, v, bufs.k_all, bufs.v_all, do, lse, delta, dq, bufs.arrival)
+    if side is not None:
+        main = torch.cuda.current_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            launch_dq(*dq_args, wait=wait, clear=False, cfg=cfg_dq)
+    launch_dkdv(
+        a, q, k, v, bufs.k_all, bufs.v_all, do, lse, delta, bufs.recv, bufs.recv_table,
+        bufs.sig_table, bufs.arrival, bufs.dkv_slot, wait=wait, cfg=cfg_dkdv,
+    )  # fmt: skip
+    if side is None:
+        launch_dq(*dq_args, wait=wait, clear=clear, cfg=cfg_dq)
+    else:
+        main.wait_stream(side)
+        if clear:
+            K.sp_attn_clear_kernel[(1,)](
+                a.sig, bufs.arrival, a.err, a.rank, a.max_spins, WORLD=a.world, num_warps=1
+            )
+    launch_reduce(a, bufs.recv, dk, dv, bufs.dkv_slot, k.shape[0] * k.shape[1] * a.s_loc)
+
+
 # ------------------------------------------------------------------------------ context
 @dataclass(frozen=True)
 class CallShape:
@@ -284,6 +344,9 @@ class SPAttention(AlternatingSets, OpContext):
 
     op_name = "sp_attention"
     STRATEGIES = STRATEGIES
+    #: the backward's dQ kernel beside its dK / dV kernel, on a second stream
+    #: (``launch_backward``; ``bench attention`` times it both ways: ``t_serial_ms``)
+    SIDE_DQ = True
 
     def __init__(
         self, group, heads: int, kv_heads: int, head_dim: int, max_tokens: int,
@@ -571,7 +634,6 @@ class SPAttention(AlternatingSets, OpContext):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
         numel = k.numel()
-        rows = k.shape[0] * k.shape[1] * shape.s_loc
 
         def run():
             s = self._buffer_set()
@@ -580,16 +642,15 @@ class SPAttention(AlternatingSets, OpContext):
             k_all, v_all = self._set_views(self.gathered, s, numel)
             recv = self.recv.local[s]
 
+            bufs = BackwardBuffers(
+                k_all, v_all, recv, self.recv.ptrs, self.pad.ptrs, arrival, dkv_slot
+            )
+
             def consumer():
-                launch_delta(a, o, do, delta)
-                launch_dkdv(
-                    a, q, k, v, k_all, v_all, do, lse, delta, recv, self.recv.ptrs,
-                    self.pad.ptrs, arrival, dkv_slot, wait=True,
+                launch_backward(
+                    a, q, k, v, o, do, lse, delta, dq, dk, dv, bufs, wait=True, clear=True,
+                    side=side_stream(self.group.device) if self.SIDE_DQ else None,
                 )  # fmt: skip
-                launch_dq(
-                    a, q, k, v, k_all, v_all, do, lse, delta, dq, arrival, wait=True, clear=True
-                )  # fmt: skip
-                launch_reduce(a, recv, dk, dv, dkv_slot, rows)
 
             self._gather(s, k, v, arrival, consumer)
 
