@@ -19,7 +19,6 @@ Prints ``t / t_cublas`` per kernel and point; ``--out FILE`` keeps the records (
 from __future__ import annotations
 
 import argparse
-import json
 
 M, N = 2048, 4096
 FIXED_K, WORLDS = 4096, (2, 4, 8)
@@ -44,6 +43,7 @@ def main() -> int:
     import torch
 
     from interlace.bench.kernels import KERNELS, run_cases
+    from interlace.bench.records import probe_exit
     from interlace.testing import World
 
     p = argparse.ArgumentParser(description=__doc__)
@@ -62,10 +62,7 @@ def main() -> int:
         ratio = "-" if not r["t_ms"] else f"{r['t_ms'] / r['t_ref_ms']:.3f}"
         print(f"{r['model']:>5} {r['op']:>8} {r['strategy']:>9} {r['as_world']:>2} "
               f"{r['K']:>6} {ratio:>9} {'yes' if r['ok'] else 'NO':>3}")  # fmt: skip
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-    return 0 if all(r["ok"] for r in records) else 1
+    return probe_exit(records, args.out)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ def main() -> int:
 
     from interlace.bench.dense import MODELS, MS, model_shape
     from interlace.bench.kernels import KERNELS
+    from interlace.bench.records import probe_exit
     from interlace.testing import World
 
     p = argparse.ArgumentParser(description=__doc__)
@@ -96,10 +97,7 @@ def main() -> int:
               f"{a['as_world']:>2} {fmt(ra):>6} {fmt(rb):>6} {ok}")  # fmt: skip
     if gains:
         print(f"B / A geomean {math.exp(sum(map(math.log, gains)) / len(gains)):.4f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-    return 0 if all(r["ok"] for r in records) else 1
+    return probe_exit(records, args.out)
 
 
 if __name__ == "__main__":

@@ -118,3 +118,12 @@ def merge_file(src: str, out_dir: str = DEFAULT_OUT, plot: bool = True) -> str:
                   f"{versions['triton']} (the file now names the latter)")  # fmt: skip
     return write_records(out_dir, doc["device"], doc["world_size"], doc["records"], plot,
                          versions=versions, date=doc["date"])  # fmt: skip
+
+
+def probe_exit(records: list[dict], out: str | None) -> int:
+    """A probe's end: its records written to ``out`` as JSON (where given), and its exit
+    status: 0 if every record is ``ok``, else 1."""
+    if out:
+        with open(out, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0 if all(r["ok"] for r in records) else 1
