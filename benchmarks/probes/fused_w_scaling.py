@@ -29,7 +29,7 @@ def swept(kernels) -> list[tuple[str, str, str]]:
     """``bench kernels``' GEMM+RS / GEMM+AR kernels (``(op, strategy, emulation mode)``),
     then the plain segment GEMM."""
     scatter = [c for c in kernels if c[0] in ("gemm_rs", "gemm_ar") and c[2] is not None]
-    return scatter + [("gemm", "plain", "plain")]
+    return scatter + [("gemm_rs", "plain", "plain")]
 
 
 def points(cpu: bool) -> list[tuple[str, int, int, int, int]]:

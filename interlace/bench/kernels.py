@@ -5,13 +5,14 @@ communication and no synchronisation (``interlace.testing.emulated``), i.e. what
 GEMM takes when every copy lands in time. The time a fused op adds over it is the part
 that needs two or more GPUs to see.
 
-Kernels (``op``, ``strategy``): the plain segment GEMM (``gemm``, ``plain``, on each
-per-rank shape); AG+GEMM's consumer (``ag_gemm``, ``fused``); GEMM+RS and GEMM+AR in each
-strategy ``auto`` may pick (``fused``, ``ce_fused``); the ``signal_reorder`` GEMM
-(``gemm_ar``, ``signal_reorder``: the GEMM that counts finished wave groups, with the
-partition the op takes by default). Shapes: the public table (LLaMA-7B, LLaMA-3-8B,
-LLaMA-3-70B; M 2048 and 8192), the GEMM of one rank at TP = W; ``--models`` also takes
-models outside it (``dense.OTHER_MODELS``), whose configs come from the wave model.
+Kernels (``op``, ``strategy``): the plain segment GEMM (``plain``, on each distinct
+per-rank shape, its ``op`` the first op whose per-rank GEMM it is); AG+GEMM's consumer
+(``ag_gemm``, ``fused``); GEMM+RS and GEMM+AR in each strategy ``auto`` may pick
+(``fused``, ``ce_fused``); the ``signal_reorder`` GEMM (``gemm_ar``, ``signal_reorder``:
+the GEMM that counts finished wave groups, with the partition the op takes by default).
+Shapes: the public table (LLaMA-7B, LLaMA-3-8B, LLaMA-3-70B; M 2048 and 8192), the GEMM
+of one rank at TP = W; ``--models`` also takes models outside it
+(``dense.OTHER_MODELS``), whose configs come from the wave model.
 
 Every kernel is first checked against a float32 reference (outputs poisoned), then it and
 cuBLAS are each captured in a CUDA graph and the replays timed interleaved
@@ -49,7 +50,7 @@ MAX_REL_ERR = 2e-2
 
 def cases(models, ms, worlds) -> list[tuple[str, str, str | None, str, int, int, int, int]]:
     """``(op, strategy, mode, model, M, N, K, W)`` for every kernel, then the plain GEMM
-    once per distinct per-rank shape."""
+    once per distinct per-rank shape (``op``: the first op with that shape)."""
     out, plain = [], []
     for model in models:
         for m in ms:
@@ -57,9 +58,9 @@ def cases(models, ms, worlds) -> list[tuple[str, str, str | None, str, int, int,
                 for op, strategy, mode in KERNELS:
                     s = model_shape(op, model, m, w)
                     out.append((op, strategy, mode, model, s.M, s.N, s.K, w))
-                    if (model, s.M, s.N, s.K, w) not in plain:
-                        plain.append((model, s.M, s.N, s.K, w))
-    out += [("gemm", "plain", "plain", model, m, n, k, w) for model, m, n, k, w in plain]
+                    if all(p[1:] != (model, s.M, s.N, s.K, w) for p in plain):
+                        plain.append((op, model, s.M, s.N, s.K, w))
+    out += [(op, "plain", "plain", model, m, n, k, w) for op, model, m, n, k, w in plain]
     return out
 
 
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         print("No GPU: the kernels on tiny shapes under Triton's interpreter; no timings.")
         todo = [(op, s, mode, "tiny", 37 * w, 40, 24, w) for op, s, mode in KERNELS
                 for w in (args.worlds or [2])]  # fmt: skip
-        todo += [("gemm", "plain", "plain", "tiny", 74, 40, 24, 2)]
+        todo += [("gemm_rs", "plain", "plain", "tiny", 74, 40, 24, 2)]
     with World(1, "cuda" if timed else "cpu", timeout=1800) as ranks:
         records = ranks.run(run_cases, todo, args.iters, 5, timed)[0]
     table(records)

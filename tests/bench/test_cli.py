@@ -92,19 +92,23 @@ def test_module_entry_point_runs():
 def test_kernel_cases_and_record_format():
     todo = kernels.cases(["llama-7b"], [2048], [2, 4])
     assert {(c[0], c[1]) for c in todo} == {(op, s) for op, s, _ in kernels.KERNELS} | {
-        ("gemm", "plain")
+        ("ag_gemm", "plain"),
+        ("gemm_rs", "plain"),
     }
     ag = next(c for c in todo if c[0] == "ag_gemm" and c[7] == 4)
     assert ag[4:7] == (2048, 11008 // 4, 4096)  # M, I / W, H: the GEMM of one rank
     rs = next(c for c in todo if c[0] == "gemm_rs" and c[7] == 2)
     assert rs[4:7] == (2048, 4096, 11008 // 2)
-    plain = [c for c in todo if c[0] == "gemm"]
+    plain = [c for c in todo if c[1] == "plain"]
     assert len(plain) == len({c[3:] for c in plain}) == 4  # each per-rank shape once
+    # named after the op whose per-rank GEMM it is (AG+GEMM's: I / W columns)
+    assert {(c[0], c[5]) for c in plain} == {("ag_gemm", 11008 // 2), ("ag_gemm", 11008 // 4),
+                                             ("gemm_rs", 4096)}  # fmt: skip
     rec = kernels.record("gemm_rs", "fused", "llama-7b", 2048, 4096, 5504, 2, 0.31, 0.25, 1e-3)
     for key, value in {"as_world": 2, "waits_met": True, "ref": "cublas", "t_ms": 0.31,
                        "t_ref_ms": 0.25, "ok": True}.items():  # fmt: skip
         assert rec[key] == value, key
-    assert not kernels.record("gemm", "plain", "m", 1, 1, 1, 2, None, None, None)["ok"]
+    assert not kernels.record("gemm_rs", "plain", "m", 1, 1, 1, 2, None, None, None)["ok"]
 
 
 def _kernels_body(group):
