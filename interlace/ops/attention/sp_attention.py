@@ -300,19 +300,19 @@ def launch_backward(a: KernelArgs, q, k, v, o, do, lse, delta, dq, dk, dv,
     the other's last wave; joined before the reduction), else after it; ``clear``: the
     arrival flags zeroed once both are done; the reduction of this rank's dK / dV."""
     launch_delta(a, o, do, delta)
-    dq_args = (a, q, k, v, bufs.k_all, bufs.v_all, do, lse, delta, dq, bufs.arrival)
-    if side is not None:
+    if side is not None:  # the side stream starts after delta, not after dK / dV
         main = torch.cuda.current_stream(q.device)
         side.wait_stream(main)
-        with torch.cuda.stream(side):
-            launch_dq(*dq_args, wait=wait, clear=False, cfg=cfg_dq)
     launch_dkdv(
         a, q, k, v, bufs.k_all, bufs.v_all, do, lse, delta, bufs.recv, bufs.recv_table,
         bufs.sig_table, bufs.arrival, bufs.dkv_slot, wait=wait, cfg=cfg_dkdv,
     )  # fmt: skip
+    dq_args = (a, q, k, v, bufs.k_all, bufs.v_all, do, lse, delta, dq, bufs.arrival)
     if side is None:
         launch_dq(*dq_args, wait=wait, clear=clear, cfg=cfg_dq)
     else:
+        with torch.cuda.stream(side):
+            launch_dq(*dq_args, wait=wait, clear=False, cfg=cfg_dq)
         main.wait_stream(side)
         if clear:
             K.sp_attn_clear_kernel[(1,)](
