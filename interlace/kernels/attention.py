@@ -270,24 +270,26 @@ def _exit_clear(sig, arrival, rank, err, max_spins, WORLD: tl.constexpr):
     n_prog = tl.num_programs(0) * tl.num_programs(1)
     arrived = tl.atomic_add(sig + arrival + WORLD, 1, sem="acq_rel", scope="gpu")
     if arrived == n_prog - 1:
-        for t in range(1, WORLD):
-            c = (rank + WORLD - t) % WORLD
-            wait(sig + arrival + c, 1, err, rank, arrival + c, max_spins)
-        offs = tl.arange(0, 64)
-        tl.store(sig + arrival + offs, 0, mask=offs <= WORLD)
+        _clear_flags(sig, arrival, rank, err, max_spins, WORLD)
+
+
+@triton.jit
+def _clear_flags(sig, arrival, rank, err, max_spins, WORLD: tl.constexpr):
+    """Wait for every peer's arrival flag, then zero the flags and the finished-program
+    counter (slot ``arrival + WORLD``)."""
+    for t in range(1, WORLD):
+        c = (rank + WORLD - t) % WORLD
+        wait(sig + arrival + c, 1, err, rank, arrival + c, max_spins)
+    offs = tl.arange(0, 64)
+    tl.store(sig + arrival + offs, 0, mask=offs <= WORLD)
 
 
 @triton.jit
 def sp_attn_clear_kernel(sig, arrival, err, rank, max_spins, WORLD: tl.constexpr):
     """One program, once every kernel that waits on this call's arrival flags is done (the
     backward's dQ and dK/dV kernels run side by side, so neither can clear them as it
-    ends): waits for every peer's flag (a chunk no program needed may still be landing),
-    then zeroes the flags and the finished-program counter (slot ``arrival + WORLD``)."""
-    for t in range(1, WORLD):
-        c = (rank + WORLD - t) % WORLD
-        wait(sig + arrival + c, 1, err, rank, arrival + c, max_spins)
-    offs = tl.arange(0, 64)
-    tl.store(sig + arrival + offs, 0, mask=offs <= WORLD)
+    ends): ``_clear_flags``."""
+    _clear_flags(sig, arrival, rank, err, max_spins, WORLD)
 
 
 @triton.jit
