@@ -185,8 +185,8 @@ def gemm_segments_kernel(
     SUBTILE: tl.constexpr = False, ENTRY_BARRIER: tl.constexpr = False,
     EXIT_CLEAR: tl.constexpr = False, NOTIFY_STORES: tl.constexpr = False,
     STAGE_PUSHES: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
-    COUNT_UNIT: tl.constexpr = 1, PEER_LOADS: tl.constexpr = 1, TRACE: tl.constexpr = False,
-    tbuf=None,
+    COUNT_UNIT: tl.constexpr = 1, PEER_LOADS: tl.constexpr = 1,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """See the module docstring. ``a_own`` ([own_rows, K]) is read by ``KIND_STORE_OWN``;
     ``recv`` ([WORLD, recv_rows, N], symmetric, table ``recv_table``) receives partials;

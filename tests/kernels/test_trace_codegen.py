@@ -17,6 +17,7 @@ import sys
 import pytest
 
 import interlace.kernels.gemm as gemm_module
+from interlace.ops.segment_gemm import peer_loads
 from interlace.testing.codegen import compile_for_hopper, cuda_compile_unavailable
 from tests.kernels.test_gemm_codegen import BASE, VARIANTS
 
@@ -63,6 +64,7 @@ def _ptx(kernel, variant: str, **extra) -> str:
     import triton
 
     constexprs = dict(BASE, **VARIANTS[variant], **extra)
+    constexprs.setdefault("PEER_LOADS", peer_loads(constexprs["WORLD"]))
     if extra.get("TRACE"):
         del constexprs["tbuf"]
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
