@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
-import pstats
 import time
 
 import torch
@@ -30,6 +28,7 @@ def _per_call_us(fn, calls: int) -> float:
 
 
 def body(group, shape, calls, rows):
+    from interlace.bench.timing import profile_text
     from interlace.ops.ep import EPAllToAll, EPLowLatency
 
     tokens, hidden, topk, experts = shape
@@ -63,13 +62,9 @@ def body(group, shape, calls, rows):
                 fn()
             prof.disable()
             torch.cuda.synchronize()
-            text = io.StringIO()
-            stats = pstats.Stats(prof, stream=text)
-            stats.sort_stats("tottime").print_stats(rows)
-            stats.sort_stats("cumulative").print_stats(rows)
             out.append(f"== {name} {what}: {plain:.1f} us per call back to back "
                        f"(best of 4 loops of {calls // 4}); profile of {calls} calls:\n"
-                       f"{text.getvalue()}")  # fmt: skip
+                       f"{profile_text(prof, rows)}")  # fmt: skip
         ctx.check()
         ctx.close()
     return "\n".join(out)

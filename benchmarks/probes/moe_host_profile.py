@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
-import pstats
 import statistics
 import time
 
@@ -24,6 +22,7 @@ import torch.distributed as dist
 
 
 def body(group, shape, calls, rows):
+    from interlace.bench.timing import profile_text
     from interlace.ops.moe import AGMoE, MoERS
 
     tokens, hidden, inter, experts, k = shape
@@ -60,11 +59,9 @@ def body(group, shape, calls, rows):
             samples.append((time.perf_counter() - start) * 1e6)
         torch.cuda.synchronize()
         if rank == 0:
-            text = io.StringIO()
-            for key in ("tottime", "cumulative"):
-                pstats.Stats(prof, stream=text).sort_stats(key).print_stats(rows)
-            out.append(f"== {name}: median host time {statistics.median(samples):.0f} us "
-                       f"per call (profiled; {calls} calls)\n{text.getvalue()}")  # fmt: skip
+            median = statistics.median(samples)
+            out.append(f"== {name}: median host time {median:.0f} us per call "
+                       f"(profiled; {calls} calls)\n{profile_text(prof, rows)}")  # fmt: skip
     ag.close()
     rs.close()
     return "\n".join(out)

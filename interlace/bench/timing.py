@@ -175,3 +175,15 @@ def graph_of(group, fn, reps: int = 1):
             fn()
     torch.cuda.synchronize()
     return graph
+
+
+def profile_text(prof, rows: int) -> str:
+    """A ``cProfile.Profile``'s costliest ``rows`` functions, by own time, then by
+    cumulative time, as ``pstats`` prints them."""
+    import io
+    import pstats
+
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(rows)
+    return text.getvalue()
