@@ -315,21 +315,25 @@ def _record(op, s, causal, world, t, t_nowait, t_ref, extra=None) -> dict:
 
 
 #: Configs ``--tune`` times per kernel: ``AttnConfig``'s fields (block_m, block_n, warps,
-#: stages, warp_specialize, fast_exp). ``block_m`` is the query block, ``block_n``
+#: stages, warp_specialize, fast_exp[, maxnreg]). ``block_m`` is the query block, ``block_n``
 #: the key block (dK / dV: one key block per program, looping over query blocks).
 TUNE = {
     "fwd": (
         (128, 128, 8, 3, False, 0), (128, 128, 8, 3, True, 0), (128, 128, 8, 3, False, 1),
-        (128, 128, 8, 3, False, 2), (128, 128, 8, 2, False, 0), (128, 64, 8, 3, False, 0),
-        (128, 64, 4, 3, False, 0), (64, 128, 4, 3, False, 0), (256, 64, 8, 3, True, 0),
+        (128, 128, 8, 2, False, 0), (128, 64, 8, 3, False, 0), (128, 64, 8, 2, False, 0),
+        (128, 64, 8, 2, False, 0, 128), (128, 64, 8, 2, False, 1, 128),
+        (64, 64, 4, 2, False, 0), (64, 64, 4, 3, False, 0), (64, 64, 4, 3, False, 1),
+        (64, 64, 4, 3, True, 0), (64, 32, 4, 3, False, 0), (64, 128, 4, 3, False, 0),
     ),
     "dkdv": (
-        (64, 128, 8, 2, False, 0), (64, 128, 8, 2, False, 1), (64, 128, 8, 3, False, 0),
-        (64, 128, 8, 3, False, 1), (32, 128, 8, 3, False, 1), (64, 64, 4, 3, False, 0),
+        (64, 128, 8, 2, False, 0), (64, 128, 8, 3, False, 1), (64, 64, 8, 2, False, 1),
+        (64, 64, 4, 2, False, 1), (64, 64, 4, 2, False, 0), (64, 64, 4, 3, False, 1),
+        (32, 64, 4, 2, False, 1), (32, 64, 4, 3, False, 1), (64, 32, 4, 2, False, 1),
     ),
     "dq": (
         (128, 64, 8, 3, False, 0), (128, 64, 8, 3, False, 1), (64, 128, 4, 3, False, 0),
-        (128, 128, 8, 2, False, 0),
+        (64, 64, 4, 2, False, 0), (64, 64, 4, 2, False, 1), (64, 64, 4, 3, False, 0),
+        (64, 32, 4, 3, False, 0),
     ),
 }  # fmt: skip
 #: Causal: only the fastest non-causal configs of each kernel are timed again.
@@ -341,6 +345,7 @@ def _variant(cfg) -> str:
     name = f"{cfg.block_m}x{cfg.block_n}-w{cfg.num_warps}-s{cfg.num_stages}"
     name += "-ws" if cfg.warp_specialize else ""
     name += f"-e{cfg.fast_exp}" if cfg.fast_exp else ""
+    name += f"-r{cfg.maxnreg}" if cfg.maxnreg else ""
     return name
 
 
@@ -356,11 +361,13 @@ def _tune_one(p, kernel, cfg, iters) -> tuple[float, dict]:
     return _time_ms(functools.partial(p.dq_only, cfg=cfg), iters=iters), errs
 
 
-def tune(s, iters, deadline: float, world=AS_WORLD, kernels=tuple(TUNE)) -> list[dict]:
+def tune(s, iters, deadline: float, world=AS_WORLD, kernels=tuple(TUNE),
+         variants=()) -> list[dict]:  # fmt: skip
     """Time each candidate config of each kernel (forward, dK / dV, dQ) with its waits met,
     with the relative errors of its outputs (records ``op: sp_attention_cfg``, ``kernel``);
     non-causal first, then the fastest ``TUNE_CAUSAL_TOP`` of each kernel causal; stops
-    at ``deadline`` (``time.monotonic()``)."""
+    at ``deadline`` (``time.monotonic()``). ``variants``: only the candidates of these
+    names (``_variant``), where given."""
     from ..ops.attention.sp_attention import AttnConfig, config_of
 
     records = []
@@ -369,7 +376,9 @@ def tune(s, iters, deadline: float, world=AS_WORLD, kernels=tuple(TUNE)) -> list
         p = _PerRank(s, causal, world)
         for kernel in kernels:
             cands = TUNE[kernel]
-            current = config_of(kernel, D, "cuda", causal)
+            if variants:
+                cands = [f for f in cands if _variant(AttnConfig(*f)) in variants]
+            current = config_of(kernel, D, "cuda", causal, s)
             if causal:
                 cands = best.get(kernel, [])[:TUNE_CAUSAL_TOP]
             timed = []
@@ -625,6 +634,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune-only", action="store_true", help="--tune, and nothing else")
     parser.add_argument("--tune-kernels", default="fwd,dkdv,dq", help="kernels --tune times")
     parser.add_argument("--tune-seconds", type=float, default=120.0, help="time limit of --tune")
+    parser.add_argument("--tune-s", type=int, default=None, help="--tune's S (default: 16k)")
+    parser.add_argument(
+        "--tune-variants", default="", help="only these candidates, e.g. 64x64-w4-s3,128x128-w8-s3"
+    )
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--as-world", type=int, default=AS_WORLD)
     add_several_only(parser)
@@ -642,7 +655,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.tune_only:
         kernels = tuple(args.tune_kernels.split(","))
-        tuned = tune(seqs[0], iters, time.monotonic() + args.tune_seconds, args.as_world, kernels)
+        variants = tuple(v for v in args.tune_variants.split(",") if v)
+        tuned = tune(args.tune_s or seqs[0], iters, time.monotonic() + args.tune_seconds,
+                     args.as_world, kernels, variants)  # fmt: skip
         path = write_records(args.out, device, 1, tuned)
         print(f"results written to {path}")
         return 0

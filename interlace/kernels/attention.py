@@ -24,8 +24,10 @@ Peers' chunks arrive in a gathered buffer ``[W * batch * kv_heads, S_loc, d]`` (
 rank ``c`` at rows ``c * batch * kv_heads ...``), each behind an arrival flag raised by the
 copy engine: a program waits on a chunk's flag before its first load from it, the load's
 coordinate depending on the wait's token (``guard_coord``) so it cannot be hoisted above
-the wait. The local chunk is read in place from the caller's K / V. Softmax statistics
-are kept in base 2 (``qk_scale = sm_scale * log2(e)``); ``lse`` is stored in base 2 too.
+the wait; a program whose block meets no visible position of a chunk (the causal mask,
+documents) neither waits for nor reads it. The local chunk is read in place from the
+caller's K / V. Softmax statistics are kept in base 2 (``qk_scale = sm_scale * log2(e)``);
+``lse`` is stored in base 2 too.
 """
 
 from __future__ import annotations
@@ -163,6 +165,23 @@ def _mask(q_pos, k_pos, k_idx, S_loc, seg, WORLD: tl.constexpr, CAUSAL: tl.const
     return ok
 
 
+@triton.jit
+def _mask_t(q_pos, k_pos, k_idx, S_loc, seg, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
+            VARLEN: tl.constexpr):  # fmt: skip
+    """``_mask`` transposed ([keys, queries]), built in that orientation: the dK / dV
+    kernel's products are keys by queries, and a transposed boolean tile would cost a
+    layout conversion and the registers it holds."""
+    ok = (k_idx < S_loc)[:, None] & (q_pos >= 0)[None, :]
+    if CAUSAL:
+        ok = ok & (k_pos[:, None] <= q_pos[None, :])
+    if VARLEN:
+        last = WORLD * S_loc - 1
+        qs = tl.load(seg + tl.minimum(tl.maximum(q_pos, 0), last))
+        ks = tl.load(seg + tl.minimum(k_pos, last))
+        ok = ok & (ks[:, None] == qs[None, :])
+    return ok
+
+
 # ---------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, k_desc, v_desc, row, j0, n, jlo, jf_lo, jf_hi, q_pos,
@@ -248,14 +267,21 @@ def _fwd_window(qmin, qmax, S_loc, seg, cu, WORLD: tl.constexpr, CAUSAL: tl.cons
 
 
 @triton.jit
-def _peer_chunk(t, rank, sig, arrival, err, max_spins, BKV, kv_row, WORLD: tl.constexpr,
+def _peer_chunk(t, rank, sig, arrival, err, max_spins, BKV, kv_row, qmin, qmax, S_loc, half,
+                seg, cu, WORLD: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
                 WAIT: tl.constexpr):  # fmt: skip
     """The chunk a program takes at step ``t >= 1`` (arrival order: rank - 1, rank - 2, ...)
-    and its row in the gathered buffer, after its arrival flag (``WAIT``)."""
+    and its row in the gathered buffer, after its arrival flag (``WAIT``) where the query
+    block ``[qmin, qmax]`` sees any key of it (a chunk wholly masked is not waited for)."""
     c = (rank + WORLD - t) % WORLD
     row = c * BKV + kv_row
     if WAIT:
-        token = wait_inline(sig + arrival + c, 1, 1, err, rank, arrival + c, max_spins)
+        vlo, vhi, flo, fhi = _fwd_window(qmin, qmax, S_loc, seg, cu, WORLD, CAUSAL, VARLEN)
+        seen = _count_le(vhi, c, S_loc, half, WORLD, CAUSAL) - _count_le(
+            vlo - 1, c, S_loc, half, WORLD, CAUSAL
+        )
+        needed = (seen > 0).to(tl.int32)
+        token = wait_inline(sig + arrival + c, 1, needed, err, rank, arrival + c, max_spins)
         row = guard_coord(row, token, 1, WORLD * BKV)
     return c, row
 
@@ -367,7 +393,10 @@ def sp_attn_fwd_kernel(
         )  # fmt: skip
         for t in range(1, WORLD):
             trace_step(TRACE, tbuf, EV_WAIT_BEGIN, t, (rank + WORLD - t) % WORLD, t)
-            c, row = _peer_chunk(t, rank, sig, arrival, err, max_spins, BKV, kv_row, WORLD, WAIT)
+            c, row = _peer_chunk(
+                t, rank, sig, arrival, err, max_spins, BKV, kv_row, qmin, qmax, S_loc, half,
+                seg, cu, WORLD, CAUSAL, VARLEN, WAIT,
+            )  # fmt: skip
             trace_step(TRACE, tbuf, EV_WAIT_END, t, c, row)
             acc, l_i, m_i = _fwd_chunk(
                 acc, l_i, m_i, qb, kp_desc, vp_desc, row, c, qmin, qmax, q_pos, S_loc, half,
@@ -425,8 +454,8 @@ def _dkdv_blocks(dk, dv, kb, vb, q_desc, do_desc, lse, delta, qrow, i0, n, ilo, 
         if MASKED:
             p_t = tl.math.exp2(qk_t - m_row[None, :])
             q_pos = tl.where(q_idx < S_loc, _pos(q_idx, rank, S_loc, half, WORLD, CAUSAL), -1)
-            ok = _mask(q_pos, k_pos, k_idx, S_loc, seg, WORLD, CAUSAL, VARLEN)
-            p_t = tl.where(tl.trans(ok), p_t, 0.0)
+            ok = _mask_t(q_pos, k_pos, k_idx, S_loc, seg, WORLD, CAUSAL, VARLEN)
+            p_t = tl.where(ok, p_t, 0.0)
         else:
             p_t = _exp2(qk_t - m_row[None, :], FAST_EXP)
         dv = _dot(p_t.to(qb.dtype), dob, dv)
@@ -476,22 +505,6 @@ def sp_attn_bwd_dkdv_kernel(
     k_pos = _pos(k_idx, c, S_loc, half, WORLD, CAUSAL)
     kmin = _pos(n0, c, S_loc, half, WORLD, CAUSAL)
     kmax = _pos(tl.minimum(n0 + BLOCK_N, S_loc) - 1, c, S_loc, half, WORLD, CAUSAL)
-    if c == rank:
-        src_k = k + kv_row.to(tl.int64) * S_loc * D
-        src_v = v + kv_row.to(tl.int64) * S_loc * D
-        ok_load = k_ok
-    else:
-        src_k = k_all + (c * BKV + kv_row).to(tl.int64) * S_loc * D
-        src_v = v_all + (c * BKV + kv_row).to(tl.int64) * S_loc * D
-        ok_load = k_ok
-        if WAIT:
-            trace_step(TRACE, tbuf, EV_WAIT_BEGIN, 0, c, t)
-            token = wait(sig + arrival + c, 1, err, rank, arrival + c, max_spins)
-            trace_step(TRACE, tbuf, EV_WAIT_END, 0, c, token)
-            ok_load = k_ok & (token >= 1)
-    kv_offs = k_idx[:, None] * D + cols[None, :]
-    kb = tl.load(src_k + kv_offs, mask=ok_load[:, None], other=0.0)
-    vb = tl.load(src_v + kv_offs, mask=ok_load[:, None], other=0.0)
     # query positions that see this key block at all, and those that see all of it
     big = WORLD * S_loc - 1
     vlo = kmin * 0
@@ -511,6 +524,25 @@ def sp_attn_bwd_dkdv_kernel(
     ilo, if_lo, if_hi, ihi = _block_ranges(
         vlo, vhi, flo, fhi, rank, S_loc, half, BLOCK_M, WORLD, CAUSAL
     )
+    # a key block that no query of this rank sees is neither waited for nor loaded
+    seen = ihi > ilo
+    ok_load = k_ok & seen
+    if c == rank:
+        src_k = k + kv_row.to(tl.int64) * S_loc * D
+        src_v = v + kv_row.to(tl.int64) * S_loc * D
+    else:
+        src_k = k_all + (c * BKV + kv_row).to(tl.int64) * S_loc * D
+        src_v = v_all + (c * BKV + kv_row).to(tl.int64) * S_loc * D
+        if WAIT:
+            trace_step(TRACE, tbuf, EV_WAIT_BEGIN, 0, c, t)
+            token = wait_inline(
+                sig + arrival + c, 1, seen.to(tl.int32), err, rank, arrival + c, max_spins
+            )
+            trace_step(TRACE, tbuf, EV_WAIT_END, 0, c, token)
+            ok_load = ok_load & (token >= 1)
+    kv_offs = k_idx[:, None] * D + cols[None, :]
+    kb = tl.load(src_k + kv_offs, mask=ok_load[:, None], other=0.0)
+    vb = tl.load(src_v + kv_offs, mask=ok_load[:, None], other=0.0)
     q_desc = tl.make_tensor_descriptor(
         q, shape=[BH, S_loc, D], strides=[S_loc * D, D, 1], block_shape=[1, BLOCK_M, D]
     )
@@ -663,7 +695,10 @@ def sp_attn_bwd_dq_kernel(
         )  # fmt: skip
         for t in range(1, WORLD):
             trace_step(TRACE, tbuf, EV_WAIT_BEGIN, t, (rank + WORLD - t) % WORLD, t)
-            c, row = _peer_chunk(t, rank, sig, arrival, err, max_spins, BKV, kv_row, WORLD, WAIT)
+            c, row = _peer_chunk(
+                t, rank, sig, arrival, err, max_spins, BKV, kv_row, qmin, qmax, S_loc, half,
+                seg, cu, WORLD, CAUSAL, VARLEN, WAIT,
+            )  # fmt: skip
             trace_step(TRACE, tbuf, EV_WAIT_END, t, c, row)
             dq_acc = _dq_chunk(
                 dq_acc, qb, dob, m_row, d_row, kp_desc, vp_desc, row, c, qmin, qmax, q_pos,

@@ -108,8 +108,12 @@ def _moe(kernel, variant: str, trace: bool) -> dict:
                     num_stages=4)  # fmt: skip
 
 
-def _attn(kernel, variant: str, trace: bool) -> dict:
-    """The attention forward as ``SPAttention`` launches it on a GPU (d 128)."""
+def _attn(kernel, variant: str, trace: bool, cfg=None) -> dict:
+    """The attention forward as ``SPAttention`` launches it on a GPU (d 128, ``GPU_CONFIGS``
+    unless ``cfg`` is given)."""
+    from interlace.ops.attention.sp_attention import config_of
+
+    cfg = cfg or config_of("fwd", 128, "cuda", variant == "causal")
     i32 = "i32"
     sig = {n: BF16 for n in ("q", "k", "v", "k_all", "v_all", "o")}
     sig.update(
@@ -117,18 +121,17 @@ def _attn(kernel, variant: str, trace: bool) -> dict:
         arrival=i32, qk_scale="fp32", S_loc=i32, half=i32, H=i32, HKV=i32,
     )  # fmt: skip
     const = dict(
-        D=128, WORLD=4, BLOCK_M=128, BLOCK_N=128, CAUSAL=variant == "causal",
-        VARLEN=variant == "varlen", WAIT=True, CLEAR=True, WS=False, FAST_EXP=0,
+        D=128, WORLD=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=variant == "causal",
+        VARLEN=variant == "varlen", WAIT=True, CLEAR=True, WS=False, FAST_EXP=cfg.fast_exp,
     )  # fmt: skip
     return _compile(kernel, sig, const, trace, ("q", "k", "v", "k_all", "v_all", "o"),
-                    num_stages=3)  # fmt: skip
+                    num_stages=cfg.num_stages, num_warps=cfg.num_warps)  # fmt: skip
 
 
-def _attn_bwd(kernel, variant: str, trace: bool) -> dict:
+def _attn_bwd(kernel, variant: str, trace: bool, cfg=None) -> dict:
     """A backward kernel of ``SPAttention`` as ``launch_dkdv`` / ``launch_dq`` /
-    ``launch_reduce`` launch it on a GPU (d 128, ``GPU_CONFIGS``): ``full`` (dK/dV: packed
-    float16 exponentials, 3 stages), ``causal`` (dK/dV: float32 exponentials, 2 stages) or
-    ``varlen``."""
+    ``launch_reduce`` launch it on a GPU (d 128, ``GPU_CONFIGS`` unless ``cfg`` is given):
+    ``full``, ``causal`` or ``varlen``."""
     from interlace.ops.attention.sp_attention import REDUCE_BLOCK, config_of
 
     i32, name = "i32", kernel.__name__
@@ -141,7 +144,7 @@ def _attn_bwd(kernel, variant: str, trace: bool) -> dict:
                         num_warps=4)  # fmt: skip
     kind = "dkdv" if name == "sp_attn_bwd_dkdv_kernel" else "dq"
     causal = variant == "causal"
-    cfg = config_of(kind, 128, "cuda", causal)
+    cfg = cfg or config_of(kind, 128, "cuda", causal)
     sig = {}
     for arg in kernel.arg_names:
         if arg in ("TRACE", "tbuf"):
@@ -404,3 +407,27 @@ def test_trace_on_reads_the_timer(key, variant):
     assert on["ptx"].count("%globaltimer") > off["ptx"].count("%globaltimer"), (key, variant)
     if key in ("moe", "attn", "attn_dkdv", "attn_dq", "signal"):
         assert "wgmma" in on["ptx"], "the traced kernel still uses Hopper's wgmma"
+
+
+#: An SM's shared memory (H100 / H200) and what the hardware keeps of it per resident block
+SM_SHARED, BLOCK_RESERVED = 233472, 1024
+
+
+@pytest.mark.parametrize("table", ["GPU_CONFIGS", "GPU_CONFIGS_CAUSAL", "GPU_CONFIGS_LONG"])
+def test_attention_gpu_configs_fit(table):
+    """Every GPU config of the attention kernels (d 128) compiles for sm_90 within a
+    block's shared memory; the forward's and dK / dV's default configs fit two programs
+    in one SM, which their choice in ``sp_attention.GPU_CONFIGS`` rests on."""
+    from interlace.ops.attention import sp_attention as sp
+
+    for (kind, d), cfg in getattr(sp, table).items():
+        if d != 128:
+            continue
+        if kind == "fwd":
+            out = _attn(attention_module.sp_attn_fwd_kernel, "full", False, cfg)
+        else:
+            name = "sp_attn_bwd_dkdv_kernel" if kind == "dkdv" else "sp_attn_bwd_dq_kernel"
+            out = _attn_bwd(getattr(attention_module, name), "full", False, cfg)
+        assert out["shared"] <= SM_SHARED - BLOCK_RESERVED, (kind, cfg, out["shared"])
+        if table == "GPU_CONFIGS" and kind in ("fwd", "dkdv"):
+            assert 2 * (out["shared"] + BLOCK_RESERVED) <= SM_SHARED, (kind, cfg, out["shared"])

@@ -92,30 +92,41 @@ class AttnConfig:
     #: the unmasked blocks' exponential (``kernels.attention._exp2``): 0 float32, 1 packed
     #: float16 pairs, 2 packed bfloat16 pairs
     fast_exp: int = 0
+    #: a register cap per thread (the launch's ``maxnreg``), so that two programs fit in
+    #: one SM (the hardware then runs one's softmax beside the other's products)
+    maxnreg: int | None = None
 
 
 #: Kernel configs on a GPU per (kernel, head_dim): (query block, key block, warps,
 #: stages, ...). Chosen by ``python -m interlace bench attention --tune`` (bf16, d 128, S
 #: 16k as rank 0 of 4; records ``sp_attention_cfg`` of
-#: benchmarks/results/2026-11-28-h200-w1.json, one H200): forward 128 x 128, 8 warps, 3
-#: stages (2.24-2.28 ms non-causal; every other candidate, warp-specialised, with packed
-#: exponentials or the next product issued ahead, 2-200 % slower); dQ 128 x 64 with 3
-#: stages (2.50-2.60 ms; packed exponentials within 1 %); dK / dV 128 keys against 64
-#: queries, 3 stages and packed float16 exponentials (4.43 ms against 4.87 with 2
-#: stages). The d 64 configs are the same, not tuned apart.
+#: benchmarks/results/2026-11-29-h200-w1.json, one H200). Forward: 64 x 64 blocks, 4
+#: warps, 3 stages (2.26 ms non-causal, 1.25 causal, against 2.30 / 1.34 for 128 x 128
+#: with 8 warps): two programs share an SM, so one's softmax runs beside the other's
+#: products (128 x 64 with 8 warps capped at 128 registers, also two per SM: within 1-3 %).
+#: dK / dV: 64 keys against 64 queries, 4 warps, 2 stages, likewise two programs per SM
+#: (4.16 ms non-causal, 2.03 causal, against 4.27 / 2.35 with packed float16 exponentials
+#: and 4.51 / 2.42 for 128 keys against 64 queries with 8 warps). dQ: 128 x 64 with 3
+#: stages (2.72 / 1.49 ms; 64 x 64 with two programs per SM 10 % slower). The d 64
+#: configs are the same, not tuned apart.
 GPU_CONFIGS = {
-    ("fwd", 64): AttnConfig(128, 128, 8, 3),
-    ("fwd", 128): AttnConfig(128, 128, 8, 3),
+    ("fwd", 64): AttnConfig(64, 64, 4, 3),
+    ("fwd", 128): AttnConfig(64, 64, 4, 3),
     ("dq", 64): AttnConfig(128, 64, 8, 3),
     ("dq", 128): AttnConfig(128, 64, 8, 3),
-    ("dkdv", 64): AttnConfig(64, 128, 8, 3, fast_exp=1),
-    ("dkdv", 128): AttnConfig(64, 128, 8, 3, fast_exp=1),
+    ("dkdv", 64): AttnConfig(64, 64, 4, 2),
+    ("dkdv", 128): AttnConfig(64, 64, 4, 2),
 }
-#: Causal overrides of ``GPU_CONFIGS``: dK / dV with 2 stages and float32 exponentials
-#: (2.32 ms against 2.45-2.71 for the other candidates, same file).
-GPU_CONFIGS_CAUSAL = {
-    ("dkdv", 64): AttnConfig(64, 128, 8, 2),
-    ("dkdv", 128): AttnConfig(64, 128, 8, 2),
+#: Causal overrides of ``GPU_CONFIGS`` (none at present: the same configs won causal).
+GPU_CONFIGS_CAUSAL: dict[tuple[str, int], AttnConfig] = {}
+#: Overrides of ``GPU_CONFIGS`` where a query block sees more than ``LONG_KEYS`` keys
+#: (``W x S_loc``): the forward's 128 x 128 blocks with 8 warps and 3 stages, faster there
+#: than 64 x 64 (S 32k as rank 0 of 4: 8.75 against 9.27 ms non-causal, 4.45 against 4.75
+#: causal; records ``sp_attention_cfg`` at S 32768 of the same file).
+LONG_KEYS = 16384
+GPU_CONFIGS_LONG = {
+    ("fwd", 64): AttnConfig(128, 128, 8, 3),
+    ("fwd", 128): AttnConfig(128, 128, 8, 3),
 }
 #: The interpreter (CPU emulation): small tiles, so that tiny test shapes have ragged
 #: blocks and several blocks per chunk.
@@ -124,9 +135,14 @@ DELTA_BLOCK = 64
 REDUCE_BLOCK = 32
 
 
-def config_of(kind: str, d: int, backend: str, causal: bool = False) -> AttnConfig:
+def config_of(kind: str, d: int, backend: str, causal: bool = False,
+              keys: int = 0) -> AttnConfig:  # fmt: skip
+    """The config of ``kind``'s kernel for head dim ``d``; ``keys``: the keys a query
+    block may see (``W x S_loc``)."""
     if backend != "cuda":
         return CPU_CONFIG
+    if keys > LONG_KEYS and (kind, d) in GPU_CONFIGS_LONG:
+        return GPU_CONFIGS_LONG[(kind, d)]
     if causal and (kind, d) in GPU_CONFIGS_CAUSAL:
         return GPU_CONFIGS_CAUSAL[(kind, d)]
     return GPU_CONFIGS[(kind, d)]
@@ -163,6 +179,7 @@ def _common(a: KernelArgs, cfg: AttnConfig) -> dict:
         H=a.heads, HKV=a.kv_heads, D=a.d, WORLD=a.world, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, CAUSAL=a.causal, VARLEN=a.varlen, FAST_EXP=cfg.fast_exp,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )  # fmt: skip
 
 
@@ -186,7 +203,7 @@ def launch_fwd(a: KernelArgs, q, k, v, k_all, v_all, o, lse, arrival: int, wait:
     """The forward kernel: ``o`` and base-2 ``lse`` of this rank's queries against the local
     K/V and the peers' chunks in ``k_all`` / ``v_all`` ``[W * batch * kv_heads, S_loc, d]``;
     traced (``TRACE`` on) where a recorder is in force (``interlace.trace.record``)."""
-    cfg = cfg or config_of("fwd", a.d, a.backend, a.causal)
+    cfg = cfg or config_of("fwd", a.d, a.backend, a.causal, a.world * a.s_loc)
     bh = q.shape[0] * q.shape[1]
     grid = (cdiv(a.s_loc, cfg.block_m), bh)
     traced = _traced(  # one step per K/V chunk
@@ -214,7 +231,7 @@ def launch_dkdv(a: KernelArgs, q, k, v, k_all, v_all, do, lse, delta, recv, recv
     """The dK/dV kernel: partials of every chunk into its owner's ``recv`` slot ``rank``;
     traced where a recorder is in force (two steps per program: its key block, then the
     push to the chunk's owner)."""
-    cfg = cfg or config_of("dkdv", a.d, a.backend, a.causal)
+    cfg = cfg or config_of("dkdv", a.d, a.backend, a.causal, a.world * a.s_loc)
     bkv = k.shape[0] * k.shape[1]
     n_kb = cdiv(a.s_loc, cfg.block_n)
     traced = _traced(
@@ -233,7 +250,7 @@ def launch_dq(a: KernelArgs, q, k, v, k_all, v_all, do, lse, delta, dq, arrival:
               wait: bool, clear: bool, cfg: AttnConfig | None = None) -> None:  # fmt: skip
     """The dQ kernel; traced as the forward where a recorder is in force (one step per
     K/V chunk)."""
-    cfg = cfg or config_of("dq", a.d, a.backend, a.causal)
+    cfg = cfg or config_of("dq", a.d, a.backend, a.causal, a.world * a.s_loc)
     bh = q.shape[0] * q.shape[1]
     grid_m = cdiv(a.s_loc, cfg.block_m)
     traced = _traced(
