@@ -329,7 +329,9 @@ def wait_inline(sig, expected, needed, err, rank, slot, max_spins, count=1):
     the error word, the group's fault word and the global timer are read (a fault stops it,
     as does ``max_spins`` microseconds since it began); one acquiring load per signal once
     met (the token depends on each); on timeout the fault is recorded as ``record_fault``
-    does (first wins) and ``expected - 1`` returned. In the interpreter, ``wait`` on each."""
+    does (first wins) and ``expected - 1`` returned. The error block lives in host memory:
+    a signal met before the first ``ERROR_POLL`` costs its polls and the acquiring load,
+    with no read across PCIe. In the interpreter, ``wait`` on each."""
     if INTERPRETED:
         token = expected
         if needed != 0:
@@ -354,7 +356,7 @@ def wait_inline(sig, expected, needed, err, rank, slot, max_spins, count=1):
             cvt.u64.u32 %e, $5;
             mul.lo.u64 %e, %e, 1000;
             add.u64 %d, %d, %e;
-            ld.global.u64 %g, [$3+24];
+            mov.u64 %g, 0;
             SLOT:
             mov.u32 %n, 0;
             POLL:
@@ -368,6 +370,7 @@ def wait_inline(sig, expected, needed, err, rank, slot, max_spins, count=1):
             ld.volatile.global.u32 %t, [$3];
             setp.ne.u32 %p, %t, 0;
             @%p bra PEER;
+            ld.global.u64 %g, [$3+24];
             setp.eq.u64 %p, %g, 0;
             @%p bra CLOCK;
             ld.volatile.global.u32 %t, [%g];
