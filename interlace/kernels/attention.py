@@ -150,35 +150,33 @@ def _doc_bounds(seg, cu, p):
 
 
 @triton.jit
-def _mask(q_pos, k_pos, k_idx, S_loc, seg, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
-          VARLEN: tl.constexpr):  # fmt: skip
-    """[rows, cols] mask of the keys each query sees: a valid row (``q_pos >= 0``), a key
-    inside the chunk (``k_idx < S_loc``), causal order, the same document."""
-    ok = (k_idx < S_loc)[None, :] & (q_pos >= 0)[:, None]
-    if CAUSAL:
-        ok = ok & (k_pos[None, :] <= q_pos[:, None])
-    if VARLEN:
-        last = WORLD * S_loc - 1
-        qs = tl.load(seg + tl.minimum(tl.maximum(q_pos, 0), last))
-        ks = tl.load(seg + tl.minimum(k_pos, last))
-        ok = ok & (qs[:, None] == ks[None, :])
-    return ok
+def _grid(q, k, KQ: tl.constexpr):
+    """Per-query ``q`` and per-key ``k`` broadcast to a [queries, keys] tile, or, ``KQ``,
+    to a [keys, queries] one."""
+    if KQ:
+        return q[None, :], k[:, None]
+    else:
+        return q[:, None], k[None, :]
 
 
 @triton.jit
-def _mask_t(q_pos, k_pos, k_idx, S_loc, seg, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
-            VARLEN: tl.constexpr):  # fmt: skip
-    """``_mask`` transposed ([keys, queries]), built in that orientation: the dK / dV
-    kernel's products are keys by queries, and a transposed boolean tile would cost a
-    layout conversion and the registers it holds."""
-    ok = (k_idx < S_loc)[:, None] & (q_pos >= 0)[None, :]
+def _mask(q_pos, k_pos, k_idx, S_loc, seg, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
+          VARLEN: tl.constexpr, KQ: tl.constexpr = False):  # fmt: skip
+    """[queries, keys] mask of the keys each query sees: a valid row (``q_pos >= 0``), a
+    key inside the chunk (``k_idx < S_loc``), causal order, the same document. ``KQ``:
+    [keys, queries], built in that orientation (the dK / dV kernel's tiles are keys by
+    queries; a transposed boolean tile would cost a layout conversion and registers)."""
+    q_ok, k_ok = _grid(q_pos >= 0, k_idx < S_loc, KQ)
+    ok = q_ok & k_ok
     if CAUSAL:
-        ok = ok & (k_pos[:, None] <= q_pos[None, :])
+        qp, kp = _grid(q_pos, k_pos, KQ)
+        ok = ok & (kp <= qp)
     if VARLEN:
         last = WORLD * S_loc - 1
         qs = tl.load(seg + tl.minimum(tl.maximum(q_pos, 0), last))
         ks = tl.load(seg + tl.minimum(k_pos, last))
-        ok = ok & (ks[:, None] == qs[None, :])
+        q_doc, k_doc = _grid(qs, ks, KQ)
+        ok = ok & (q_doc == k_doc)
     return ok
 
 
@@ -454,7 +452,7 @@ def _dkdv_blocks(dk, dv, kb, vb, q_desc, do_desc, lse, delta, qrow, i0, n, ilo, 
         if MASKED:
             p_t = tl.math.exp2(qk_t - m_row[None, :])
             q_pos = tl.where(q_idx < S_loc, _pos(q_idx, rank, S_loc, half, WORLD, CAUSAL), -1)
-            ok = _mask_t(q_pos, k_pos, k_idx, S_loc, seg, WORLD, CAUSAL, VARLEN)
+            ok = _mask(q_pos, k_pos, k_idx, S_loc, seg, WORLD, CAUSAL, VARLEN, True)
             p_t = tl.where(ok, p_t, 0.0)
         else:
             p_t = _exp2(qk_t - m_row[None, :], FAST_EXP)
