@@ -126,7 +126,7 @@ def _block_ranges(vlo, vhi, flo, fhi, c, S_loc, half, BLOCK: tl.constexpr,
     af = _count_le(flo - 1, c, S_loc, half, WORLD, ZIGZAG)
     bf = _count_le(fhi, c, S_loc, half, WORLD, ZIGZAG)
     jlo = a // BLOCK
-    jhi = tl.maximum(tl.cdiv(b, BLOCK), jlo)
+    jhi = tl.where(b > a, tl.maximum(tl.cdiv(b, BLOCK), jlo), jlo)  # none visible: no block
     jf_lo = tl.maximum(tl.cdiv(af, BLOCK), jlo)
     jf_hi = tl.minimum(bf // BLOCK, jhi)
     empty = jf_hi <= jf_lo

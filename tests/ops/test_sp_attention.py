@@ -18,6 +18,7 @@ import torch
 from interlace.errors import InterlaceTypeError, InterlaceValueError
 from interlace.ops.attention import SPAttention, zigzag_shard, zigzag_unshard
 from interlace.ops.attention.layout import segment_ids
+from tests.conftest import get_world
 from tests.ops._helpers import capture, expect_error, rel_err, replay, sync
 
 TOL_FWD = 1e-2
@@ -330,3 +331,72 @@ def test_copies_enqueued_before_waiting_kernels(monkeypatch):
         # peer by peer (rank + 1, rank + 2): K, then V with the flag ``arrival + rank``
         assert copies == [(k.data_ptr(), None), (v.data_ptr(), 6)] * (w - 1)
         assert all(e[3] == "comm" for e in log if e[0] == "copy")
+
+
+def _unseen_chunks_body(group, causal):
+    """Rank 0 of two, with the peer's chunk never arriving: every document lies inside one
+    rank's chunk, so no query of rank 0 sees a key of rank 1 and no key of rank 1 is seen
+    by rank 0's queries. The forward, dQ and dK/dV kernels must then neither wait for the
+    peer's arrival flag (a short bound would record a timeout) nor read its chunk
+    (poisoned with NaN); their results match a float32 reference of the local chunk."""
+    from interlace.ops.attention import sp_attention as sp
+    from interlace.runtime.signals import ERROR_WORDS
+
+    world, heads, d, s_loc = 2, 2, 16, 64
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(1, heads, s_loc, d, generator=gen).to(torch.bfloat16)
+                   for _ in range(4))  # fmt: skip
+    # rank 0's chunk holds documents [0, 24) and [24, 64) (causal: the zigzag layout puts
+    # sequence chunks 0 and 3 there, [0, 32) and [96, 128), one document each; no query
+    # block of the interpreter's 16 rows straddles the seam, as a block's window would
+    # then cover the documents between its halves)
+    cu_list = [0, 32, 96, 128] if causal else [0, 24, 64, 128]
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    seg = segment_ids(cu, world * s_loc).to(torch.int32)
+    sig = torch.zeros(4 * (world + 1), dtype=torch.int32)
+    err = torch.zeros(ERROR_WORDS, dtype=torch.int32)
+    a = sp.KernelArgs(0, world, heads, heads, d, s_loc, causal, True, 1 / math.sqrt(d), seg, cu,
+                      sig, err.data_ptr(), 2000, "cpu")  # fmt: skip
+    nan = torch.full((world * heads, s_loc, d), float("nan"), dtype=torch.bfloat16)
+    k_all, v_all = nan.clone(), nan.clone()
+    o, lse = torch.empty_like(q), torch.empty(heads, s_loc)
+    sp.launch_fwd(a, q, k, v, k_all, v_all, o, lse, 0, wait=True, clear=False)
+    delta = torch.empty(heads, s_loc)
+    sp.launch_delta(a, o, do, delta)
+    dq = torch.empty_like(q)
+    sp.launch_dq(a, q, k, v, k_all, v_all, do, lse, delta, dq, 0, wait=True, clear=False)
+    recvs = [torch.full((2 * world * heads * s_loc * d,), 7.0, dtype=torch.bfloat16)
+             for _ in range(world)]  # fmt: skip
+    recv_table = torch.tensor([r.data_ptr() for r in recvs], dtype=torch.int64)
+    sig_table = torch.full((world,), sig.data_ptr(), dtype=torch.int64)
+    sp.launch_dkdv(a, q, k, v, k_all, v_all, do, lse, delta, recvs[0], recv_table, sig_table, 0,
+                   world + 1, wait=True)  # fmt: skip
+    assert not err.any(), err.tolist()  # no wait for the peer's flag timed out
+    # float32 reference: rank 0's queries against its own chunk, documents as above
+    if causal:
+        half = s_loc // 2
+        gpos = torch.cat([torch.arange(half), torch.arange(3 * half, 4 * half)])
+    else:
+        gpos = torch.arange(s_loc)
+    qf, kf, vf, dof = (x.float().requires_grad_() for x in (q, k, v, do))
+    ok = seg.long()[gpos][:, None] == seg.long()[gpos][None, :]
+    if causal:
+        ok &= gpos[None, :] <= gpos[:, None]
+    p = torch.softmax((qf @ kf.transpose(-1, -2) / math.sqrt(d)).masked_fill(~ok, -math.inf), -1)
+    ref = p @ vf
+    gq, gk, gv = torch.autograd.grad(ref, (qf, kf, vf), dof)
+    assert rel_err(o, ref) < TOL_FWD and rel_err(dq, gq) < TOL_GRAD
+    # the partials rank 0 computed for its own chunk (slot 0 of its own recv buffer) are
+    # the whole dK / dV; those for rank 1's chunk are zero
+    n = heads * s_loc * d
+    parts = recvs[0].view(2, world, n)
+    assert rel_err(parts[0, 0].view_as(k), gk) < TOL_GRAD
+    assert rel_err(parts[1, 0].view_as(v), gv) < TOL_GRAD
+    peer = recvs[1].view(2, world, n)[:, 0]
+    assert torch.equal(peer, torch.zeros_like(peer)), "a partial for an unseen chunk"
+    return True
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_unseen_chunk_is_neither_waited_for_nor_read(causal):
+    assert all(get_world("cpu", 1).run(_unseen_chunks_body, causal))
