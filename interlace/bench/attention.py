@@ -378,7 +378,7 @@ def tune(s, iters, deadline: float, world=AS_WORLD, kernels=tuple(TUNE),
             cands = TUNE[kernel]
             if variants:
                 cands = [f for f in cands if _variant(AttnConfig(*f)) in variants]
-            current = config_of(kernel, D, "cuda", causal, s)
+            current = config_of(kernel, D, "cuda", s)
             if causal:
                 cands = best.get(kernel, [])[:TUNE_CAUSAL_TOP]
             timed = []

@@ -223,14 +223,11 @@ def _fwd_blocks(acc, l_i, m_i, q, k_desc, v_desc, row, j0, n, jlo, jf_lo, jf_hi,
 
 
 @triton.jit
-def _fwd_chunk(acc, l_i, m_i, q, k_desc, v_desc, row, c, qmin, qmax, q_pos, S_loc, half,
-               seg, cu, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _fwd_chunk(acc, l_i, m_i, q, k_desc, v_desc, row, c, jlo, jf_lo, jf_hi, jhi, q_pos,
+               S_loc, half, seg, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                D: tl.constexpr, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
                VARLEN: tl.constexpr, WS: tl.constexpr, FAST_EXP: tl.constexpr):  # fmt: skip
-    vlo, vhi, flo, fhi = _fwd_window(qmin, qmax, S_loc, seg, cu, WORLD, CAUSAL, VARLEN)
-    jlo, jf_lo, jf_hi, jhi = _block_ranges(
-        vlo, vhi, flo, fhi, c, S_loc, half, BLOCK_N, WORLD, CAUSAL
-    )
+    """Chunk ``c``'s key blocks ``_block_ranges`` gave: the unmasked ones, then the rest."""
     acc, l_i, m_i = _fwd_blocks(
         acc, l_i, m_i, q, k_desc, v_desc, row, jf_lo, jf_hi - jf_lo, jlo, jf_lo, jf_hi,
         q_pos, c, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN,
@@ -265,23 +262,18 @@ def _fwd_window(qmin, qmax, S_loc, seg, cu, WORLD: tl.constexpr, CAUSAL: tl.cons
 
 
 @triton.jit
-def _peer_chunk(t, rank, sig, arrival, err, max_spins, BKV, kv_row, qmin, qmax, S_loc, half,
-                seg, cu, WORLD: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-                WAIT: tl.constexpr):  # fmt: skip
-    """The chunk a program takes at step ``t >= 1`` (arrival order: rank - 1, rank - 2, ...)
-    and its row in the gathered buffer, after its arrival flag (``WAIT``) where the query
-    block ``[qmin, qmax]`` sees any key of it (a chunk wholly masked is not waited for)."""
-    c = (rank + WORLD - t) % WORLD
+def _peer_row(c, seen, rank, sig, arrival, err, max_spins, BKV, kv_row, WORLD: tl.constexpr,
+              WAIT: tl.constexpr):  # fmt: skip
+    """Peer chunk ``c``'s row in the gathered buffer, after its arrival flag (``WAIT``)
+    where the program's block sees any key of it (``seen``: a chunk wholly masked is not
+    waited for)."""
     row = c * BKV + kv_row
     if WAIT:
-        vlo, vhi, flo, fhi = _fwd_window(qmin, qmax, S_loc, seg, cu, WORLD, CAUSAL, VARLEN)
-        seen = _count_le(vhi, c, S_loc, half, WORLD, CAUSAL) - _count_le(
-            vlo - 1, c, S_loc, half, WORLD, CAUSAL
+        token = wait_inline(
+            sig + arrival + c, 1, seen.to(tl.int32), err, rank, arrival + c, max_spins
         )
-        needed = (seen > 0).to(tl.int32)
-        token = wait_inline(sig + arrival + c, 1, needed, err, rank, arrival + c, max_spins)
         row = guard_coord(row, token, 1, WORLD * BKV)
-    return c, row
+    return row
 
 
 @triton.jit
@@ -375,9 +367,13 @@ def sp_attn_fwd_kernel(
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    vlo, vhi, flo, fhi = _fwd_window(qmin, qmax, S_loc, seg, cu, WORLD, CAUSAL, VARLEN)
+    jlo, jf_lo, jf_hi, jhi = _block_ranges(
+        vlo, vhi, flo, fhi, rank, S_loc, half, BLOCK_N, WORLD, CAUSAL
+    )
     acc, l_i, m_i = _fwd_chunk(
-        acc, l_i, m_i, qb, k_desc, v_desc, kv_row, rank, qmin, qmax, q_pos, S_loc, half,
-        seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, WS, FAST_EXP,
+        acc, l_i, m_i, qb, k_desc, v_desc, kv_row, rank, jlo, jf_lo, jf_hi, jhi, q_pos, S_loc,
+        half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, WS, FAST_EXP,
     )  # fmt: skip
     trace_step(TRACE, tbuf, EV_TILE_END, 0, rank, pid_m)
     if WORLD > 1:
@@ -389,16 +385,18 @@ def sp_attn_fwd_kernel(
             v_all, shape=[WORLD * BKV, S_loc, D], strides=[S_loc * D, D, 1],
             block_shape=[1, BLOCK_N, D],
         )  # fmt: skip
-        for t in range(1, WORLD):
-            trace_step(TRACE, tbuf, EV_WAIT_BEGIN, t, (rank + WORLD - t) % WORLD, t)
-            c, row = _peer_chunk(
-                t, rank, sig, arrival, err, max_spins, BKV, kv_row, qmin, qmax, S_loc, half,
-                seg, cu, WORLD, CAUSAL, VARLEN, WAIT,
-            )  # fmt: skip
+        for t in range(1, WORLD):  # peers' chunks in arrival order: rank - 1, rank - 2, ...
+            c = (rank + WORLD - t) % WORLD
+            trace_step(TRACE, tbuf, EV_WAIT_BEGIN, t, c, t)
+            jlo, jf_lo, jf_hi, jhi = _block_ranges(
+                vlo, vhi, flo, fhi, c, S_loc, half, BLOCK_N, WORLD, CAUSAL
+            )
+            row = _peer_row(c, jhi > jlo, rank, sig, arrival, err, max_spins, BKV, kv_row, WORLD,
+                            WAIT)  # fmt: skip
             trace_step(TRACE, tbuf, EV_WAIT_END, t, c, row)
             acc, l_i, m_i = _fwd_chunk(
-                acc, l_i, m_i, qb, kp_desc, vp_desc, row, c, qmin, qmax, q_pos, S_loc, half,
-                seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, WS,
+                acc, l_i, m_i, qb, kp_desc, vp_desc, row, c, jlo, jf_lo, jf_hi, jhi, q_pos,
+                S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, WS,
                 FAST_EXP,
             )  # fmt: skip
             trace_step(TRACE, tbuf, EV_TILE_END, t, c, pid_m)
@@ -609,14 +607,11 @@ def _dq_blocks(dq, qb, dob, m_row, d_row, k_desc, v_desc, row, j0, n, jlo, jf_lo
 
 
 @triton.jit
-def _dq_chunk(dq, qb, dob, m_row, d_row, k_desc, v_desc, row, c, qmin, qmax, q_pos, S_loc,
-              half, seg, cu, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dq_chunk(dq, qb, dob, m_row, d_row, k_desc, v_desc, row, c, jlo, jf_lo, jf_hi, jhi,
+              q_pos, S_loc, half, seg, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               D: tl.constexpr, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
               VARLEN: tl.constexpr, FAST_EXP: tl.constexpr):  # fmt: skip
-    vlo, vhi, flo, fhi = _fwd_window(qmin, qmax, S_loc, seg, cu, WORLD, CAUSAL, VARLEN)
-    jlo, jf_lo, jf_hi, jhi = _block_ranges(
-        vlo, vhi, flo, fhi, c, S_loc, half, BLOCK_N, WORLD, CAUSAL
-    )
+    """``_fwd_chunk`` for dQ."""
     dq = _dq_blocks(
         dq, qb, dob, m_row, d_row, k_desc, v_desc, row, jf_lo, jf_hi - jf_lo, jlo, jf_lo,
         jf_hi, q_pos, c, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL,
@@ -677,9 +672,14 @@ def sp_attn_bwd_dq_kernel(
     m_row = tl.load(lse + bh * S_loc + q_idx, mask=rows_ok, other=0.0)
     d_row = tl.load(delta + bh * S_loc + q_idx, mask=rows_ok, other=0.0)
     dq_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    vlo, vhi, flo, fhi = _fwd_window(qmin, qmax, S_loc, seg, cu, WORLD, CAUSAL, VARLEN)
+    jlo, jf_lo, jf_hi, jhi = _block_ranges(
+        vlo, vhi, flo, fhi, rank, S_loc, half, BLOCK_N, WORLD, CAUSAL
+    )
     dq_acc = _dq_chunk(
-        dq_acc, qb, dob, m_row, d_row, k_desc, v_desc, kv_row, rank, qmin, qmax, q_pos, S_loc,
-        half, seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN, FAST_EXP,
+        dq_acc, qb, dob, m_row, d_row, k_desc, v_desc, kv_row, rank, jlo, jf_lo, jf_hi, jhi,
+        q_pos, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN,
+        FAST_EXP,
     )  # fmt: skip
     trace_step(TRACE, tbuf, EV_TILE_END, 0, rank, pid_m)
     if WORLD > 1:
@@ -691,16 +691,18 @@ def sp_attn_bwd_dq_kernel(
             v_all, shape=[WORLD * BKV, S_loc, D], strides=[S_loc * D, D, 1],
             block_shape=[1, BLOCK_N, D],
         )  # fmt: skip
-        for t in range(1, WORLD):
-            trace_step(TRACE, tbuf, EV_WAIT_BEGIN, t, (rank + WORLD - t) % WORLD, t)
-            c, row = _peer_chunk(
-                t, rank, sig, arrival, err, max_spins, BKV, kv_row, qmin, qmax, S_loc, half,
-                seg, cu, WORLD, CAUSAL, VARLEN, WAIT,
-            )  # fmt: skip
+        for t in range(1, WORLD):  # as the forward's
+            c = (rank + WORLD - t) % WORLD
+            trace_step(TRACE, tbuf, EV_WAIT_BEGIN, t, c, t)
+            jlo, jf_lo, jf_hi, jhi = _block_ranges(
+                vlo, vhi, flo, fhi, c, S_loc, half, BLOCK_N, WORLD, CAUSAL
+            )
+            row = _peer_row(c, jhi > jlo, rank, sig, arrival, err, max_spins, BKV, kv_row, WORLD,
+                            WAIT)  # fmt: skip
             trace_step(TRACE, tbuf, EV_WAIT_END, t, c, row)
             dq_acc = _dq_chunk(
-                dq_acc, qb, dob, m_row, d_row, kp_desc, vp_desc, row, c, qmin, qmax, q_pos,
-                S_loc, half, seg, cu, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN,
+                dq_acc, qb, dob, m_row, d_row, kp_desc, vp_desc, row, c, jlo, jf_lo, jf_hi, jhi,
+                q_pos, S_loc, half, seg, qk_scale, BLOCK_M, BLOCK_N, D, WORLD, CAUSAL, VARLEN,
                 FAST_EXP,
             )  # fmt: skip
             trace_step(TRACE, tbuf, EV_TILE_END, t, c, pid_m)

@@ -113,7 +113,7 @@ def _attn(kernel, variant: str, trace: bool, cfg=None) -> dict:
     unless ``cfg`` is given)."""
     from interlace.ops.attention.sp_attention import config_of
 
-    cfg = cfg or config_of("fwd", 128, "cuda", variant == "causal")
+    cfg = cfg or config_of("fwd", 128, "cuda")
     i32 = "i32"
     sig = {n: BF16 for n in ("q", "k", "v", "k_all", "v_all", "o")}
     sig.update(
@@ -144,7 +144,7 @@ def _attn_bwd(kernel, variant: str, trace: bool, cfg=None) -> dict:
                         num_warps=4)  # fmt: skip
     kind = "dkdv" if name == "sp_attn_bwd_dkdv_kernel" else "dq"
     causal = variant == "causal"
-    cfg = cfg or config_of(kind, 128, "cuda", causal)
+    cfg = cfg or config_of(kind, 128, "cuda")
     sig = {}
     for arg in kernel.arg_names:
         if arg in ("TRACE", "tbuf"):
@@ -413,7 +413,7 @@ def test_trace_on_reads_the_timer(key, variant):
 SM_SHARED, BLOCK_RESERVED = 233472, 1024
 
 
-@pytest.mark.parametrize("table", ["GPU_CONFIGS", "GPU_CONFIGS_CAUSAL", "GPU_CONFIGS_LONG"])
+@pytest.mark.parametrize("table", ["GPU_CONFIGS", "GPU_CONFIGS_LONG"])
 def test_attention_gpu_configs_fit(table):
     """Every GPU config of the attention kernels (d 128) compiles for sm_90 within a
     block's shared memory; the forward's and dK / dV's default configs fit two programs

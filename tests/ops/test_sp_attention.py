@@ -150,7 +150,7 @@ def _config_body(group, fields, causal, dtype_name, docs=3):
 
     from interlace.ops.attention import sp_attention as sp
 
-    tables = (sp.GPU_CONFIGS, sp.GPU_CONFIGS_CAUSAL, sp.GPU_CONFIGS_LONG)
+    tables = (sp.GPU_CONFIGS, sp.GPU_CONFIGS_LONG)
     saved = [dict(t) for t in tables], sp.CPU_CONFIG
     sp.CPU_CONFIG = dataclasses.replace(sp.CPU_CONFIG, **fields)
     for table in tables:

@@ -117,8 +117,6 @@ GPU_CONFIGS = {
     ("dkdv", 64): AttnConfig(64, 64, 4, 2),
     ("dkdv", 128): AttnConfig(64, 64, 4, 2),
 }
-#: Causal overrides of ``GPU_CONFIGS`` (none at present: the same configs won causal).
-GPU_CONFIGS_CAUSAL: dict[tuple[str, int], AttnConfig] = {}
 #: Overrides of ``GPU_CONFIGS`` where a query block sees more than ``LONG_KEYS`` keys
 #: (``W x S_loc``): the forward's 128 x 128 blocks with 8 warps and 3 stages, faster there
 #: than 64 x 64 (S 32k as rank 0 of 4: 8.75 against 9.27 ms non-causal, 4.45 against 4.75
@@ -135,16 +133,13 @@ DELTA_BLOCK = 64
 REDUCE_BLOCK = 32
 
 
-def config_of(kind: str, d: int, backend: str, causal: bool = False,
-              keys: int = 0) -> AttnConfig:  # fmt: skip
-    """The config of ``kind``'s kernel for head dim ``d``; ``keys``: the keys a query
-    block may see (``W x S_loc``)."""
+def config_of(kind: str, d: int, backend: str, keys: int = 0) -> AttnConfig:
+    """The config of ``kind``'s kernel for head dim ``d``, causal or not (the same configs
+    won both); ``keys``: the keys a query block may see (``W x S_loc``)."""
     if backend != "cuda":
         return CPU_CONFIG
     if keys > LONG_KEYS and (kind, d) in GPU_CONFIGS_LONG:
         return GPU_CONFIGS_LONG[(kind, d)]
-    if causal and (kind, d) in GPU_CONFIGS_CAUSAL:
-        return GPU_CONFIGS_CAUSAL[(kind, d)]
     return GPU_CONFIGS[(kind, d)]
 
 
@@ -203,7 +198,7 @@ def launch_fwd(a: KernelArgs, q, k, v, k_all, v_all, o, lse, arrival: int, wait:
     """The forward kernel: ``o`` and base-2 ``lse`` of this rank's queries against the local
     K/V and the peers' chunks in ``k_all`` / ``v_all`` ``[W * batch * kv_heads, S_loc, d]``;
     traced (``TRACE`` on) where a recorder is in force (``interlace.trace.record``)."""
-    cfg = cfg or config_of("fwd", a.d, a.backend, a.causal, a.world * a.s_loc)
+    cfg = cfg or config_of("fwd", a.d, a.backend, a.world * a.s_loc)
     bh = q.shape[0] * q.shape[1]
     grid = (cdiv(a.s_loc, cfg.block_m), bh)
     traced = _traced(  # one step per K/V chunk
@@ -231,7 +226,7 @@ def launch_dkdv(a: KernelArgs, q, k, v, k_all, v_all, do, lse, delta, recv, recv
     """The dK/dV kernel: partials of every chunk into its owner's ``recv`` slot ``rank``;
     traced where a recorder is in force (two steps per program: its key block, then the
     push to the chunk's owner)."""
-    cfg = cfg or config_of("dkdv", a.d, a.backend, a.causal, a.world * a.s_loc)
+    cfg = cfg or config_of("dkdv", a.d, a.backend, a.world * a.s_loc)
     bkv = k.shape[0] * k.shape[1]
     n_kb = cdiv(a.s_loc, cfg.block_n)
     traced = _traced(
@@ -250,7 +245,7 @@ def launch_dq(a: KernelArgs, q, k, v, k_all, v_all, do, lse, delta, dq, arrival:
               wait: bool, clear: bool, cfg: AttnConfig | None = None) -> None:  # fmt: skip
     """The dQ kernel; traced as the forward where a recorder is in force (one step per
     K/V chunk)."""
-    cfg = cfg or config_of("dq", a.d, a.backend, a.causal, a.world * a.s_loc)
+    cfg = cfg or config_of("dq", a.d, a.backend, a.world * a.s_loc)
     bh = q.shape[0] * q.shape[1]
     grid_m = cdiv(a.s_loc, cfg.block_m)
     traced = _traced(
