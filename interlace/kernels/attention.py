@@ -262,18 +262,22 @@ def _fwd_window(qmin, qmax, S_loc, seg, cu, WORLD: tl.constexpr, CAUSAL: tl.cons
 
 
 @triton.jit
-def _peer_row(c, seen, rank, sig, arrival, err, max_spins, BKV, kv_row, WORLD: tl.constexpr,
-              WAIT: tl.constexpr):  # fmt: skip
-    """Peer chunk ``c``'s row in the gathered buffer, after its arrival flag (``WAIT``)
-    where the program's block sees any key of it (``seen``: a chunk wholly masked is not
-    waited for)."""
+def _peer_chunk(c, vlo, vhi, flo, fhi, rank, sig, arrival, err, max_spins, BKV, kv_row, S_loc,
+                half, BLOCK_N: tl.constexpr, WORLD: tl.constexpr, CAUSAL: tl.constexpr,
+                WAIT: tl.constexpr):  # fmt: skip
+    """Peer chunk ``c`` for a query block whose key window is ``vlo .. fhi``
+    (``_fwd_window``): its row in the gathered buffer, after its arrival flag (``WAIT``)
+    where the block sees any key of it (a chunk wholly masked is not waited for), and its
+    block ranges (``_block_ranges``)."""
+    jlo, jf_lo, jf_hi, jhi = _block_ranges(
+        vlo, vhi, flo, fhi, c, S_loc, half, BLOCK_N, WORLD, CAUSAL
+    )
     row = c * BKV + kv_row
     if WAIT:
-        token = wait_inline(
-            sig + arrival + c, 1, seen.to(tl.int32), err, rank, arrival + c, max_spins
-        )
+        seen = (jhi > jlo).to(tl.int32)
+        token = wait_inline(sig + arrival + c, 1, seen, err, rank, arrival + c, max_spins)
         row = guard_coord(row, token, 1, WORLD * BKV)
-    return row
+    return row, jlo, jf_lo, jf_hi, jhi
 
 
 @triton.jit
@@ -388,11 +392,10 @@ def sp_attn_fwd_kernel(
         for t in range(1, WORLD):  # peers' chunks in arrival order: rank - 1, rank - 2, ...
             c = (rank + WORLD - t) % WORLD
             trace_step(TRACE, tbuf, EV_WAIT_BEGIN, t, c, t)
-            jlo, jf_lo, jf_hi, jhi = _block_ranges(
-                vlo, vhi, flo, fhi, c, S_loc, half, BLOCK_N, WORLD, CAUSAL
-            )
-            row = _peer_row(c, jhi > jlo, rank, sig, arrival, err, max_spins, BKV, kv_row, WORLD,
-                            WAIT)  # fmt: skip
+            row, jlo, jf_lo, jf_hi, jhi = _peer_chunk(
+                c, vlo, vhi, flo, fhi, rank, sig, arrival, err, max_spins, BKV, kv_row, S_loc,
+                half, BLOCK_N, WORLD, CAUSAL, WAIT,
+            )  # fmt: skip
             trace_step(TRACE, tbuf, EV_WAIT_END, t, c, row)
             acc, l_i, m_i = _fwd_chunk(
                 acc, l_i, m_i, qb, kp_desc, vp_desc, row, c, jlo, jf_lo, jf_hi, jhi, q_pos,
@@ -694,11 +697,10 @@ def sp_attn_bwd_dq_kernel(
         for t in range(1, WORLD):  # as the forward's
             c = (rank + WORLD - t) % WORLD
             trace_step(TRACE, tbuf, EV_WAIT_BEGIN, t, c, t)
-            jlo, jf_lo, jf_hi, jhi = _block_ranges(
-                vlo, vhi, flo, fhi, c, S_loc, half, BLOCK_N, WORLD, CAUSAL
-            )
-            row = _peer_row(c, jhi > jlo, rank, sig, arrival, err, max_spins, BKV, kv_row, WORLD,
-                            WAIT)  # fmt: skip
+            row, jlo, jf_lo, jf_hi, jhi = _peer_chunk(
+                c, vlo, vhi, flo, fhi, rank, sig, arrival, err, max_spins, BKV, kv_row, S_loc,
+                half, BLOCK_N, WORLD, CAUSAL, WAIT,
+            )  # fmt: skip
             trace_step(TRACE, tbuf, EV_WAIT_END, t, c, row)
             dq_acc = _dq_chunk(
                 dq_acc, qb, dob, m_row, d_row, kp_desc, vp_desc, row, c, jlo, jf_lo, jf_hi, jhi,
