@@ -325,6 +325,29 @@ def trace_step(TRACE: tl.constexpr, tbuf, KIND: tl.constexpr, j, a, b):
 
 
 @triton.jit
+def _query_program(half, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr):
+    """``(query block, batch x head)`` of this program of a ``(query blocks, batch x
+    heads)`` grid. The launch starts programs in the order of ``program_id(0) +
+    program_id(1) * num_programs(0)``; each head's blocks run together (they read the same
+    keys while those are in L2), last block first. Causal (the zigzag layout: a block's
+    work grows with its position, and the second half of the chunk sits later in the
+    sequence than the first): every head's second-half blocks before any head's first-half
+    ones, so that no heavy block starts last and leaves the GPU idle beside it."""
+    n_mb = tl.num_programs(0)
+    if CAUSAL and not VARLEN:
+        n_bh = tl.num_programs(1)
+        linear = tl.program_id(0) + tl.program_id(1) * n_mb
+        n_hi = n_mb - half // BLOCK_M  # blocks reaching into the second half
+        hi = linear < n_hi * n_bh
+        rest = tl.where(hi, linear, linear - n_hi * n_bh)
+        n = tl.maximum(tl.where(hi, n_hi, n_mb - n_hi), 1)
+        top = tl.where(hi, n_mb, n_mb - n_hi)  # one past the group's last block
+        return top - 1 - rest % n, rest // n
+    else:
+        return n_mb - 1 - tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
 def sp_attn_fwd_kernel(
     q, k, v, k_all, v_all, o, lse, seg, cu, sig, err, rank, max_spins, arrival,
     qk_scale, S_loc, half,
@@ -333,8 +356,8 @@ def sp_attn_fwd_kernel(
     VARLEN: tl.constexpr, WAIT: tl.constexpr, CLEAR: tl.constexpr, WS: tl.constexpr = False,
     FAST_EXP: tl.constexpr = 0, TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
-    """One program per (query block, batch x head), heaviest query blocks first (later
-    positions see more keys under the causal mask). Runs the local chunk, then each
+    """One program per (query block, batch x head), heaviest query blocks first
+    (``_query_program``). Runs the local chunk, then each
     peer's as its flag lands (``WAIT``; without it the gathered buffer must already hold
     every chunk). ``CLEAR``: the last program zeroes the arrival flags (``_exit_clear``).
     Writes ``o`` and the base-2 log-sum-exp ``lse`` [batch x heads, S_loc] (float32).
@@ -343,9 +366,7 @@ def sp_attn_fwd_kernel(
     arrival order) records its wait (begin: chunk's rank, step; end: chunk's rank, the
     guarded row) and its end (chunk's rank, query block)."""
     trace_step(TRACE, tbuf, EV_START, 0, 0, 0)
-    n_mb = tl.num_programs(0)
-    pid_m = n_mb - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = _query_program(half, BLOCK_M, CAUSAL, VARLEN)
     BH = tl.num_programs(1)
     GROUP = H // HKV
     BKV = BH // GROUP
@@ -642,9 +663,7 @@ def sp_attn_bwd_dq_kernel(
     chunk, local first, as ``sp_attn_fwd_kernel``; ``CLEAR`` as there. Traced as the
     forward: program start / end, per chunk step its wait and its end."""
     trace_step(TRACE, tbuf, EV_START, 0, 0, 0)
-    n_mb = tl.num_programs(0)
-    pid_m = n_mb - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = _query_program(half, BLOCK_M, CAUSAL, VARLEN)
     BH = tl.num_programs(1)
     GROUP = H // HKV
     BKV = BH // GROUP

@@ -14,8 +14,11 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from interlace.errors import InterlaceTypeError, InterlaceValueError
+from interlace.kernels.attention import _query_program
 from interlace.ops.attention import SPAttention, zigzag_shard, zigzag_unshard
 from interlace.ops.attention.layout import segment_ids
 from tests.conftest import get_world
@@ -400,3 +403,43 @@ def _unseen_chunks_body(group, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_unseen_chunk_is_neither_waited_for_nor_read(causal):
     assert all(get_world("cpu", 1).run(_unseen_chunks_body, causal))
+
+
+@triton.jit
+def _order_kernel(out, half, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr):
+    """Writes each program's ``(query block, head)`` at its place in launch order."""
+    pid_m, bh = _query_program(half, BLOCK_M, CAUSAL, VARLEN)
+    linear = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+    tl.store(out + 2 * linear, pid_m)
+    tl.store(out + 2 * linear + 1, bh)
+
+
+def _program_order_body(group, n_mb, n_bh, half, block, causal, varlen):
+    out = torch.full((n_mb * n_bh, 2), -1, dtype=torch.int32)
+    _order_kernel[(n_mb, n_bh)](out, half, BLOCK_M=block, CAUSAL=causal, VARLEN=varlen)
+    return [tuple(r) for r in out.tolist()]
+
+
+@pytest.mark.parametrize(
+    "n_mb, half, block", [(8, 64, 16), (9, 70, 16), (3, 20, 16), (1, 4, 16)],
+    ids=["aligned", "straddling", "small", "one-block"],
+)  # fmt: skip
+@pytest.mark.parametrize("causal, varlen", [(True, False), (True, True), (False, False)])
+def test_query_program_order(n_mb, half, block, causal, varlen):
+    """The forward's and dQ's programs, in launch order: every (query block, head) once;
+    causal without documents, every head's second-half blocks (the zigzag layout's later,
+    heavier positions) before any first-half block, each head's blocks of a half together,
+    last first; otherwise each head's blocks together, last first."""
+    n_bh = 3
+    order = get_world("cpu", 1).run(
+        _program_order_body, n_mb, n_bh, half, block, causal, varlen
+    )[0]  # fmt: skip
+    assert sorted(order) == [(m, h) for m in range(n_mb) for h in range(n_bh)]
+    if causal and not varlen:
+        hi = [m for m in range(n_mb) if (m + 1) * block > half]
+        lo = [m for m in range(n_mb) if (m + 1) * block <= half]
+        groups = [sorted(hi, reverse=True), sorted(lo, reverse=True)]
+    else:
+        groups = [list(range(n_mb - 1, -1, -1))]
+    want = [(m, h) for g in groups for h in range(n_bh) for m in g]
+    assert order == want
