@@ -101,13 +101,14 @@ class AttnConfig:
 #: stages, ...). Chosen by ``python -m interlace bench attention --tune`` (bf16, d 128, S
 #: 16k as rank 0 of 4; records ``sp_attention_cfg`` of
 #: benchmarks/results/2026-11-29-h200-w1.json, one H200). Forward: 64 x 64 blocks, 4
-#: warps, 3 stages (2.26 ms non-causal, 1.25 causal, against 2.30 / 1.34 for 128 x 128
-#: with 8 warps): two programs share an SM, so one's softmax runs beside the other's
-#: products (128 x 64 with 8 warps capped at 128 registers, also two per SM: within 1-3 %).
+#: warps, 3 stages (2.22 ms non-causal, 1.17 causal, against 2.34 for 128 x 128 with 8
+#: warps): two programs share an SM, so one's softmax runs beside the other's products
+#: (128 x 64 with 8 warps capped at 128 registers, also two per SM: within 1-2 %).
 #: dK / dV: 64 keys against 64 queries, 4 warps, 2 stages, likewise two programs per SM
 #: (4.16 ms non-causal, 2.03 causal, against 4.27 / 2.35 with packed float16 exponentials
 #: and 4.51 / 2.42 for 128 keys against 64 queries with 8 warps). dQ: 128 x 64 with 3
-#: stages (2.72 / 1.49 ms; 64 x 64 with two programs per SM 10 % slower). The d 64
+#: stages (2.59 / 1.34 ms; 64 x 64 with two programs per SM 14 % slower; packed float16
+#: exponentials 2.46 / 1.32 ms, dQ's error 2.9e-3 against 2.4e-3, not taken). The d 64
 #: configs are the same, not tuned apart.
 GPU_CONFIGS = {
     ("fwd", 64): AttnConfig(64, 64, 4, 3),
