@@ -362,11 +362,11 @@ def sp_attn_fwd_kernel(
     every chunk). ``CLEAR``: the last program zeroes the arrival flags (``_exit_clear``).
     Writes ``o`` and the base-2 log-sum-exp ``lse`` [batch x heads, S_loc] (float32).
 
-    Traced: program start / end; step ``t`` (0: the local chunk, then the peers' in
-    arrival order) records its wait (begin: chunk's rank, step; end: chunk's rank, the
-    guarded row) and its end (chunk's rank, query block)."""
-    trace_step(TRACE, tbuf, EV_START, 0, 0, 0)
+    Traced: program start (query block, batch x head) / end; step ``t`` (0: the local
+    chunk, then the peers' in arrival order) records its wait (begin: chunk's rank, step;
+    end: chunk's rank, the guarded row) and its end (chunk's rank, query block)."""
     pid_m, bh = _query_program(half, BLOCK_M, CAUSAL, VARLEN)
+    trace_step(TRACE, tbuf, EV_START, 0, pid_m, bh)
     BH = tl.num_programs(1)
     GROUP = H // HKV
     BKV = BH // GROUP
@@ -661,9 +661,10 @@ def sp_attn_bwd_dq_kernel(
 ):  # fmt: skip
     """dQ of one query block (one program per (query block, batch x head)) over every
     chunk, local first, as ``sp_attn_fwd_kernel``; ``CLEAR`` as there. Traced as the
-    forward: program start / end, per chunk step its wait and its end."""
-    trace_step(TRACE, tbuf, EV_START, 0, 0, 0)
+    forward: program start (query block, batch x head) / end, per chunk step its wait and
+    its end."""
     pid_m, bh = _query_program(half, BLOCK_M, CAUSAL, VARLEN)
+    trace_step(TRACE, tbuf, EV_START, 0, pid_m, bh)
     BH = tl.num_programs(1)
     GROUP = H // HKV
     BKV = BH // GROUP

@@ -175,10 +175,10 @@ def _decode_block(info: dict, rows: list, rank: int, shift: int, index: int, col
             continue
         tid = col * grid + p  # the program's track: a 2-D grid's programs column by column
         args = dict(launch=index, kernel=name, program=tid)
-        if layout == "steps":  # (the forward and dQ run their query blocks last first)
+        if layout == "steps":
             args.update(column=col)
-            if "slots" not in info:
-                args.update(block=grid - 1 - p)
+            if "slots" not in info:  # the forward and dQ: their start names the block
+                args.update(block=start[2], batch_head=start[3])
         if end[1]:
             spans.append(Span(rank, tid, f"{name} program {tid}", "program", t(start), t(end),
                               args))  # fmt: skip

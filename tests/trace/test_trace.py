@@ -254,7 +254,7 @@ def _attn_trace_body(group, folder):
     the block) checked against float32 attention of the whole sequence."""
     from tests.ops.test_sp_attention import _case
 
-    s_loc = 20
+    s_loc = 40  # three query blocks of the interpreter's 16: the causal order is not by index
     (q, k, v, _), refs, _ = _case(group, 21, 1, 2, 1, 64, s_loc, True, 0, torch.bfloat16)
     ctx = interlace.ops.attention.SPAttention(group, 2, 1, 64, max_tokens=s_loc)
     try:
@@ -317,10 +317,29 @@ def test_trace_of_moe_and_attention(world, op, tmp_path):
     kernel, what = ("moe_gemm", "tokens") if op == "ag_moe" else ("sp_attn_fwd", None)
     (res, *_) = world.run(body, str(tmp_path))
     _check_new_op(res, kernel, what)
+    if op == "sp_attention":
+        _check_attention_blocks(res)
     _check_files(res)
     s = res["summary"]
     assert s["op"]["comm_ms"] and s["op"]["overlap_ratio"] is not None
     assert len(s["ranks"][0]["wait_ms_per_program"]) == res["launches"][0][0]["grid"]
+
+
+def _check_attention_blocks(res):
+    """Each forward program names its query block and batch x head (the causal launch
+    order maps programs to blocks other than by position): every (block, head) once, and
+    the block its chunk spans name."""
+    for rank in range(len(res["launches"])):
+        mine = [s for s in res["spans"] if s.rank == rank and s.args.get("launch") == 0]
+        programs = [s for s in mine if s.cat == "program"]
+        named = sorted((s.args["block"], s.args["batch_head"]) for s in programs)
+        heads = len({s.args["column"] for s in programs})
+        want = [(b, h) for b in range(len(programs) // heads) for h in range(heads)]
+        assert named == want, (rank, named)
+        block_of = {s.tid: s.args["block"] for s in programs}
+        for s in mine:
+            if s.cat == "compute":
+                assert s.name.startswith(f"block {block_of[s.tid]} chunk"), (rank, s.name)
 
 
 # ---------------------------------------------------------------------- MoERS, FlashDecode
