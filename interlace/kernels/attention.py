@@ -300,8 +300,8 @@ def _clear_flags(sig, arrival, rank, err, max_spins, WORLD: tl.constexpr):
     for t in range(1, WORLD):
         c = (rank + WORLD - t) % WORLD
         wait(sig + arrival + c, 1, err, rank, arrival + c, max_spins)
-    offs = tl.arange(0, 64)
-    tl.store(sig + arrival + offs, 0, mask=offs <= WORLD)
+    for i in tl.static_range(WORLD + 1):  # scalar stores: also callable from Gluon
+        tl.store(sig + arrival + i, 0)
 
 
 @triton.jit

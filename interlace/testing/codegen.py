@@ -56,9 +56,11 @@ def compile_for_hopper(
     num_stages: int = 3,
     capability: int = 90,
 ) -> dict:
-    """Compile the ``@triton.jit`` function ``kernel`` for ``cuda:<capability>``.
+    """Compile the ``@triton.jit`` (or ``@gluon.jit``) function ``kernel`` for
+    ``cuda:<capability>``.
 
-    ``signature`` maps each runtime argument to its Triton type (``"*fp16"``, ``"i32"``);
+    ``signature`` maps each runtime argument to its Triton type (``"*fp16"``, ``"i32"``, a
+    Gluon host descriptor ``"tensordesc<bf16[64, 128],<layout repr>>"``);
     constexpr arguments only need to appear in ``constexprs``. ``aligned`` names arguments
     (pointers, or integers such as strides) to mark divisible by 16, as Triton specialises
     them at a launch with aligned tensors; without it Triton cannot vectorise the loads and
@@ -78,13 +80,20 @@ def compile_for_hopper(
     if missing:
         raise ValueError(f"signature lacks arguments {missing}")
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    if getattr(kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(kernel, sig, constexprs, attrs)
+    else:
+        src = triton.compiler.ASTSource(
+            fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs
+        )
     compiled = triton.compile(
         src,
         target=GPUTarget("cuda", capability, 32),
         options={"num_warps": num_warps, "num_stages": num_stages},
     )
-    ir = {k: compiled.asm[k] for k in ("ttir", "ttgir", "llir", "ptx")}
+    ir = {k: compiled.asm[k] for k in ("ttir", "ttgir", "llir", "ptx") if k in compiled.asm}
     ir["shared"] = compiled.metadata.shared
     return ir
 

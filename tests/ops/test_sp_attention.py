@@ -76,10 +76,12 @@ def _case(group, seed, batch, heads, kv_heads, d, s_loc, causal, docs, dtype):
     return mine, refs, cu
 
 
-def _fwd_bwd_body(group, causal, docs, heads, kv_heads, d, dtype_name, strategy, backward):
+def _fwd_bwd_body(group, causal, docs, heads, kv_heads, d, dtype_name, strategy, backward,
+                  sizes=None):  # fmt: skip
     dtype = getattr(torch, dtype_name)
     gpu = group.backend == "cuda"
-    sizes = [(1, 40), (2, 22)] if not gpu else [(1, 300), (2, 130)]  # ragged S_loc
+    if sizes is None:
+        sizes = [(1, 40), (2, 22)] if not gpu else [(1, 300), (2, 130)]  # ragged S_loc
     with SPAttention(
         group, heads, kv_heads, d, max_tokens=max(b * s for b, s in sizes), dtype=dtype,
         strategy=strategy,
@@ -117,6 +119,41 @@ def test_causal_gqa_forward_backward(world):
 def test_varlen_forward_backward(world, causal):
     """Packed documents (three, boundaries anywhere in the shards)."""
     world.run(_fwd_bwd_body, causal, 3, 4, 2, 64, "bfloat16", "fused", True)
+
+
+def _hopper_body(group, causal, docs, d, dtype_name):
+    """Shapes the Hopper forward takes (``sp_attention.hopper_forward``: S_loc a multiple
+    of 128; 384 puts a zigzag half boundary inside a 128-row program), forward and the
+    backward reading its ``lse``; its launches counted (every call on a Hopper GPU, none
+    elsewhere)."""
+    from interlace.ops.attention import sp_attention as sp
+
+    launch, calls = sp._launch_fwd_hopper, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        launch(*args, **kwargs)
+
+    sp._launch_fwd_hopper = counted
+    try:
+        _fwd_bwd_body(group, causal, docs, 4, 2, d, dtype_name, "fused", True,
+                      sizes=[(1, 384), (2, 256)])  # fmt: skip
+    finally:
+        sp._launch_fwd_hopper = launch
+    hopper = sp.KH is not None and torch.cuda.get_device_capability()[0] == 9
+    assert len(calls) == (2 if hopper else 0), calls
+    return True
+
+
+@pytest.mark.parametrize("world", GPU2, indirect=True)
+@pytest.mark.parametrize(
+    "causal,docs,d,dtype_name",
+    [(False, 0, 128, "bfloat16"), (True, 0, 128, "bfloat16"), (True, 3, 64, "bfloat16"),
+     (False, 3, 128, "bfloat16"), (True, 0, 128, "float16")],
+    ids=["full", "causal", "causal-docs-d64", "full-docs", "causal-fp16"],
+)  # fmt: skip
+def test_hopper_forward(world, causal, docs, d, dtype_name):
+    world.run(_hopper_body, causal, docs, d, dtype_name)
 
 
 def _side_dq_body(group, side):

@@ -26,7 +26,9 @@ Strategies:
 * ``fused`` (default): the copy engine pushes this rank's K and V into every peer's
   gathered buffer, peer by peer in rank-rotated order, raising the peer's arrival flag
   from the stream; the flash-attention kernel (``kernels.attention``) starts on the local
-  chunk and takes each peer's chunk once its flag is up. Backward gathers K/V again the
+  chunk and takes each peer's chunk once its flag is up (on Hopper, where ``S_loc`` is a
+  multiple of 128 and no trace is recorded, the forward is ``kernels.attention_hopper``'s
+  warp-specialised Gluon kernel: ``hopper_forward``). Backward gathers K/V again the
   same way; its dK/dV kernel stores each chunk's partial gradient straight into the
   owner's receive buffer (NVLink stores) and counts it there; the dQ kernel runs beside
   it on a second stream (each fills the other's last wave, and the one that ends last
@@ -65,6 +67,11 @@ import torch.distributed as dist
 
 from ...errors import InterlaceTypeError, InterlaceValueError
 from ...kernels import attention as K
+
+try:  # the Hopper forward is written in Gluon (``triton.experimental.gluon``, Triton >= 3.5)
+    from ...kernels import attention_hopper as KH
+except ImportError:  # an older Triton: the Triton forward everywhere (``hopper_forward``)
+    KH = None
 from ...runtime import fork, join, symm_empty
 from .. import _trace
 from .._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext, cdiv
@@ -194,11 +201,66 @@ def _traced(a: KernelArgs, kernel: str, grid_m: int, columns: int, steps: int,
     return {} if tbuf is None else dict(TRACE=True, tbuf=tbuf)
 
 
+#: The Hopper forward (``kernels.attention_hopper``): key blocks, ring stages, the consumer
+#: warpgroups' register count. On one H200, S 16k as rank 0 of 4 (benchmarks/results/
+#: history/2026-11-29-h200-w1-gluon-attention.txt): 128-key blocks with 3 stages 1.683 ms,
+#: with 2 stages 1.745, 64-key blocks with 4 stages 2.021.
+HOPPER_BLOCK_N = 128
+HOPPER_STAGES = {64: 4, 128: 3}
+HOPPER_CONSUMER_REGS = 240
+#: the loader warp's registers: more leave the consumers fewer and they spill (ptxas)
+HOPPER_LOADER_REGS = 24
+
+
+def hopper_forward(a: KernelArgs, q: torch.Tensor) -> bool:
+    """Whether the forward runs the Hopper kernel: Gluon in the installed Triton, a Hopper
+    GPU (compute capability 9),
+    ``S_loc`` a multiple of its 128-row tiles, no trace recorder in force (traces record
+    the Triton kernel's tiles) and ``SPAttention.HOPPER_FORWARD`` on."""
+    return (
+        SPAttention.HOPPER_FORWARD
+        and KH is not None
+        and a.backend == "cuda"
+        and a.s_loc % KH.BLOCK_M.value == 0
+        and not _trace.ACTIVE
+        and torch.cuda.get_device_capability(q.device)[0] == 9
+    )
+
+
+def _descriptor(x: torch.Tensor, rows: int, d: int):
+    """A host TMA descriptor over ``x`` (contiguous) as ``[-1, d]`` in blocks of ``rows``
+    rows."""
+    x2 = x.view(-1, d)
+    gl_dtype = KH.gl.bfloat16 if x.dtype == torch.bfloat16 else KH.gl.float16
+    layout = KH.gl.NVMMASharedLayout.get_default_for([rows, x2.shape[1]], gl_dtype)
+    return KH.TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, x2.shape[1]],
+                               layout)  # fmt: skip
+
+
+def _launch_fwd_hopper(a: KernelArgs, q, k, v, k_all, v_all, o, lse, arrival: int,
+                       wait: bool, clear: bool) -> None:  # fmt: skip
+    bn = HOPPER_BLOCK_N
+    KH.sp_attn_fwd_hopper_kernel[(a.s_loc // KH.BLOCK_M.value, q.shape[0] * q.shape[1])](
+        _descriptor(q, KH.WG_M.value, a.d), _descriptor(k, bn, a.d), _descriptor(v, bn, a.d),
+        _descriptor(k_all, bn, a.d), _descriptor(v_all, bn, a.d),
+        _descriptor(o, KH.WG_M.value, a.d), lse, a.seg,
+        a.cu, a.sig, a.err, a.rank, a.max_spins, arrival, a.sm_scale * K.LOG2E, a.s_loc,
+        a.half, a.heads, a.kv_heads, WORLD=a.world, CAUSAL=a.causal, VARLEN=a.varlen,
+        WAIT=wait, CLEAR=clear, STAGES=HOPPER_STAGES[a.d],
+        CONSUMER_REGS=HOPPER_CONSUMER_REGS, LOADER_REGS=HOPPER_LOADER_REGS, num_warps=4,
+    )  # fmt: skip
+
+
 def launch_fwd(a: KernelArgs, q, k, v, k_all, v_all, o, lse, arrival: int, wait: bool,
                clear: bool, cfg: AttnConfig | None = None) -> None:  # fmt: skip
     """The forward kernel: ``o`` and base-2 ``lse`` of this rank's queries against the local
     K/V and the peers' chunks in ``k_all`` / ``v_all`` ``[W * batch * kv_heads, S_loc, d]``;
-    traced (``TRACE`` on) where a recorder is in force (``interlace.trace.record``)."""
+    the Hopper kernel where ``hopper_forward`` holds and no ``cfg`` is given, else the
+    Triton kernel, traced (``TRACE`` on) where a recorder is in force
+    (``interlace.trace.record``)."""
+    if cfg is None and hopper_forward(a, q):
+        _launch_fwd_hopper(a, q, k, v, k_all, v_all, o, lse, arrival, wait, clear)
+        return
     cfg = cfg or config_of("fwd", a.d, a.backend, a.world * a.s_loc)
     bh = q.shape[0] * q.shape[1]
     grid = (cdiv(a.s_loc, cfg.block_m), bh)
@@ -360,6 +422,9 @@ class SPAttention(AlternatingSets, OpContext):
     #: the backward's dQ kernel beside its dK / dV kernel, on a second stream
     #: (``launch_backward``; ``bench attention`` times it both ways: ``t_serial_ms``)
     SIDE_DQ = True
+    #: the forward on the Hopper kernel where it applies (``hopper_forward``); off, the
+    #: Triton kernel everywhere (``bench attention`` times both)
+    HOPPER_FORWARD = True
 
     def __init__(
         self, group, heads: int, kv_heads: int, head_dim: int, max_tokens: int,
