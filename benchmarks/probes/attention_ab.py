@@ -9,8 +9,13 @@ B's module is the variant file with its relative imports made absolute; the laun
 ``ops.attention.sp_attention`` take it while B runs. Prints the times and B / A per
 kernel, config and causal mode; ``--out FILE`` keeps them (JSON).
 
+``--hopper``: the Hopper forward instead (``kernels/attention_hopper.py``; ``--variant``
+optional, configs ignored); ``--set NAME=VALUE`` sets ``sp_attention``'s ``HOPPER_*``
+constants while B runs (e.g. ``HOPPER_CONSUMER_REGS=232``).
+
     python benchmarks/probes/attention_ab.py --variant old_attention.py \\
         --configs dkdv:64,64,4,2,0,1 fwd:128,128,8,3,0,0 [--seqs 16384] [--out FILE]
+    python benchmarks/probes/attention_ab.py --hopper --variant old_hopper.py
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ def load_variant(path: str):
     """The kernels module from ``path``, its ``from ..x`` imports made ``interlace.x``."""
     src = Path(path).read_text()
     src = re.sub(r"from \.\.(\w)", r"from interlace.\1", src)
+    src = re.sub(r"from \.(\w)", r"from interlace.kernels.\1", src)
     # Triton reads a kernel's source from its file: the rewritten module gets one
     tmp = Path(tempfile.mkdtemp()) / "attention_variant.py"
     tmp.write_text(src)
@@ -50,8 +56,10 @@ def parse_config(text: str):
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--variant", required=True, help="B: a version of kernels/attention.py")
-    p.add_argument("--configs", nargs="+", required=True, help="kernel:fields (see above)")
+    p.add_argument("--variant", default=None, help="B: a version of the kernels' file")
+    p.add_argument("--configs", nargs="*", default=[], help="kernel:fields (see above)")
+    p.add_argument("--hopper", action="store_true", help="the Hopper forward (see above)")
+    p.add_argument("--set", nargs="*", default=[], help="B's HOPPER_* constants, NAME=VALUE")
     p.add_argument("--seqs", nargs="*", type=int, default=[16384])
     p.add_argument("--causal", nargs="*", type=int, default=[0, 1])
     p.add_argument("--iters", type=int, default=20)
@@ -64,6 +72,8 @@ def main() -> int:
     from interlace.bench.timing import paired_median_ms
     from interlace.ops.attention import sp_attention as sp
 
+    if args.hopper:
+        return hopper_ab(args, sp)
     lib, variant = sp.K, load_variant(args.variant)
 
     def with_kernels(mod, fn):
@@ -103,6 +113,60 @@ def main() -> int:
             del per
             torch.cuda.empty_cache()
     print(f"{'S':>6} {'causal':<6} {'config':<28} {'A ms':>8} {'B ms':>8} {'B/A':>6}")
+    for r in rows:
+        print(f"{r['S']:>6} {r['causal']!s:<6} {r['config']:<28} {r['t_a_ms']:8.3f} "
+              f"{r['t_b_ms']:8.3f} {r['b_over_a']:6.3f}")  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def hopper_ab(args, sp) -> int:
+    """The Hopper forward, A (the library) against B (``--variant`` and ``--set``)."""
+    import torch
+
+    from interlace.bench.attention import _PerRank
+    from interlace.bench.timing import paired_median_ms
+
+    lib = sp.KH
+    variant = load_variant(args.variant) if args.variant else lib
+    sets = {k: int(v) for k, v in (x.split("=") for x in args.set)}
+
+    def swap(mod, values):
+        old = {k: getattr(sp, k) for k in values}
+        sp.KH = mod
+        for k, v in values.items():
+            setattr(sp, k, v)
+        return old
+
+    def run_as(mod, values, fn):
+        def run():
+            old = swap(mod, values)
+            try:
+                return fn()
+            finally:
+                swap(lib, old)
+
+        return run
+
+    rows = []
+    for s in args.seqs:
+        for causal in args.causal:
+            per = _PerRank(s, bool(causal))
+            assert sp.hopper_forward(per.args, per.q)
+            errs = {"A": per.check()["rel_err"]}
+            errs["B"] = run_as(variant, sets, per.check)()["rel_err"]
+            per.flags_up()
+            t_a, t_b = paired_median_ms(
+                None, [per.fwd, run_as(variant, sets, per.fwd)], iters=args.iters, warmup=3
+            )
+            row = dict(S=s, causal=bool(causal), kernel="hopper", config=" ".join(args.set),
+                       t_a_ms=round(t_a, 4), t_b_ms=round(t_b, 4), b_over_a=round(t_b / t_a, 4),
+                       errors={k: round(v, 5) for k, v in errs.items()})  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del per
+            torch.cuda.empty_cache()
     for r in rows:
         print(f"{r['S']:>6} {r['causal']!s:<6} {r['config']:<28} {r['t_a_ms']:8.3f} "
               f"{r['t_b_ms']:8.3f} {r['b_over_a']:6.3f}")  # fmt: skip

@@ -421,16 +421,24 @@ def tune(s, iters, deadline: float, world=AS_WORLD, kernels=tuple(TUNE),
 
 
 def one_gpu(seqs, iters, world=AS_WORLD) -> list[dict]:
+    from ..ops.attention.sp_attention import config_of, hopper_forward
+
     records = []
     for s in seqs:
         for causal in (False, True):
             p = _PerRank(s, causal, world)
             errs = p.check() if s == seqs[0] else {}
             p.flags_up()
-            # with and without the flag waits interleaved: their ratio is the waits' cost
-            t_fwd, t_fwd_nw = paired_median_ms(
-                None, [p.fwd, functools.partial(p.fwd, wait=False)], iters=iters, warmup=3
-            )
+            # with and without the flag waits interleaved: their ratio is the waits' cost;
+            # beside them the Triton forward (``t_triton_ms``: a config forces it)
+            triton_cfg = config_of("fwd", p.args.d, p.args.backend, world * p.args.s_loc)
+            t_fwd, t_fwd_nw, t_fwd_triton = paired_median_ms(
+                None,
+                [p.fwd, functools.partial(p.fwd, wait=False),
+                 functools.partial(p.fwd, cfg=triton_cfg)],
+                iters=iters, warmup=3,
+            )  # fmt: skip
+            kernel = "hopper" if hopper_forward(p.args, p.q) else "triton"
             # the op's backward, without its waits, and with its dQ kernel after dK / dV
             t_bwd, t_bwd_nw, t_bwd_serial = paired_median_ms(
                 None,
@@ -444,6 +452,8 @@ def one_gpu(seqs, iters, world=AS_WORLD) -> list[dict]:
             t_ref_fwd, extra_fwd = _ref_fields(ref["fwd"])
             t_ref_bwd, extra_bwd = _ref_fields(ref["bwd"])
             extra_bwd["t_serial_ms"] = round(t_bwd_serial, 4)
+            extra_fwd["t_triton_ms"] = round(t_fwd_triton, 4)
+            extra_fwd["fwd_kernel"] = kernel
             if errs:
                 extra_fwd["rel_err"] = round(errs["rel_err"], 5)
                 extra_bwd["rel_err_dq"] = round(errs["rel_err_dq"], 5)
@@ -462,7 +472,8 @@ def one_gpu(seqs, iters, world=AS_WORLD) -> list[dict]:
                     f"{r['tflops']:6.0f} TF/s  sdpa ({r['ref_backend']}) {r['t_ref_ms']:8.3f} ms  "
                     f"x{r['t_ref_ms'] / r['t_ms']:.3f}  "
                     f"wait +{100 * (r['t_ms'] / r['t_nowait_ms'] - 1):.1f}%"
-                    + (f"  dQ after dK/dV {r['t_serial_ms']:.3f} ms" if "t_serial_ms" in r else ""),
+                    + (f"  dQ after dK/dV {r['t_serial_ms']:.3f} ms" if "t_serial_ms" in r else "")
+                    + (f"  triton {r['t_triton_ms']:.3f} ms" if "t_triton_ms" in r else ""),
                     flush=True,
                 )  # fmt: skip
     return records
