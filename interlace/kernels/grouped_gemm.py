@@ -275,6 +275,23 @@ def _load_b(w, b_desc, row, col, k_left, N_W, USE_TMA: tl.constexpr,
         return tl.load(ptrs, mask=(ks < k_left)[:, None] & (cols < N_W)[None, :], other=0.0)
 
 
+@triton.jit
+def publish_rows(sig, sig_table, done_slot, contrib_slot, rank, WORLD: tl.constexpr):
+    """Reduce mode's end (every program, its stores issued): the last program of the launch
+    to get here resets the finished-program counter ``done_slot`` and raises every owner's
+    contribution counter ``contrib_slot`` (each program's rows and map words published by
+    the release chain of the counter). Returns whether this program was the last."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(sig + done_slot, 1, sem="acq_rel", scope="sys")
+    last = arrived == tl.num_programs(0) - 1
+    if last:
+        tl.atomic_xchg(sig + done_slot, 0, sem="relaxed", scope="gpu")
+        for i in tl.static_range(WORLD):
+            peer = (rank + i) % WORLD
+            notify(signal_base(sig_table, peer) + contrib_slot, 1, ADD=True)
+    return last
+
+
 @triton.jit(
     do_not_specialize=[
         "rank", "m_loc", "max_spins", "flag0", "done_slot", "clear_first", "clear_count",
@@ -396,16 +413,9 @@ def moe_gemm_kernel(
             ptrs = out + rows[:, None].to(tl.int64) * N + cols[None, :]
             tl.store(ptrs, acc.to(out.dtype.element_ty), mask=(cols < N)[None, :])
     if REDUCE:
-        # the last program to finish publishes every program's rows to every owner
         if USE_TMA:
             bulk_stores_done()
-        tl.debug_barrier()
-        arrived = tl.atomic_add(sig + done_slot, 1, sem="acq_rel", scope="sys")
-        if arrived == n_prog - 1:
-            tl.atomic_xchg(sig + done_slot, 0, sem="relaxed", scope="gpu")
-            for i in tl.static_range(WORLD):
-                peer = (rank + i) % WORLD
-                notify(signal_base(sig_table, peer) + contrib_slot, 1, ADD=True)
+        if publish_rows(sig, sig_table, done_slot, contrib_slot, rank, WORLD):
             trace_event(TRACE, tbuf, EV_NOTIFY, pid, contrib_slot, -1)
     if EXIT_CLEAR:
         if pid == n_prog - 1:

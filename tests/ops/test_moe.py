@@ -399,6 +399,38 @@ def test_moe_gpu_shapes(world):
     run_on_gpus(world, _gpu_body, why="GPU shapes")
 
 
+def _hopper_reduce_body(group):
+    """``MoERS``'s reduce GEMM on the Hopper kernel (``_gemm.hopper_reduce``: K and N
+    multiples of its blocks; E 8, top-2, ragged tokens, three routings), its launches
+    counted: every call on a Hopper GPU, none elsewhere."""
+    from interlace.ops.moe import _gemm
+
+    launch, calls = _gemm._launch_reduce_hopper, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        launch(*args, **kwargs)
+
+    _gemm._launch_reduce_hopper = counted
+    try:
+        w = group.world_size
+        m, hidden, inter, experts, k = 97, 512, 192 * w, 8, 2
+        kw = dict(max_tokens=w * m, hidden=hidden, inter=inter, experts=experts, topk=k)
+        with _pair(group, **kw) as (ag, rs):
+            for i, kind in enumerate(("random", "skewed", "balanced")):
+                _case(group, ag, rs, m - 10 * i, hidden, inter, experts, k, kind, seed=i)
+    finally:
+        _gemm._launch_reduce_hopper = launch
+    hopper = _gemm.KH is not None and torch.cuda.get_device_capability()[0] == 9
+    assert len(calls) == (3 if hopper else 0), calls
+    return True
+
+
+@pytest.mark.gpu
+def test_moe_reduce_hopper_kernel(world):
+    run_on_gpus(world, _hopper_reduce_body, why="the Hopper kernel needs a GPU")
+
+
 # ------------------------------------------------------------------------- per-rank path
 def _per_rank_body(group):
     """The per-rank path ``bench.moe`` times, on rank 0 alone: the routing build for all

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels.grouped_gemm import moe_finish_kernel, moe_gemm_kernel
+
+try:  # reduce mode's Hopper kernel is written in Gluon (Triton >= 3.5)
+    from ...kernels import grouped_gemm_hopper as KH
+except ImportError:  # an older Triton: the Triton kernel everywhere (``hopper_reduce``)
+    KH = None
 from .. import _trace
 from .._context import sm_count
 from .._launch import install_scratch_allocator
@@ -96,6 +101,59 @@ def programs(
     return max(1, min(tiles, per_sm * sm_count(device.index)))
 
 
+#: reduce mode on Hopper: ``kernels.grouped_gemm_hopper`` where ``hopper_reduce`` holds
+#: (off: the Triton kernel everywhere, for A/B runs). Its key and K blocks, ring stages and
+#: the partitions' registers: 6 stages of 128 x 64 + 64 x 128 won on TileLink's six reduce
+#: shapes at TP 4 on one H200 against 4 and 5 (benchmarks/results/history/
+#: 2026-11-29-h200-w1-gluon-grouped-gemm.txt).
+HOPPER_REDUCE = True
+HOPPER_BLOCK_N = 128
+HOPPER_BLOCK_K = 64
+HOPPER_STAGES = 6
+HOPPER_REGS = (232, 40)
+
+
+def hopper_reduce(a, w, rows_out, cfg: MoeGemmConfig, use_tma: bool) -> bool:
+    """Whether a reduce-mode launch runs the Hopper kernel: Gluon in the installed Triton,
+    a Hopper GPU (compute capability 9), A, the weights and the rows readable / writable
+    through TMA (``use_tma``), the routing's rows padded to its 128-row tiles, K and N
+    multiples of its blocks (the widths its GPU checks cover), no trace recorder in force
+    (traces record the Triton kernel's tiles) and ``HOPPER_REDUCE`` on."""
+    return (
+        HOPPER_REDUCE
+        and KH is not None
+        and use_tma
+        and cfg.block_m == 128
+        and w.shape[1] % HOPPER_BLOCK_K == 0
+        and w.shape[2] % HOPPER_BLOCK_N == 0
+        and a.dtype in (torch.bfloat16, torch.float16)
+        and not _trace.ACTIVE
+        and torch.cuda.get_device_capability(a.device)[0] == 9
+    )
+
+
+def _descriptor(x: torch.Tensor, block: list[int]):
+    """A host TMA descriptor over the 2-D view ``x`` in blocks of ``block``."""
+    gl_dtype = KH.gl.bfloat16 if x.dtype == torch.bfloat16 else KH.gl.float16
+    layout = KH.gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    return KH.TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+
+
+def _launch_reduce_hopper(a, w, routing: MoeRouting, n: int, rows_out, row_of, sig,
+                          sig_table, rank, done_slot, contrib_slot, world) -> None:  # fmt: skip
+    e, k, n_w = w.shape
+    bn, bk = HOPPER_BLOCK_N, HOPPER_BLOCK_K
+    tiles = routing.tiles.shape[0] * -(-n // bn)  # worst case (the device count is less)
+    grid = max(1, min(tiles, sm_count(a.device.index)))
+    KH.moe_reduce_gemm_hopper_kernel[(grid,)](
+        _descriptor(a.view(-1, k), [128, bk]), _descriptor(w.view(e * k, n_w), [bk, bn]),
+        rows_out, row_of, routing.tiles, routing.tile_count, routing.entry_ids,
+        routing.weights, k, n, sig, sig_table, rank, done_slot, contrib_slot,
+        WORLD=world, STAGES=HOPPER_STAGES, CONSUMER_REGS=HOPPER_REGS[0],
+        LOADER_REGS=HOPPER_REGS[1], num_warps=4,
+    )  # fmt: skip
+
+
 def launch_gemm(
     *, a, x_own, w, out, routing: MoeRouting, n: int, up: int, cfg: MoeGemmConfig, grid: int,
     gather: bool, swiglu: bool, reduce: bool, rows_out=None, row_of=None, sig=None,
@@ -103,7 +161,9 @@ def launch_gemm(
     flag0=0, err=0, rank=0, max_spins=0, done_slot=0, clear=None, contrib_slot=0,
     wait=False, world=1, use_tma: bool | None = None,
 ):  # fmt: skip
-    """One launch of the grouped GEMM on the current stream (see the kernel).
+    """One launch of the grouped GEMM on the current stream (see the kernel); reduce mode
+    on the Hopper kernel where ``hopper_reduce`` holds (``grid`` and ``cfg``'s tile then
+    its own).
     ``use_tma``: read the weight tiles (and reduce mode's A tiles) through TMA
     descriptors; None: wherever ``tma_ok`` allows it (False forces the pointer path, which
     probes compare against).
@@ -113,6 +173,10 @@ def launch_gemm(
     use_tma = tma_ok(w) if use_tma is None else bool(use_tma) and tma_ok(w)
     # without the gather, A is read through TMA too; reduce mode stores its rows so
     use_tma = use_tma and (gather or tma_ok(a)) and (not reduce or tma_ok(rows_out))
+    if reduce and not gather and hopper_reduce(a, w, rows_out, cfg, use_tma):
+        _launch_reduce_hopper(a, w, routing, n, rows_out, row_of, sig, sig_table, rank,
+                              done_slot, contrib_slot, world)  # fmt: skip
+        return
     if use_tma:
         install_scratch_allocator()
     stand_in = routing.entry_ids
