@@ -103,6 +103,7 @@ class _Problem:
 
         bf = torch.bfloat16
         self.hidden, self.experts, self.k, self.world = hidden, experts, k, world
+        self.t_triton_kernel, self.reduce_kernel = {}, {}  # per reduce config
         self.m, self.i_loc, self.dev = TOKENS // world, inter // world, dev
         m, i_loc = self.m, self.i_loc
         ids = routing_ids(TOKENS, k, experts, kind, gen).to(dev)
@@ -277,6 +278,15 @@ class _Problem:
         t = graph_ms(rs, iters)
         # the GEMM alone (its rows never read), its flags cleared
         t_kernel = graph_ms(gemm, iters)
+        if row_dtype == torch.float32:  # the Triton kernel beside it (on Hopper)
+            use_tma = _gemm.tma_ok(self.w2) and _gemm.tma_ok(hp) and _gemm.tma_ok(rows)
+            hopper = _gemm.hopper_reduce(hp, self.w2, rows, cfg, use_tma)
+            self.reduce_kernel[cfg] = "hopper" if hopper else "triton"
+            hopper, _gemm.HOPPER_REDUCE = _gemm.HOPPER_REDUCE, False
+            try:
+                self.t_triton_kernel[cfg] = graph_ms(gemm, iters)
+            finally:
+                _gemm.HOPPER_REDUCE = hopper
         sig.zero_()
         return t, t_kernel, err
 
@@ -321,6 +331,8 @@ def one_gpu(shapes, worlds, routings, sweep, iters, save=None):
             tflops=round(flops / 2 / t2 / 1e9, 1), config=_cfg_name(cfg2), rel_err=round(err2, 5),
             ref_rel_err=round(pb.torch_err, 5), t_bf16_rows_ms=round(t2_bf16, 5),
             bf16_rows_rel_err=round(err2_bf16, 5),
+            t_triton_kernel_ms=round(pb.t_triton_kernel[cfg2], 5),
+            gemm_kernel=pb.reduce_kernel[cfg2],
         ))  # fmt: skip
         print(f"H{hidden} I{inter} E{experts} k{k} W{world} {kind}: ag {t_all:.3f} "
               f"(gemm {t_gemm:.3f}, plain {t_plain:.3f}) ref {pb.t_ref1:.3f} "
