@@ -47,7 +47,9 @@ so the grid and the tables have a worst-case size known on the host. Two modes:
   contributions, then sums, in float32, the ``k`` rows of each of its tokens in every
   rank's row buffer, found through that rank's ``row_of`` (peer reads: the top-k sum and
   the reduce-scatter in one pass), and writes them in the output type. Every entry's row
-  and map word are rewritten by every call, so nothing is cleared between calls.
+  and map word are rewritten by every call, so nothing is cleared between calls. On
+  Hopper the reduce mode runs ``grouped_gemm_hopper``'s warp-specialised Gluon kernel
+  instead, where ``ops.moe._gemm.hopper_reduce`` holds.
 """
 
 from __future__ import annotations
