@@ -112,12 +112,17 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
             del per
             torch.cuda.empty_cache()
+    return _report(rows, args.out)
+
+
+def _report(rows, out) -> int:
+    """The table of A and B times; ``out``: the rows as JSON too."""
     print(f"{'S':>6} {'causal':<6} {'config':<28} {'A ms':>8} {'B ms':>8} {'B/A':>6}")
     for r in rows:
         print(f"{r['S']:>6} {r['causal']!s:<6} {r['config']:<28} {r['t_a_ms']:8.3f} "
               f"{r['t_b_ms']:8.3f} {r['b_over_a']:6.3f}")  # fmt: skip
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+    if out:
+        Path(out).write_text(json.dumps(rows, indent=1))
     return 0
 
 
@@ -167,12 +172,7 @@ def hopper_ab(args, sp) -> int:
             print(json.dumps(row), flush=True)
             del per
             torch.cuda.empty_cache()
-    for r in rows:
-        print(f"{r['S']:>6} {r['causal']!s:<6} {r['config']:<28} {r['t_a_ms']:8.3f} "
-              f"{r['t_b_ms']:8.3f} {r['b_over_a']:6.3f}")  # fmt: skip
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
-    return 0
+    return _report(rows, args.out)
 
 
 def _errors(per, mod, lib, sp, cfg_kw, cfg) -> dict:

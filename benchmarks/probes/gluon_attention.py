@@ -23,7 +23,11 @@ S 16k as rank 0 of 4 by default (queries ``S / W``, keys ``S``).
         [--configs 128,128,8,2,0 64,64,4,3,1]
 
 Prints each config's time, TFLOP/s and relative error against float32, beside SDPA's
-backends and the library's forward (waits met) in the same run. Needs a Hopper GPU.
+backends and the library's two forwards (waits met: the Triton kernel and the Hopper one,
+``kernels/attention_hopper.py``) in the same run. Needs a Hopper GPU. This one-stream
+schedule gained nothing over the Triton kernel; the warp-specialised one that did (first
+written here, commit 9b6f5b3, numbers in benchmarks/results/history/
+2026-11-29-h200-w1-gluon-attention.txt) is the library's Hopper forward.
 """
 
 from __future__ import annotations
@@ -170,173 +174,6 @@ def gluon_attn_fwd_kernel(
     tma.store_wait(pendings=0)
 
 
-@gluon.jit
-def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
-               v_empty, q_row, k_row, n):  # fmt: skip
-    """The TMA partition (one warp): both warpgroups' query tiles, then K and V blocks into
-    their rings, each slot reused once both warpgroups have released it. (A worker
-    partition's arguments arrive as values: its sizes are read off the buffers' shapes.)"""
-    WG_M: gl.constexpr = q_smem.shape[1]
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    for wg in gl.static_range(2):
-        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + wg * WG_M, 0], q_bar.index(wg),
-                                        q_smem.index(wg))  # fmt: skip
-    for j in range(n):
-        s = j % STAGES
-        ph = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes the wait for parity 1
-        mbarrier.wait(k_empty.index(s), ph)
-        _issue(k_desc, k_smem, k_full, k_row + j * BLOCK_N, s)
-        mbarrier.wait(v_empty.index(s), ph)
-        _issue(v_desc, v_smem, v_full, k_row + j * BLOCK_N, s)
-
-
-@gluon.jit
-def _ws_consumer(wg: gl.constexpr, PINGPONG: gl.constexpr, o_desc, q_smem, k_smem, v_smem,
-                 q_bar, k_full, k_empty, v_full, v_empty, turn, q_row, n,
-                 qk_scale):  # fmt: skip
-    """One warpgroup's 64 query rows. Per key block: (its turn) issue ``S_{j+1} = Q K^T``
-    and ``O += P_j V_j``, hand the tensor cores to the other warpgroup, then the softmax of
-    ``S_{j+1}`` while the other warpgroup's products run."""
-    WG_M: gl.constexpr = q_smem.shape[1]
-    D: gl.constexpr = q_smem.shape[2]
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q = q_smem.index(wg)
-    s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
-    mbarrier.wait(q_bar.index(wg), 0)
-    mbarrier.wait(k_full.index(0), 0)
-    if PINGPONG:
-        mbarrier.wait(turn.index(wg), 0)
-    qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
-                       is_async=True)  # fmt: skip
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - wg))
-    qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-    mbarrier.arrive(k_empty.index(0))
-    m_i = gl.full([WG_M], -float("inf"), gl.float32, row_s)
-    l_i = gl.zeros([WG_M], gl.float32, row_s)
-    p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, qk_scale, row_o)
-    o = gl.zeros([WG_M, D], gl.float32, o_layout)
-    for j in range(n - 1):
-        nxt = (j + 1) % STAGES
-        cur = j % STAGES
-        mbarrier.wait(k_full.index(nxt), ((j + 1) // STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(turn.index(wg), (j + 1) & 1)
-        qk = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
-                           is_async=True)  # fmt: skip
-        o = o * gl.expand_dims(alpha, 1)
-        mbarrier.wait(v_full.index(cur), (j // STAGES) & 1)
-        p16 = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-        acc = warpgroup_mma(p16, v_smem.index(cur), o, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - wg))
-        qk = warpgroup_mma_wait(num_outstanding=1, deps=[qk])
-        mbarrier.arrive(k_empty.index(nxt))
-        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, qk_scale, row_o)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        mbarrier.arrive(v_empty.index(cur))
-    cur = (n - 1) % STAGES
-    o = o * gl.expand_dims(alpha, 1)
-    mbarrier.wait(v_full.index(cur), ((n - 1) // STAGES) & 1)
-    p16 = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-    if PINGPONG:
-        mbarrier.wait(turn.index(wg), n & 1)
-    acc = warpgroup_mma(p16, v_smem.index(cur), o, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - wg))
-    o = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    out = o / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-    q.store(out.to(o_desc.dtype))  # this warpgroup's Q tile is the output's staging
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [q_row + wg * WG_M, 0], q)
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _ws_consumer_first(PINGPONG: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_full,
-                       k_empty, v_full, v_empty, turn, q_row, n, qk_scale):  # fmt: skip
-    _ws_consumer(0, PINGPONG, o_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
-                 v_empty, turn, q_row, n, qk_scale)  # fmt: skip
-
-
-@gluon.jit
-def _ws_consumer_second(o_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
-                        turn, q_row, n, qk_scale):  # fmt: skip
-    _ws_consumer(1, False, o_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
-                 v_empty, turn, q_row, n, qk_scale)  # fmt: skip
-
-
-@gluon.jit
-def _ws_consumer_second_pp(o_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
-                           v_empty, turn, q_row, n, qk_scale):  # fmt: skip
-    _ws_consumer(1, True, o_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
-                 v_empty, turn, q_row, n, qk_scale)  # fmt: skip
-
-
-@gluon.jit
-def gluon_attn_fwd_ws_kernel(
-    q_desc, k_desc, v_desc, o_desc, S_q, S_k, H, HKV, qk_scale,
-    BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
-    """Warp-specialised forward, one program per 128 query rows and batch x head: two
-    consumer warpgroups of 64 rows each (the default partition and a worker) sharing the
-    K / V rings, and a one-warp TMA partition. ``PINGPONG`` orders the warpgroups' products
-    by a pair of mbarriers so one's softmax runs under the other's ``wgmma``."""
-    WG_M: gl.constexpr = 64
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    kv = (bh // H) * HKV + (bh % H) // (H // HKV)
-    q_row = bh * S_q + pid_m * (2 * WG_M)
-    k_row = kv * S_k
-    n = S_k // BLOCK_N
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, WG_M, D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(k_full.index(s), count=1)
-        mbarrier.init(v_full.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=2)
-        mbarrier.init(v_empty.index(s), count=2)
-    if PINGPONG:  # warpgroup 0 takes the first turn
-        mbarrier.arrive(turn.index(0))
-    cons = (o_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty, turn,
-            q_row, n, qk_scale)  # fmt: skip
-    load = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
-            v_empty, q_row, k_row, n)  # fmt: skip
-    if PINGPONG:
-        gl.warp_specialize(
-            [(_ws_consumer_first, (True,) + cons), (_ws_consumer_second_pp, cons),
-             (_ws_loader, load)], [4, 1], [CONSUMER_REGS, 24],
-        )  # fmt: skip
-    else:
-        gl.warp_specialize(
-            [(_ws_consumer_first, (False,) + cons), (_ws_consumer_second, cons),
-             (_ws_loader, load)], [4, 1], [CONSUMER_REGS, 24],
-        )  # fmt: skip
-
-
 def gluon_attention(q, k, v, block_m=128, block_n=128, num_warps=8, stages=2, overlap_pv=0):
     """``softmax(q k^T / sqrt(d)) v`` for ``q [B, H, S_q, D]``, ``k, v [B, HKV, S_k, D]``
     (bf16, contiguous; ``S_q`` a multiple of ``block_m``, ``S_k`` of ``block_n``)."""
@@ -360,36 +197,13 @@ def gluon_attention(q, k, v, block_m=128, block_n=128, num_warps=8, stages=2, ov
     return o
 
 
-def gluon_attention_ws(q, k, v, block_n=128, stages=2, pingpong=1, consumer_regs=240):
-    """The warp-specialised forward (``gluon_attn_fwd_ws_kernel``): 128 query rows per
-    program as two 64-row warpgroups; same shapes and contract as ``gluon_attention``."""
-    b, h, s_q, d = q.shape
-    hkv, s_k = k.shape[1], k.shape[2]
-    o = torch.empty_like(q)
-    lay_q = gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16)
-    lay_k = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.bfloat16)
-    q2, o2 = q.view(b * h * s_q, d), o.view(b * h * s_q, d)
-    k2, v2 = k.view(b * hkv * s_k, d), v.view(b * hkv * s_k, d)
-    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [64, d], lay_q)
-    o_desc = TensorDescriptor(o2, list(o2.shape), list(o2.stride()), [64, d], lay_q)
-    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, d], lay_k)
-    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [block_n, d], lay_k)
-    gluon_attn_fwd_ws_kernel[(s_q // 128, b * h)](
-        q_desc, k_desc, v_desc, o_desc, s_q, s_k, h, hkv, LOG2E / math.sqrt(d),
-        BLOCK_N=block_n, D=d, STAGES=stages, PINGPONG=bool(pingpong),
-        CONSUMER_REGS=consumer_regs, num_warps=4,
-    )  # fmt: skip
-    return o
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seqs", nargs="*", type=int, default=[16384])
     p.add_argument("--as-world", type=int, default=4)
     p.add_argument("--configs", nargs="*",
-                   default=["128,128,8,2,0", "64,64,4,3,0", "ws,128,2,1,240", "ws,128,2,0,240"],
-                   help="block_m,block_n,warps,stages,overlap_pv; or "
-                        "ws,block_n,stages,pingpong,consumer_regs")  # fmt: skip
+                   default=["128,128,8,2,0", "64,64,4,3,0"],
+                   help="block_m,block_n,warps,stages,overlap_pv")  # fmt: skip
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args()
     import torch.nn.functional as F
@@ -415,18 +229,16 @@ def main() -> int:
                 t = median_ms(None, sdpa, iters=args.iters, warmup=3)
             rows.append((f"sdpa {name}", t, None))
         from interlace.bench.attention import _PerRank
+        from interlace.ops.attention.sp_attention import config_of
 
-        per = _PerRank(s, False, args.as_world)  # the library's forward, waits met
+        per = _PerRank(s, False, args.as_world)  # the library's forwards, waits met
         per.flags_up()
-        rows.append(("library triton", median_ms(None, per.fwd, args.iters, warmup=3), None))
+        triton_fwd = functools.partial(per.fwd, cfg=config_of("fwd", d, "cuda", s))
+        rows.append(("library triton", median_ms(None, triton_fwd, args.iters, warmup=3), None))
+        rows.append(("library hopper", median_ms(None, per.fwd, args.iters, warmup=3), None))
         del per
         for text in args.configs:
-            if text.startswith("ws,"):
-                run = functools.partial(gluon_attention_ws, q, k, v,
-                                        *(int(x) for x in text.split(",")[1:]))  # fmt: skip
-            else:
-                run = functools.partial(gluon_attention, q, k, v,
-                                        *(int(x) for x in text.split(",")))  # fmt: skip
+            run = functools.partial(gluon_attention, q, k, v, *(int(x) for x in text.split(",")))
             try:
                 o = run()
                 torch.cuda.synchronize()

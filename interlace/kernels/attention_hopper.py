@@ -92,6 +92,18 @@ def _n_blocks(rank, vlo, vhi, flo, fhi, S_loc, half, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
+def _load_block(desc, peer_desc, smem, full, empty, s, ph, r, local):
+    """Once ring slot ``s`` is free (``empty``, parity ``ph``), a TMA load of rows ``r ..``
+    into it, from the local K / V (``local``) or the gathered peers' (``peer_desc``)."""
+    mbarrier.wait(empty.index(s), ph)
+    mbarrier.expect(full.index(s), desc.block_type.nbytes)
+    if local:
+        tma.async_copy_global_to_shared(desc, [r, 0], full.index(s), smem.index(s))
+    else:
+        tma.async_copy_global_to_shared(peer_desc, [r, 0], full.index(s), smem.index(s))
+
+
+@gluon.jit
 def _ws_loader(q_desc, k_desc, v_desc, kp_desc, vp_desc, q_smem, k_smem, v_smem, q_bar,
                k_full, k_empty, v_full, v_empty, q_row, kv_row, rank, vlo, vhi, flo, fhi,
                S_loc, half, sig, arrival, err, max_spins, BKV, n_total, WORLD: gl.constexpr,
@@ -126,18 +138,8 @@ def _ws_loader(q_desc, k_desc, v_desc, kp_desc, vp_desc, q_smem, k_smem, v_smem,
         s = g % STAGES
         ph = ((g // STAGES) & 1) ^ 1  # a fresh barrier passes the wait for parity 1
         r = base + j * BLOCK_N
-        mbarrier.wait(k_empty.index(s), ph)
-        mbarrier.expect(k_full.index(s), k_desc.block_type.nbytes)
-        if t == 0:
-            tma.async_copy_global_to_shared(k_desc, [r, 0], k_full.index(s), k_smem.index(s))
-        else:
-            tma.async_copy_global_to_shared(kp_desc, [r, 0], k_full.index(s), k_smem.index(s))
-        mbarrier.wait(v_empty.index(s), ph)
-        mbarrier.expect(v_full.index(s), v_desc.block_type.nbytes)
-        if t == 0:
-            tma.async_copy_global_to_shared(v_desc, [r, 0], v_full.index(s), v_smem.index(s))
-        else:
-            tma.async_copy_global_to_shared(vp_desc, [r, 0], v_full.index(s), v_smem.index(s))
+        _load_block(k_desc, kp_desc, k_smem, k_full, k_empty, s, ph, r, t == 0)
+        _load_block(v_desc, vp_desc, v_smem, v_full, v_empty, s, ph, r, t == 0)
         i += 1
 
 

@@ -4,6 +4,8 @@ that use them pickle by reference to the spawned ranks."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -122,3 +124,20 @@ def recording(name: str, graphs: list):
         return inner(gm, example_inputs)
 
     return backend
+
+
+@contextlib.contextmanager
+def counting(module, name: str):
+    """``module.name`` replaced, while in the block, by a wrapper that counts its calls:
+    yields the list that grows by one per call."""
+    fn, calls = getattr(module, name), []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    setattr(module, name, counted)
+    try:
+        yield calls
+    finally:
+        setattr(module, name, fn)

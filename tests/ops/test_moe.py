@@ -17,6 +17,7 @@ from interlace.errors import InterlaceTypeError, InterlaceValueError
 from interlace.ops.moe import AGMoE, MoERS
 from tests.ops._helpers import (
     capture,
+    counting,
     expect_error,
     gathered,
     rand,
@@ -405,22 +406,12 @@ def _hopper_reduce_body(group):
     counted: every call on a Hopper GPU, none elsewhere."""
     from interlace.ops.moe import _gemm
 
-    launch, calls = _gemm._launch_reduce_hopper, []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        launch(*args, **kwargs)
-
-    _gemm._launch_reduce_hopper = counted
-    try:
-        w = group.world_size
-        m, hidden, inter, experts, k = 97, 512, 192 * w, 8, 2
-        kw = dict(max_tokens=w * m, hidden=hidden, inter=inter, experts=experts, topk=k)
-        with _pair(group, **kw) as (ag, rs):
-            for i, kind in enumerate(("random", "skewed", "balanced")):
-                _case(group, ag, rs, m - 10 * i, hidden, inter, experts, k, kind, seed=i)
-    finally:
-        _gemm._launch_reduce_hopper = launch
+    w = group.world_size
+    m, hidden, inter, experts, k = 97, 512, 192 * w, 8, 2
+    kw = dict(max_tokens=w * m, hidden=hidden, inter=inter, experts=experts, topk=k)
+    with counting(_gemm, "_launch_reduce_hopper") as calls, _pair(group, **kw) as (ag, rs):
+        for i, kind in enumerate(("random", "skewed", "balanced")):
+            _case(group, ag, rs, m - 10 * i, hidden, inter, experts, k, kind, seed=i)
     hopper = _gemm.KH is not None and torch.cuda.get_device_capability()[0] == 9
     assert len(calls) == (3 if hopper else 0), calls
     return True

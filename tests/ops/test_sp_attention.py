@@ -22,7 +22,7 @@ from interlace.kernels.attention import _query_program
 from interlace.ops.attention import SPAttention, zigzag_shard, zigzag_unshard
 from interlace.ops.attention.layout import segment_ids
 from tests.conftest import get_world
-from tests.ops._helpers import capture, expect_error, rel_err, replay, sync
+from tests.ops._helpers import capture, counting, expect_error, rel_err, replay, sync
 
 TOL_FWD = 1e-2
 TOL_GRAD = 2e-2  # dS and P are rounded to 16 bits before their products (as flash attention)
@@ -128,18 +128,9 @@ def _hopper_body(group, causal, docs, d, dtype_name):
     elsewhere)."""
     from interlace.ops.attention import sp_attention as sp
 
-    launch, calls = sp._launch_fwd_hopper, []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        launch(*args, **kwargs)
-
-    sp._launch_fwd_hopper = counted
-    try:
+    with counting(sp, "_launch_fwd_hopper") as calls:
         _fwd_bwd_body(group, causal, docs, 4, 2, d, dtype_name, "fused", True,
                       sizes=[(1, 384), (2, 256)])  # fmt: skip
-    finally:
-        sp._launch_fwd_hopper = launch
     hopper = sp.KH is not None and torch.cuda.get_device_capability()[0] == 9
     assert len(calls) == (2 if hopper else 0), calls
     return True
