@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -132,11 +133,17 @@ def hopper_reduce(a, w, rows_out, cfg: MoeGemmConfig, use_tma: bool) -> bool:
     )
 
 
+@functools.cache
+def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
+    """The shared-memory layout of a TMA block (~20 us of host time to compute: once)."""
+    gl_dtype = KH.gl.bfloat16 if dtype == torch.bfloat16 else KH.gl.float16
+    return KH.gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+
+
 def _descriptor(x: torch.Tensor, block: list[int]):
     """A host TMA descriptor over the 2-D view ``x`` in blocks of ``block``."""
-    gl_dtype = KH.gl.bfloat16 if x.dtype == torch.bfloat16 else KH.gl.float16
-    layout = KH.gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
-    return KH.TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+    layout = _smem_layout(tuple(block), x.dtype)
+    return KH.TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), layout)
 
 
 def _launch_reduce_hopper(a, w, routing: MoeRouting, n: int, rows_out, row_of, sig,
