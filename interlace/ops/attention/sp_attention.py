@@ -68,11 +68,6 @@ import torch.distributed as dist
 
 from ...errors import InterlaceTypeError, InterlaceValueError
 from ...kernels import attention as K
-
-try:  # the Hopper forward is written in Gluon (``triton.experimental.gluon``, Triton >= 3.5)
-    from ...kernels import attention_hopper as KH
-except ImportError:  # an older Triton: the Triton forward everywhere (``hopper_forward``)
-    KH = None
 from ...runtime import fork, join, symm_empty
 from .. import _trace
 from .._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext, cdiv
@@ -80,6 +75,11 @@ from .._launch import install_scratch_allocator
 from .._trace import copy_and_signal  # recorded as a copy where a recorder is in force
 from .layout import segment_ids
 from .ring import _ring_backward, _ring_forward, gather_attention, ring_attention
+
+try:  # the Hopper forward is written in Gluon (``triton.experimental.gluon``, Triton >= 3.5)
+    from ...kernels import attention_hopper as KH
+except ImportError:  # an older Triton: the Triton forward everywhere (``hopper_forward``)
+    KH = None
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -205,7 +205,8 @@ def _traced(a: KernelArgs, kernel: str, grid_m: int, columns: int, steps: int,
 #: The Hopper forward (``kernels.attention_hopper``): key blocks, ring stages, the consumer
 #: warpgroups' register count. On one H200, S 16k as rank 0 of 4 (benchmarks/results/
 #: history/2026-11-29-h200-w1-gluon-attention.txt): 128-key blocks with 3 stages 1.683 ms,
-#: with 2 stages 1.745, 64-key blocks with 4 stages 2.021.
+#: with 2 stages 1.745, 64-key blocks with 4 stages 2.021. d 64: 4 stages (the ring a
+#: shared memory of the same size holds; not timed apart).
 HOPPER_BLOCK_N = 128
 HOPPER_STAGES = {64: 4, 128: 3}
 HOPPER_CONSUMER_REGS = 240
@@ -215,9 +216,9 @@ HOPPER_LOADER_REGS = 24
 
 def hopper_forward(a: KernelArgs, q: torch.Tensor) -> bool:
     """Whether the forward runs the Hopper kernel: Gluon in the installed Triton, a Hopper
-    GPU (compute capability 9),
-    ``S_loc`` a multiple of its 128-row tiles, no trace recorder in force (traces record
-    the Triton kernel's tiles) and ``SPAttention.HOPPER_FORWARD`` on."""
+    GPU (compute capability 9), ``S_loc`` a multiple of its 128-row tiles, no trace
+    recorder in force (traces record the Triton kernel's tiles) and
+    ``SPAttention.HOPPER_FORWARD`` on."""
     return (
         SPAttention.HOPPER_FORWARD
         and KH is not None

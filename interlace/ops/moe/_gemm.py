@@ -10,15 +10,15 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels.grouped_gemm import moe_finish_kernel, moe_gemm_kernel
+from .. import _trace
+from .._context import sm_count
+from .._launch import install_scratch_allocator
+from .routing import MoeRouting
 
 try:  # reduce mode's Hopper kernel is written in Gluon (Triton >= 3.5)
     from ...kernels import grouped_gemm_hopper as KH
 except ImportError:  # an older Triton: the Triton kernel everywhere (``hopper_reduce``)
     KH = None
-from .. import _trace
-from .._context import sm_count
-from .._launch import install_scratch_allocator
-from .routing import MoeRouting
 
 
 @dataclass(frozen=True)
