@@ -18,15 +18,15 @@ One program per 128 query rows and batch x head, in three partitions:
 
 The blocks of every chunk come as in the Triton kernel: those no row masks first, then the
 masked ones (the causal diagonal, document edges), from ``attention._block_ranges``; the
-mask helpers are the Triton kernel's own. Requires ``S_loc`` a multiple of 128 (the tiles
+masks follow ``attention._mask``'s rules (built here: a partition that calls ``_mask``
+fails Triton 3.6's lowering). Requires ``S_loc`` a multiple of 128 (the tiles
 are read through 2-D views of ``[rows, d]``) and ``d`` 64 or 128; ``sp_attention`` picks this
 kernel on Hopper GPUs where those hold (``hopper_forward``) and the Triton kernel elsewhere.
 On one H200 (rank 0 of 4, waits met, ``bench attention``): 582-659 TFLOP/s non-causal and
 543-616 causal at S 16k-64k, 0.88-1.09 x SDPA's fastest backend, against 1.17-1.49 x
 this time for the Triton kernel (``benchmarks/results/2026-11-29-h200-w1.json``); the same
 schedule without chunks or masks ran at 653 TFLOP/s against cuDNN's 660 at S 16k
-(``benchmarks/probes/gluon_attention.py``; benchmarks/results/history/
-2026-11-29-h200-w1-gluon-attention.txt).
+(benchmarks/results/history/2026-11-29-h200-w1-gluon-attention.txt).
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ def _ws_loader(q_desc, k_desc, v_desc, kp_desc, vp_desc, q_smem, k_smem, v_smem,
                S_loc, half, sig, arrival, err, max_spins, BKV, n_total, WORLD: gl.constexpr,
                CAUSAL: gl.constexpr, WAIT: gl.constexpr):  # fmt: skip
     """The TMA partition: the two query tiles, then the program's key blocks in order, a
-    ring slot refilled once both warpgroups have released it. A worker partition's
-    arguments arrive as values: the tile sizes are read off the buffers' shapes."""
+    ring slot refilled once both warpgroups have released it (tile sizes read off the
+    buffers' shapes)."""
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     for wg in gl.static_range(2):
@@ -153,8 +153,6 @@ def _softmax(qk, m_i, l_i, masked, q_pos, j, c, S_loc, half, seg, qk_scale,
     same document); a row with nothing visible yet keeps ``m = -inf``
     (its offset is taken as 0 so no ``inf - inf`` arises)."""
     BLOCK_N: gl.constexpr = qk.shape[1]
-    m_new = m_i
-    m_use = m_i
     if CAUSAL or VARLEN:  # else no block is masked: every row sees every key
         if masked:
             k_idx = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -167,11 +165,10 @@ def _softmax(qk, m_i, l_i, masked, q_pos, j, c, S_loc, half, seg, qk_scale,
             else:
                 ok = k_pos <= gl.expand_dims(q_pos, 1)
             qk = gl.where(ok, qk, -float("inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    m_use = m_new
+    if CAUSAL or VARLEN:
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
-    else:
-        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-        m_use = m_new
     p = gl.exp2(qk * qk_scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
