@@ -205,6 +205,7 @@ def _gluon_launch(pb, rt, b_desc, h, stages, grid):
 def _case(pb, label, stages_list, iters) -> None:
     """Times ``torch._grouped_mm`` (from ``pb``), the Triton gather GEMM and the kernel."""
     from interlace.bench.moe import graph_ms
+    from interlace.ops._launch import host_descriptor
     from interlace.ops.moe import _gemm
 
     cfg = _gemm.GPU_CONFIGS["gather"]
@@ -222,7 +223,7 @@ def _case(pb, label, stages_list, iters) -> None:
     triton_gemm()
     t_tri = graph_ms(triton_gemm, iters)
     bn = bk = 64
-    b_desc = _gemm._descriptor(pb.w1.view(pb.experts * pb.hidden, 2 * i_loc), [bk, bn])
+    b_desc = host_descriptor(pb.w1.view(pb.experts * pb.hidden, 2 * i_loc), [bk, bn])
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     grid = min(sms, rt.tiles.shape[0] * -(-i_loc // bn))
     used = int(rt.tile_count[0]) * 128

@@ -48,6 +48,7 @@ class ReduceGemm:
     weight 1, bf16 rows out, one rank (its completion counter on a scratch signal pad)."""
 
     def __init__(self, a, b, counts, stages):
+        from interlace.ops._launch import host_descriptor
         from interlace.ops.moe import _gemm
 
         rows, self.k = a.shape
@@ -61,8 +62,8 @@ class ReduceGemm:
         self.sig = torch.zeros(8, dtype=torch.int32, device=dev)
         self.sig_table = torch.tensor([self.sig.data_ptr()], dtype=torch.int64, device=dev)
         bn, bk = _gemm.HOPPER_BLOCK_N, _gemm.HOPPER_BLOCK_K
-        self.a_desc = _gemm._descriptor(a, [128, bk])
-        self.b_desc = _gemm._descriptor(b.view(self.e * self.k, self.n), [bk, bn])
+        self.a_desc = host_descriptor(a, [128, bk])
+        self.b_desc = host_descriptor(b.view(self.e * self.k, self.n), [bk, bn])
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.grid = (min(sms, self.tiles.shape[0] * self.n // bn),)
         self.stages, self.regs, self.kernel = stages, _gemm.HOPPER_REGS, _gemm.KH

@@ -37,7 +37,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401 - launches
 
 from .grouped_gemm import TILE_COLS, TILE_EXPERT, TILE_ROW0, publish_rows
 

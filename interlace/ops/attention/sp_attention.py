@@ -59,7 +59,6 @@ until its spin bound ran out.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -71,7 +70,7 @@ from ...kernels import attention as K
 from ...runtime import fork, join, symm_empty
 from .. import _trace
 from .._context import BUFFER_SETS, GRAPH_SET, AlternatingSets, OpContext, cdiv
-from .._launch import install_scratch_allocator
+from .._launch import host_descriptor, install_scratch_allocator
 from .._trace import copy_and_signal  # recorded as a copy where a recorder is in force
 from .layout import segment_ids
 from .ring import _ring_backward, _ring_forward, gather_attention, ring_attention
@@ -229,20 +228,9 @@ def hopper_forward(a: KernelArgs, q: torch.Tensor) -> bool:
     )
 
 
-@functools.cache
-def _smem_layout(rows: int, d: int, dtype: torch.dtype):
-    """The shared-memory layout of a ``[rows, d]`` TMA block (computing it costs ~20 us of
-    host time: once per shape)."""
-    gl_dtype = KH.gl.bfloat16 if dtype == torch.bfloat16 else KH.gl.float16
-    return KH.gl.NVMMASharedLayout.get_default_for([rows, d], gl_dtype)
-
-
 def _descriptor(x: torch.Tensor, rows: int, d: int):
-    """A host TMA descriptor over ``x`` (contiguous) as ``[-1, d]`` in blocks of ``rows``
-    rows."""
-    x2 = x.view(-1, d)
-    layout = _smem_layout(rows, d, x.dtype)
-    return KH.TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, d], layout)
+    """A host TMA descriptor over ``x`` (contiguous) as ``[-1, d]`` in blocks of ``rows``."""
+    return host_descriptor(x.view(-1, d), [rows, d])
 
 
 def _launch_fwd_hopper(a: KernelArgs, q, k, v, k_all, v_all, o, lse, arrival: int,

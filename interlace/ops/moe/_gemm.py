@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +11,7 @@ import torch
 from ...kernels.grouped_gemm import moe_finish_kernel, moe_gemm_kernel
 from .. import _trace
 from .._context import sm_count
-from .._launch import install_scratch_allocator
+from .._launch import host_descriptor, install_scratch_allocator
 from .routing import MoeRouting
 
 try:  # reduce mode's Hopper kernel is written in Gluon (Triton >= 3.5)
@@ -133,19 +132,6 @@ def hopper_reduce(a, w, rows_out, cfg: MoeGemmConfig, use_tma: bool) -> bool:
     )
 
 
-@functools.cache
-def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
-    """The shared-memory layout of a TMA block (~20 us of host time to compute: once)."""
-    gl_dtype = KH.gl.bfloat16 if dtype == torch.bfloat16 else KH.gl.float16
-    return KH.gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
-
-
-def _descriptor(x: torch.Tensor, block: list[int]):
-    """A host TMA descriptor over the 2-D view ``x`` in blocks of ``block``."""
-    layout = _smem_layout(tuple(block), x.dtype)
-    return KH.TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), layout)
-
-
 def _launch_reduce_hopper(a, w, routing: MoeRouting, n: int, rows_out, row_of, sig,
                           sig_table, rank, done_slot, contrib_slot, world) -> None:  # fmt: skip
     e, k, n_w = w.shape
@@ -153,7 +139,7 @@ def _launch_reduce_hopper(a, w, routing: MoeRouting, n: int, rows_out, row_of, s
     tiles = routing.tiles.shape[0] * -(-n // bn)  # worst case (the device count is less)
     grid = max(1, min(tiles, sm_count(a.device.index)))
     KH.moe_reduce_gemm_hopper_kernel[(grid,)](
-        _descriptor(a.view(-1, k), [128, bk]), _descriptor(w.view(e * k, n_w), [bk, bn]),
+        host_descriptor(a.view(-1, k), [128, bk]), host_descriptor(w.view(e * k, n_w), [bk, bn]),
         rows_out, row_of, routing.tiles, routing.tile_count, routing.entry_ids,
         routing.weights, k, n, sig, sig_table, rank, done_slot, contrib_slot,
         WORLD=world, STAGES=HOPPER_STAGES, CONSUMER_REGS=HOPPER_REGS[0],
