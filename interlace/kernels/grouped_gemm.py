@@ -278,20 +278,22 @@ def _load_b(w, b_desc, row, col, k_left, N_W, USE_TMA: tl.constexpr,
 
 
 @triton.jit
-def publish_rows(sig, sig_table, done_slot, contrib_slot, rank, WORLD: tl.constexpr):
+def publish_rows(
+    sig, sig_table, done_slot, contrib_slot, rank, pid, WORLD: tl.constexpr,
+    TRACE: tl.constexpr = False, tbuf=None,
+):  # fmt: skip
     """Reduce mode's end (every program, its stores issued): the last program of the launch
     to get here resets the finished-program counter ``done_slot`` and raises every owner's
     contribution counter ``contrib_slot`` (each program's rows and map words published by
-    the release chain of the counter). Returns whether this program was the last."""
+    the release chain of the counter); traced: that raise, in program ``pid``'s slots."""
     tl.debug_barrier()
     arrived = tl.atomic_add(sig + done_slot, 1, sem="acq_rel", scope="sys")
-    last = arrived == tl.num_programs(0) - 1
-    if last:
+    if arrived == tl.num_programs(0) - 1:
         tl.atomic_xchg(sig + done_slot, 0, sem="relaxed", scope="gpu")
         for i in tl.static_range(WORLD):
             peer = (rank + i) % WORLD
             notify(signal_base(sig_table, peer) + contrib_slot, 1, ADD=True)
-    return last
+        trace_event(TRACE, tbuf, EV_NOTIFY, pid, contrib_slot, -1)
 
 
 @triton.jit(
@@ -417,8 +419,9 @@ def moe_gemm_kernel(
     if REDUCE:
         if USE_TMA:
             bulk_stores_done()
-        if publish_rows(sig, sig_table, done_slot, contrib_slot, rank, WORLD):
-            trace_event(TRACE, tbuf, EV_NOTIFY, pid, contrib_slot, -1)
+        publish_rows(
+            sig, sig_table, done_slot, contrib_slot, rank, pid, WORLD, TRACE, tbuf,
+        )  # fmt: skip
     if EXIT_CLEAR:
         if pid == n_prog - 1:
             trace_event(TRACE, tbuf, EV_FINAL_BEGIN, 0, 0, 0)

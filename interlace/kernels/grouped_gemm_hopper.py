@@ -166,4 +166,4 @@ def moe_reduce_gemm_hopper_kernel(
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
     )  # fmt: skip
-    publish_rows(sig, sig_table, done_slot, contrib_slot, rank, WORLD)
+    publish_rows(sig, sig_table, done_slot, contrib_slot, rank, 0, WORLD)
