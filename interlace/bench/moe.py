@@ -256,7 +256,7 @@ class _Problem:
         err_ptr = self.err.data_ptr()
 
         def gemm():
-            _gemm.launch_gemm(
+            return _gemm.launch_gemm(
                 a=hp, x_own=None, w=self.w2, out=None, routing=rt, n=hidden, up=0, cfg=cfg,
                 grid=grid, gather=False, swiglu=False, reduce=True, rows_out=rows,
                 row_of=row_of, sig=sig, sig_table=sig_table, err=err_ptr, rank=0,
@@ -279,9 +279,7 @@ class _Problem:
         # the GEMM alone (its rows never read), its flags cleared
         t_kernel = graph_ms(gemm, iters)
         if row_dtype == torch.float32:  # the Triton kernel beside it (on Hopper)
-            use_tma = _gemm.tma_ok(self.w2) and _gemm.tma_ok(hp) and _gemm.tma_ok(rows)
-            hopper = _gemm.hopper_reduce(hp, self.w2, rows, cfg, use_tma)
-            self.reduce_kernel[cfg] = "hopper" if hopper else "triton"
+            self.reduce_kernel[cfg] = gemm()  # the kernel the op launches
             hopper, _gemm.HOPPER_REDUCE = _gemm.HOPPER_REDUCE, False
             try:
                 self.t_triton_kernel[cfg] = graph_ms(gemm, iters)

@@ -27,6 +27,13 @@ def cdiv(a: int, b: int) -> int:
 ACTIVE: list = []
 
 
+def hopper_untraced(device) -> bool:
+    """Whether a kernel without trace hooks (the Gluon Hopper kernels) may run on
+    ``device``: a Hopper GPU (compute capability 9) and no recorder in force (a recorded
+    call runs the Triton kernels, whose tiles the trace records)."""
+    return not ACTIVE and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def sink():
     """The recorder in force, or None (none, or the current stream is being captured)."""
     if not ACTIVE:

@@ -223,8 +223,7 @@ def hopper_forward(a: KernelArgs, q: torch.Tensor) -> bool:
         and KH is not None
         and a.backend == "cuda"
         and a.s_loc % KH.BLOCK_M.value == 0
-        and not _trace.ACTIVE
-        and torch.cuda.get_device_capability(q.device)[0] == 9
+        and _trace.hopper_untraced(q.device)
     )
 
 

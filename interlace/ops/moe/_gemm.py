@@ -127,8 +127,7 @@ def hopper_reduce(a, w, rows_out, cfg: MoeGemmConfig, use_tma: bool) -> bool:
         and w.shape[1] % HOPPER_BLOCK_K == 0
         and w.shape[2] % HOPPER_BLOCK_N == 0
         and a.dtype in (torch.bfloat16, torch.float16)
-        and not _trace.ACTIVE
-        and torch.cuda.get_device_capability(a.device)[0] == 9
+        and _trace.hopper_untraced(a.device)
     )
 
 
@@ -153,10 +152,10 @@ def launch_gemm(
     sig_table=None,
     flag0=0, err=0, rank=0, max_spins=0, done_slot=0, clear=None, contrib_slot=0,
     wait=False, world=1, use_tma: bool | None = None,
-):  # fmt: skip
+) -> str:  # fmt: skip
     """One launch of the grouped GEMM on the current stream (see the kernel); reduce mode
     on the Hopper kernel where ``hopper_reduce`` holds (``grid`` and ``cfg``'s tile then
-    its own).
+    its own). Returns the kernel launched: ``"hopper"`` or ``"triton"``.
     ``use_tma``: read the weight tiles (and reduce mode's A tiles) through TMA
     descriptors; None: wherever ``tma_ok`` allows it (False forces the pointer path, which
     probes compare against).
@@ -169,7 +168,7 @@ def launch_gemm(
     if reduce and not gather and hopper_reduce(a, w, rows_out, cfg, use_tma):
         _launch_reduce_hopper(a, w, routing, n, rows_out, row_of, sig, sig_table, rank,
                               done_slot, contrib_slot, world)  # fmt: skip
-        return
+        return "hopper"
     if use_tma:
         install_scratch_allocator()
     stand_in = routing.entry_ids
@@ -199,6 +198,7 @@ def launch_gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **traced,
     )  # fmt: skip
+    return "triton"
 
 
 #: the finish kernel's tile: 32 token rows x 128 columns
