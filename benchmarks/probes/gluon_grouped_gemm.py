@@ -33,11 +33,12 @@ TOKENS, TP = 8192, 4
 
 def tile_table(counts: list[int], block_m: int, device):
     """The reduce GEMM's tile table (``grouped_gemm.TILE_COLS`` columns: first row, expert,
-    arrival positions) and tile count, for expert row counts that are multiples of
-    ``block_m`` (the routing pads each expert so)."""
+    arrival positions, and the expert of row tile ``q``: the same here, in row order) and
+    tile count, for expert row counts that are multiples of ``block_m`` (the routing pads
+    each expert so)."""
     rows, start = [], 0
     for e, c in enumerate(counts):
-        rows += [[r, e, 0, 0] for r in range(start, start + c, block_m)]
+        rows += [[r, e, 0, 0, e] for r in range(start, start + c, block_m)]
         start += c
     tiles = torch.tensor(rows, dtype=torch.int32, device=device)
     return tiles, torch.tensor([len(rows)], dtype=torch.int32, device=device)

@@ -13,9 +13,15 @@ in two phases:
 * build, from every chunk's histogram (each program sums them itself): each expert's
   rows padded to ``BLOCK_M`` (``offsets``: padded start of each expert, the total at
   ``E``); the number of row tiles; the *tile table*, which the programs share: row tile
-  ``q`` in the order the GEMM runs them -> (first row, expert, first and last arrival
-  position its rows read), ordered by the last arrival position they need, then by
-  expert, so the first tiles need only the shards that arrive first; and the chunk's
+  ``q`` in the order the gather GEMM runs them -> (first row, expert, first and last
+  arrival position its rows read), ordered by the last arrival position they need, then
+  by expert, so the first tiles need only the shards that arrive first; beside it, the
+  expert of each row tile in row order (``TILE_ROW_EXPERT``), the order reduce mode runs,
+  whose tiles wait for nothing: there an expert's tiles follow one another and its
+  weights are read from HBM once (in arrival order, at E 32 with balanced routing every
+  position's tiles span all experts, whose weights outgrow L2: the reduce GEMM and its
+  finish took 1.10-1.25 x longer, benchmarks/results/history/
+  2026-11-29-h200-w1-moe-tile-order.txt); and the chunk's
   rows, by a stable counting sort: each entry's row is ``offsets[e] + (entries of e in
   earlier chunks) + (rank in its chunk)``, so rows are sorted by (expert, arrival
   position, token, slot). Writes ``sorted_entry[row]`` (the entry's global index ``(src *
@@ -28,8 +34,9 @@ another, launches each phase alone.
 
 Ids outside ``[0, E)`` are dropped (the op checks them on the host where it can).
 
-Grouped GEMM (``moe_gemm_kernel``): persistent; tile ``g`` is row tile ``g // tiles_n`` of
-the tile table and column tile ``g % tiles_n``; the real tile count is read on the device,
+Grouped GEMM (``moe_gemm_kernel``): persistent; tile ``g`` is row tile ``g // tiles_n`` (of
+the tile table in gather mode, in row order in reduce mode) and column tile ``g %
+tiles_n``; the real tile count is read on the device,
 so the grid and the tables have a worst-case size known on the host. Two modes:
 
 * gather (the first half): A's rows are gathered through each row's token (this rank's
@@ -79,12 +86,15 @@ from ..language.trace import (
     trace_event,
 )  # fmt: skip
 
-#: tile table columns: first row, expert, first and last arrival position read
+#: tile table columns: first row, expert, first and last arrival position read (entry
+#: ``q``: the ``q``-th row tile in arrival order); and ``TILE_ROW_EXPERT``: the expert of
+#: row tile ``q`` in *row* order (rows ``q * BLOCK_M ..``), which reduce mode runs
 TILE_ROW0 = tl.constexpr(0)
 TILE_EXPERT = tl.constexpr(1)
 TILE_FIRST = tl.constexpr(2)
 TILE_LAST = tl.constexpr(3)
-TILE_COLS = tl.constexpr(4)
+TILE_ROW_EXPERT = tl.constexpr(4)
+TILE_COLS = tl.constexpr(5)
 
 
 @triton.jit
@@ -228,6 +238,7 @@ def _route_build(
         tl.store(t_dst + TILE_EXPERT, t_e, mask=t_ok)
         tl.store(t_dst + TILE_FIRST, t_first, mask=t_ok)
         tl.store(t_dst + TILE_LAST, t_last, mask=t_ok)
+        tl.store(tiles + tj * TILE_COLS + TILE_ROW_EXPERT, t_e, mask=t_ok)
     # this chunk's rows: a stable counting sort; the s-th entry in (expert, index) order
     # goes to row base[e] + s
     base = start + before - (tl.cumsum(hist, axis=0) - hist)
@@ -356,8 +367,12 @@ def moe_gemm_kernel(
         q = g // tiles_n
         col = (g % tiles_n) * BLOCK_N
         info = tiles + q * TILE_COLS
-        row0 = tl.load(info + TILE_ROW0)
-        e = tl.load(info + TILE_EXPERT)
+        if REDUCE:  # row order: each expert's tiles one after another
+            row0 = q * BLOCK_M
+            e = tl.load(info + TILE_ROW_EXPERT)
+        else:  # arrival order
+            row0 = tl.load(info + TILE_ROW0)
+            e = tl.load(info + TILE_EXPERT)
         rows = row0 + r
         ent = tl.load(sorted_entry + rows)
         live = ent >= 0

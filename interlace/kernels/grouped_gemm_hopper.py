@@ -2,8 +2,9 @@
 ``grouped_gemm.moe_gemm_kernel`` in reduce mode (same tile table, rows, map and completion
 counter) with its warps specialised.
 
-One program per SM, persistent over the tiles (tile ``g``: row tile ``g // tiles_n`` of the
-tile table, column tile ``g % tiles_n``), in three partitions:
+One program per SM, persistent over the tiles (tile ``g``: row tile ``g // tiles_n`` in row
+order, as the Triton kernel's reduce mode runs them, its expert from the tile table's
+``TILE_ROW_EXPERT`` column; column tile ``g % tiles_n``), in three partitions:
 
 * a one-warp **loader**: for each of the program's tiles, the K steps of A (the
   expert-sorted ``h``) and of the expert's weight block by TMA into a ring of ``STAGES``
@@ -38,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .grouped_gemm import TILE_COLS, TILE_EXPERT, TILE_ROW0, publish_rows
+from .grouped_gemm import TILE_COLS, TILE_ROW_EXPERT, publish_rows
 
 
 @gluon.jit
@@ -47,11 +48,12 @@ def _loader(a_desc, b_desc, a_smem, b_smem, full, empty, tiles, n_tiles, tiles_n
     STAGES: gl.constexpr = a_smem.shape[0]
     BK: gl.constexpr = a_smem.shape[2]
     BN: gl.constexpr = b_smem.shape[2]
+    BM: gl.constexpr = a_smem.shape[1]
     it = 0
     for g in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        info = tiles + (g // tiles_n) * TILE_COLS
-        row0 = gl.load(info + TILE_ROW0)
-        w_row = gl.load(info + TILE_EXPERT) * K
+        q = g // tiles_n  # row tiles in row order: each expert's weights read once
+        row0 = q * BM
+        w_row = gl.load(tiles + q * TILE_COLS + TILE_ROW_EXPERT) * K
         col = (g % tiles_n) * BN
         for kk in range(0, K, BK):
             s = it % STAGES
@@ -65,7 +67,7 @@ def _loader(a_desc, b_desc, a_smem, b_smem, full, empty, tiles, n_tiles, tiles_n
 
 @gluon.jit
 def _consumer(wg: gl.constexpr, rows_out, row_of, sorted_entry, sorted_w, a_smem, b_smem,
-              full, empty, turn, tiles, n_tiles, tiles_n, K, N):  # fmt: skip
+              full, empty, turn, n_tiles, tiles_n, K, N):  # fmt: skip
     """Warpgroup ``wg``: the program's tiles ``wg, wg + 2, ...``, each main loop in its
     turn; the epilogue multiplies each row by its routing weight, stores the tile into
     ``rows_out`` in ``h``'s row order and (first column tile) each entry's row into
@@ -87,8 +89,7 @@ def _consumer(wg: gl.constexpr, rows_out, row_of, sorted_entry, sorted_w, a_smem
     turns = 0
     for i in range(wg, n_mine, 2):
         g = pid + i * nprog
-        info = tiles + (g // tiles_n) * TILE_COLS
-        row0 = gl.load(info + TILE_ROW0)
+        row0 = (g // tiles_n) * BM
         col = (g % tiles_n) * BN
         mbarrier.wait(turn.index(wg), turns & 1)
         turns += 1
@@ -119,10 +120,10 @@ def _consumer(wg: gl.constexpr, rows_out, row_of, sorted_entry, sorted_w, a_smem
 
 @gluon.jit
 def _consumer_1(rows_out, row_of, sorted_entry, sorted_w, a_smem, b_smem, full, empty, turn,
-                tiles, n_tiles, tiles_n, K, N):  # fmt: skip
+                n_tiles, tiles_n, K, N):  # fmt: skip
     """Warpgroup 1 (a worker partition: its index cannot come as an argument)."""
     _consumer(1, rows_out, row_of, sorted_entry, sorted_w, a_smem, b_smem, full, empty, turn,
-              tiles, n_tiles, tiles_n, K, N)  # fmt: skip
+              n_tiles, tiles_n, K, N)  # fmt: skip
 
 
 @gluon.jit
@@ -157,9 +158,9 @@ def moe_reduce_gemm_hopper_kernel(
     gl.warp_specialize(
         [
             (_consumer, (0, rows_out, row_of, sorted_entry, sorted_w, a_smem, b_smem, full,
-                         empty, turn, tiles, n_tiles, tiles_n, K, N)),
+                         empty, turn, n_tiles, tiles_n, K, N)),
             (_consumer_1, (rows_out, row_of, sorted_entry, sorted_w, a_smem, b_smem, full,
-                           empty, turn, tiles, n_tiles, tiles_n, K, N)),
+                           empty, turn, n_tiles, tiles_n, K, N)),
             (_loader, (a_desc, b_desc, a_smem, b_smem, full, empty, tiles, n_tiles, tiles_n,
                        K)),
         ],

@@ -285,10 +285,13 @@ def _tile_slots(info, s: _Tile) -> None:
         s.cursor = max(s.cursor, s.t(s.we))
     if s.te[1]:
         q, e = s.te[2], s.te[3]
-        first, last = info["tiles"][q][2:4]
-        if info.get("mode") == "reduce":  # rows added into this rank's accumulator
+        if info.get("mode") == "reduce":  # row tile q in row order, its rows' owners
+            if "_row0" not in info:  # the table's entries by first row
+                info["_row0"] = {t[0]: t for t in info["tiles"]}
+            first, last = info["_row0"][q * info["block_m"]][2:4]
             who = dict(owners=_sources(rank, world, first, last))
-        else:  # rows gathered from these peers' token shards
+        else:  # the table's q-th entry (arrival order), its rows gathered from these peers
+            first, last = info["tiles"][q][2:4]
             who = dict(peers=_sources(rank, world, max(first, 1), last))
         s.work(f"tile {g}", tile=g, row_tile=q, expert=e, positions=[first, last], **who)
     if s.nt[1]:

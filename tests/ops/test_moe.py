@@ -175,18 +175,25 @@ def _moe_body(group, strategy, shape, calls):
 
 
 def _check_tiles(routing, world):
-    """The tile table: one entry per row tile, every row tile once, each tile's arrival
-    range covers its rows' source positions, and tiles come in order of the last position
-    they need."""
+    """The tile table: one entry per row tile, every row tile once with its expert, each
+    tile's arrival range covers its rows' source positions, and tiles come in order of
+    the last position they need; the row-order column names each row tile's expert."""
     n = int(routing.tile_count[0])
     bm = routing.block_m
-    assert n * bm == int(routing.offsets[-1])
+    offs = routing.offsets.cpu().tolist()
+    assert n * bm == offs[-1]
     tiles = routing.tiles[:n].cpu().tolist()
     assert sorted(t[0] for t in tiles) == [i * bm for i in range(n)]
     assert [t[3] for t in tiles] == sorted(t[3] for t in tiles)
+
+    def expert_of(row):
+        return max(e for e in range(routing.experts) if offs[e] <= row)
+
+    assert [t[4] for t in tiles] == [expert_of(q * bm) for q in range(n)]
     tok = routing.token_ids.cpu().tolist()
     rank = dist.get_rank()
-    for row0, _e, first, last in tiles:
+    for row0, e, first, last, _ in tiles:
+        assert e == expert_of(row0), (row0, e, offs)
         srcs = [tok[row0 + i] // routing.m_loc for i in range(bm) if tok[row0 + i] >= 0]
         pos = [(s - rank) % world for s in srcs]
         assert pos and first == min(pos) and last == max(pos), (row0, first, last, pos)

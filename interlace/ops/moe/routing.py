@@ -69,10 +69,17 @@ def padded_rows(tokens: int, topk: int, experts: int, block_m: int) -> int:
     return (cdiv(tokens * topk, block_m) + experts) * block_m
 
 
+#: entries per routing chunk at most: 512 built TileLink's shapes at TP 4 in 12.9-18.7 us
+#: on one H200, 1024 in 17.3-23.2, 256 in 12.0-19.7 (benchmarks/results/history/
+#: 2026-11-29-h200-w1-moe-tile-order.txt)
+MAX_CHUNK = 512
+
+
 def chunk_size(mk: int) -> int:
-    """Entries per routing chunk (a power of two): 1024, or fewer for small shards."""
+    """Entries per routing chunk (a power of two): :data:`MAX_CHUNK`, or fewer for small
+    shards."""
     c = 16
-    while c < min(mk, 1024):
+    while c < min(mk, MAX_CHUNK):
         c *= 2
     return c
 
