@@ -84,8 +84,12 @@ def _consumer(wg: gl.constexpr, rows_out, row_of, sorted_entry, sorted_w, a_smem
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_mine = gl.cdiv(n_tiles - pid, nprog)
+    VEC: gl.constexpr = 128 // rows_out.dtype.element_ty.primitive_bitwidth
+    out_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // BN, BN // VEC], [4, 1],
+                                                [1, 0])  # fmt: skip
     r = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
-    c = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+    r_o = gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+    c_o = gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
     turns = 0
     for i in range(wg, n_mine, 2):
         g = pid + i * nprog
@@ -112,8 +116,12 @@ def _consumer(wg: gl.constexpr, rows_out, row_of, sorted_entry, sorted_w, a_smem
         live = ent >= 0
         wgt = gl.load(sorted_w + rows, mask=live, other=0.0)
         val = (acc * gl.expand_dims(wgt, 1)).to(rows_out.dtype.element_ty)
-        cols = col + c
-        dst = rows_out + gl.expand_dims(rows.to(gl.int64) * N, 1) + gl.expand_dims(cols, 0)
+        # stored from a row-major layout, 16 bytes per thread and access (the accumulator's
+        # layout gives each thread pairs of columns: 4- or 8-byte stores)
+        val = gl.convert_layout(val, out_layout)
+        rows_o = row0 + r_o
+        cols = col + c_o
+        dst = rows_out + gl.expand_dims(rows_o.to(gl.int64) * N, 1) + gl.expand_dims(cols, 0)
         gl.store(dst, val, mask=gl.expand_dims(cols < N, 0))
         gl.store(row_of + ent, rows, mask=live & (col == 0))
 

@@ -10,6 +10,8 @@ the per-rank path of ``bench moe``).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -19,8 +21,9 @@ from interlace.testing.codegen import compile_for_hopper, cuda_compile_unavailab
 SMEM_PER_BLOCK = 232448  # an H100 / H200 SM, per block
 
 
-@pytest.fixture(scope="module")
-def compiled():
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def compiled(request):
+    """The kernel for float32 rows (the op's) and bf16 rows."""
     reason = cuda_compile_unavailable()
     if reason:
         pytest.skip(reason)
@@ -33,15 +36,21 @@ def compiled():
     lb = gl.NVMMASharedLayout.get_default_for([bk, bn], gl.bfloat16)
     sig = dict(
         a_desc=f"tensordesc<bf16[128, {bk}],{la!r}>", b_desc=f"tensordesc<bf16[{bk}, {bn}],{lb!r}>",
-        rows_out="*fp32", row_of="*i32", tiles="*i32", tile_count="*i32", sorted_entry="*i32",
-        sorted_w="*fp32", K="i32", N="i32", sig="*i32", sig_table="*i64", rank="i32",
-        done_slot="i32", contrib_slot="i32",
+        rows_out=f"*{request.param}", row_of="*i32", tiles="*i32", tile_count="*i32",
+        sorted_entry="*i32", sorted_w="*fp32", K="i32", N="i32", sig="*i32", sig_table="*i64",
+        rank="i32", done_slot="i32", contrib_slot="i32",
     )  # fmt: skip
     const = dict(
-        WORLD=4, STAGES=_gemm.HOPPER_STAGES, CONSUMER_REGS=_gemm.HOPPER_REGS[0],
+        WORLD=4, STAGES=_gemm.HOPPER_STAGES[4 if request.param == "fp32" else 2],
+        CONSUMER_REGS=_gemm.HOPPER_REGS[0],
         LOADER_REGS=_gemm.HOPPER_REGS[1],
     )  # fmt: skip
-    return compile_for_hopper(KH.moe_reduce_gemm_hopper_kernel, sig, const, num_warps=4)
+    # (aligned as a launch on 16-byte aligned rows with N a multiple of 16 specialises it)
+    aligned = ("rows_out", "row_of", "sorted_entry", "sorted_w", "K", "N")
+    out = compile_for_hopper(
+        KH.moe_reduce_gemm_hopper_kernel, sig, const, aligned=aligned, num_warps=4
+    )
+    return dict(out, name=request.param)
 
 
 def test_compiles_warp_specialised(compiled):
@@ -50,6 +59,12 @@ def test_compiles_warp_specialised(compiled):
     assert "setmaxnreg" in ptx
     assert ptx.count("wgmma.mma_async") >= 2
     assert "local" not in "".join(line for line in ptx.splitlines() if "st." in line)
+    # the rows leave in 16-byte stores (128 x 128 per tile over 128 threads), the rest
+    # (the entry -> row map, publish_rows) in words
+    stores = re.findall(r"st\.global[.\w]*", ptx)
+    width = 4 if compiled["name"] == "fp32" else 2
+    assert stores.count("st.global.v4.b32") * 16 * 128 >= 128 * 128 * width, stores
+    assert set(stores) <= {"st.global.v4.b32", "st.global.b32"}, set(stores)
     # publish_rows: the finished-program count (one thread), then the last program's
     # releases of the W owners' counters
     assert ptx.count("atom.global.sys.acq_rel.add") == 1

@@ -102,14 +102,15 @@ def programs(
 
 
 #: reduce mode on Hopper: ``kernels.grouped_gemm_hopper`` where ``hopper_reduce`` holds
-#: (off: the Triton kernel everywhere, for A/B runs). Its key and K blocks, ring stages and
-#: the partitions' registers: 6 stages of 128 x 64 + 64 x 128 won on TileLink's six reduce
-#: shapes at TP 4 on one H200 against 4 and 5 (benchmarks/results/history/
-#: 2026-11-29-h200-w1-gluon-grouped-gemm.txt).
+#: (off: the Triton kernel everywhere, for A/B runs). Its key and K blocks, ring stages per
+#: byte width of the rows and the partitions' registers: 6 stages of 128 x 64 + 64 x 128
+#: won on TileLink's six reduce shapes at TP 4 on one H200 against 4 and 5
+#: (benchmarks/results/history/2026-11-29-h200-w1-gluon-grouped-gemm.txt); float32 rows
+#: take 5, their epilogue's layout change staging 64 KiB per consumer warpgroup.
 HOPPER_REDUCE = True
 HOPPER_BLOCK_N = 128
 HOPPER_BLOCK_K = 64
-HOPPER_STAGES = 6
+HOPPER_STAGES = {4: 5, 2: 6}
 HOPPER_REGS = (232, 40)
 
 
@@ -141,7 +142,8 @@ def _launch_reduce_hopper(a, w, routing: MoeRouting, n: int, rows_out, row_of, s
         host_descriptor(a.view(-1, k), [128, bk]), host_descriptor(w.view(e * k, n_w), [bk, bn]),
         rows_out, row_of, routing.tiles, routing.tile_count, routing.entry_ids,
         routing.weights, k, n, sig, sig_table, rank, done_slot, contrib_slot,
-        WORLD=world, STAGES=HOPPER_STAGES, CONSUMER_REGS=HOPPER_REGS[0],
+        WORLD=world, STAGES=HOPPER_STAGES[rows_out.element_size()],
+        CONSUMER_REGS=HOPPER_REGS[0],
         LOADER_REGS=HOPPER_REGS[1], num_warps=4,
     )  # fmt: skip
 
