@@ -13,12 +13,12 @@ torch's launchers, is in none of them.
   grouped_mm``, ``t_ref_ms``): ``torch._grouped_mm`` ``[M * k, H] x [E, H, 2 I / W]``
   alone on rows already permuted; and what a user runs instead (``t_torch_path_ms``, path
   in ``torch_path``): ``index_select`` of the rows + that ``torch._grouped_mm`` + SwiGLU.
-* ``moe_rs``: the grouped GEMM whose epilogue stores the weighted rows in expert-sorted
-  order into the local row buffer + the owner's finish, which sums the ``k``
-  rows of each of its tokens in the ``W`` ranks' row buffers (here: this rank's and ``W -
-  1`` zero stand-ins, read the same way) and converts them (``t_ms``); the GEMM alone
-  (``t_kernel_ms``); the same as ``t_ms`` with the rows stored in bf16, rounded before the
-  sum (``t_bf16_rows_ms``, ``bf16_rows_rel_err``). Reference:
+* ``moe_rs``: the grouped GEMM whose epilogue stores the weighted rows (bf16: ``MoERS``'s
+  default ``rows_dtype``) in expert-sorted order into the local row buffer + the owner's
+  finish, which sums the ``k`` rows of each of its tokens in the ``W`` ranks' row buffers
+  (here: this rank's and ``W - 1`` zero stand-ins, read the same way) and converts them
+  (``t_ms``); the GEMM alone (``t_kernel_ms``); the same as ``t_ms`` with float32 rows
+  (``rows_dtype=torch.float32``: ``t_f32_rows_ms``, ``f32_rows_rel_err``). Reference:
   ``torch._grouped_mm`` ``[M * k, I / W] x [E, I / W, H]`` alone (``t_ref_ms``), and the
   user's path, that + the routing-weight multiply + ``index_add_`` in float32
   (``t_torch_path_ms``). ``rel_err``: against a float32 matmul per expert;
@@ -231,7 +231,7 @@ class _Problem:
         times = [graph_ms(f, iters) for f in (both, gemm, plain)]
         return (*times, err)
 
-    def reduce(self, cfg, iters, row_dtype=torch.float32):
+    def reduce(self, cfg, iters, row_dtype=torch.bfloat16):
         """(t_ms: the reduce GEMM + the owner's finish, t_kernel: the GEMM alone, rel err
         of rank 0's rows, weights err), the rows stored in ``row_dtype``."""
         rt, _ = self.routing(cfg)
@@ -278,7 +278,7 @@ class _Problem:
         t = graph_ms(rs, iters)
         # the GEMM alone (its rows never read), its flags cleared
         t_kernel = graph_ms(gemm, iters)
-        if row_dtype == torch.float32:  # the Triton kernel beside it (on Hopper)
+        if row_dtype == torch.bfloat16:  # the Triton kernel beside it (on Hopper)
             self.reduce_kernel[cfg] = gemm()  # the kernel the op launches
             hopper, _gemm.HOPPER_REDUCE = _gemm.HOPPER_REDUCE, False
             try:
@@ -305,7 +305,7 @@ def one_gpu(shapes, worlds, routings, sweep, iters, save=None):
         pb = _Problem(hidden, inter, experts, k, world, kind, gen, dev, iters)
         g = _fastest([(*pb.gather(c, iters), c) for c in cands["gather"]], "gather", 3)
         r = _fastest([(*pb.reduce(c, iters), c) for c in cands["reduce"]], "reduce", 2)
-        t2_bf16, _, err2_bf16, _ = pb.reduce(r[-1], iters, torch.bfloat16)
+        t2_f32, _, err2_f32, _ = pb.reduce(r[-1], iters, torch.float32)
         if int(pb.err[0]):
             raise RuntimeError(f"a wait timed out in the bench: {pb.err.tolist()}")
         common = dict(
@@ -327,15 +327,15 @@ def one_gpu(shapes, worlds, routings, sweep, iters, save=None):
             t_kernel_ms=round(t2_kernel, 5), t_ref_ms=round(pb.t_gmm2, 5),
             t_torch_path_ms=round(pb.t_ref2, 5), torch_path="grouped_mm+weights+index_add_fp32",
             tflops=round(flops / 2 / t2 / 1e9, 1), config=_cfg_name(cfg2), rel_err=round(err2, 5),
-            ref_rel_err=round(pb.torch_err, 5), t_bf16_rows_ms=round(t2_bf16, 5),
-            bf16_rows_rel_err=round(err2_bf16, 5),
+            ref_rel_err=round(pb.torch_err, 5), rows_dtype="bfloat16",
+            t_f32_rows_ms=round(t2_f32, 5), f32_rows_rel_err=round(err2_f32, 5),
             t_triton_kernel_ms=round(pb.t_triton_kernel[cfg2], 5),
             gemm_kernel=pb.reduce_kernel[cfg2],
         ))  # fmt: skip
         print(f"H{hidden} I{inter} E{experts} k{k} W{world} {kind}: ag {t_all:.3f} "
               f"(gemm {t_gemm:.3f}, plain {t_plain:.3f}) ref {pb.t_ref1:.3f} "
               f"gmm {pb.t_gmm1:.3f} err {err1:.1e} {_cfg_name(cfg1)} | rs {t2:.3f} "
-              f"(gemm {t2_kernel:.3f}, bf16 rows {t2_bf16:.3f} err {err2_bf16:.1e}) "
+              f"(gemm {t2_kernel:.3f}, f32 rows {t2_f32:.3f} err {err2_f32:.1e}) "
               f"ref {pb.t_ref2:.3f} gmm {pb.t_gmm2:.3f} err {err2:.1e} "
               f"w_err {werr:.1e} torch_err {pb.torch_err:.1e} {_cfg_name(cfg2)}",
               flush=True)  # fmt: skip

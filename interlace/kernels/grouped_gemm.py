@@ -70,6 +70,7 @@ from ..language.primitives import (
     guard,
     last_program_clears,
     notify,
+    rounded,
     signal_base,
     wait,
     wait_inline,
@@ -419,7 +420,7 @@ def moe_gemm_kernel(
             # the weighted rows in h's order (a padding row: weight 0), and (first column
             # tile) each entry's row in the map the owners' finish reads
             wgt = tl.load(sorted_w + rows, mask=live, other=0.0)
-            val = (acc * wgt[:, None]).to(rows_out.dtype.element_ty)
+            val = rounded(acc * wgt[:, None], rows_out.dtype.element_ty)
             if USE_TMA:
                 rows_desc.store([row0, col], val)
             else:
@@ -430,7 +431,7 @@ def moe_gemm_kernel(
             if SWIGLU:
                 acc = acc / (1.0 + tl.exp(-acc)) * acc_up
             ptrs = out + rows[:, None].to(tl.int64) * N + cols[None, :]
-            tl.store(ptrs, acc.to(out.dtype.element_ty), mask=(cols < N)[None, :])
+            tl.store(ptrs, rounded(acc, out.dtype.element_ty), mask=(cols < N)[None, :])
     if REDUCE:
         if USE_TMA:
             bulk_stores_done()
@@ -506,7 +507,7 @@ def moe_finish_kernel(
                     tl.float32
                 )
         out = y + rows.to(tl.int64)[:, None] * N + cols[None, :]
-        tl.store(out, total.to(y.dtype.element_ty), mask=inside)
+        tl.store(out, rounded(total, y.dtype.element_ty), mask=inside)
         trace_event(TRACE, tbuf, EV_TILE_END, g, g // tiles_n, g % tiles_n)
     last_program_clears(sig, done_slot, contrib_slot, 2)
     trace_event(TRACE, tbuf, EV_END, 0, 0, 0)

@@ -122,6 +122,19 @@ def bulk_stores_done():
         )  # fmt: skip
 
 
+@triton.jit
+def rounded(x, dtype: tl.constexpr):
+    """``x`` (float32) in ``dtype``, rounded to nearest even as a GPU's conversion rounds.
+    Triton's interpreter (3.6) truncates float32 -> bfloat16, which doubles a rounding's
+    error; under it the value is rounded on its bits first, so that the CPU emulation's
+    errors are a GPU's."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # (a NaN stays one)
+    return x.to(dtype)
+
+
 #: ``slot`` values at or above this name a slot on another rank's pad: ``slot +
 #: (peer + 1) * REMOTE_SLOT``; the host decodes it in timeout reports.
 REMOTE_SLOT = tl.constexpr(1 << 16)

@@ -19,6 +19,7 @@ from interlace.language.primitives import (
     notify_kernel,
     put_flag,
     remote_base,
+    rounded,
     tile_pull,
     tile_push,
     to_peer,
@@ -691,3 +692,26 @@ def test_wait_inline_sees_a_late_signal():
         sig[2:3].copy_(raised, non_blocking=True)
     torch.cuda.synchronize(dev)
     assert int(out[0]) == 3 and not any(err.tolist()), (out.tolist(), err.tolist())
+
+
+@triton.jit
+def _rounded_kernel(x, y, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(y + i, rounded(tl.load(x + i), tl.bfloat16))
+
+
+def _rounded_body(group):
+    """``rounded`` converts float32 to bfloat16 as torch does (round to nearest even; the
+    interpreter's own conversion truncates), NaN and infinities kept."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1024, generator=gen) * 3
+    x[:5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, 1.0 + 2.0**-8])
+    y = torch.empty(1024, dtype=torch.bfloat16, device=group.device)
+    _rounded_kernel[(1,)](x.to(group.device), y, N=1024)
+    got, want = y.cpu(), x.to(torch.bfloat16)
+    assert torch.isnan(got[0]) and torch.equal(got[1:], want[1:]), (got - want).abs().max()
+    return True
+
+
+def test_rounded_to_nearest_even(world):
+    assert all(world.run(_rounded_body))

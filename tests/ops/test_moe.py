@@ -113,11 +113,11 @@ def _weights(world, hidden, inter, experts, dtype, device, rank, swiglu=True):
 
 
 @contextlib.contextmanager
-def _pair(group, strategy="auto", activation="swiglu", **sizes):
+def _pair(group, strategy="auto", activation="swiglu", rows_dtype=None, **sizes):
     """``(AGMoE, MoERS)`` on ``group`` with the sizes ``sizes`` (``max_tokens``, ``hidden``,
     ...), both closed on leaving."""
     with AGMoE(group, strategy=strategy, activation=activation, **sizes) as ag:
-        with MoERS(group, strategy=strategy, **sizes) as rs:
+        with MoERS(group, strategy=strategy, rows_dtype=rows_dtype, **sizes) as rs:
             yield ag, rs
 
 
@@ -158,12 +158,13 @@ def _case(group, ag, rs, m, hidden, inter, experts, k, kind, seed, swiglu=True, 
 
 
 # ------------------------------------------------------------------------- CPU shapes
-def _moe_body(group, strategy, shape, calls):
+def _moe_body(group, strategy, shape, calls, rows_dtype=None):
     """One pair of contexts, several calls on it (varying tokens per rank and routing)."""
     hidden, inter, experts, topk, max_m = shape
     w = group.world_size
     kw = dict(max_tokens=w * max_m, hidden=hidden, inter=inter, experts=experts, topk=topk)
-    with _pair(group, strategy, **kw) as (ag, rs):
+    with _pair(group, strategy, rows_dtype=rows_dtype, **kw) as (ag, rs):
+        assert rs.rows_dtype == (rows_dtype or torch.bfloat16)
         for i, (kind, m) in enumerate(calls):
             routing = _case(group, ag, rs, m, hidden, inter, experts, topk, kind, seed=i)
             if strategy == "fused":
@@ -205,6 +206,12 @@ def test_moe_matches_reference(world, strategy):
     # (hidden, inter, experts, topk, max tokens per rank); (routing, tokens per rank)
     calls = [("random", 7), ("balanced", 9), ("skewed", 5)]
     world.run(_moe_body, strategy, (32, 16, 6, 2, 9), calls)
+
+
+def test_moe_float32_rows(world):
+    """``MoERS(rows_dtype=torch.float32)``: the weighted rows unrounded until the sum."""
+    calls = [("skewed", 5), ("random", 9)]
+    world.run(_moe_body, "fused", (32, 16, 6, 2, 9), calls, torch.float32)
 
 
 def _mixed_body(group):
@@ -300,6 +307,8 @@ def _bad_body(group):
         assert torch.isfinite(y.float()).all()
         expect_error(InterlaceValueError, "strategy", AGMoE, group, strategy="fast", **kw)
         expect_error(InterlaceValueError, "topk", AGMoE, group, **{**kw, "topk": 5})
+        expect_error(InterlaceTypeError, "rows_dtype", MoERS, group, rows_dtype=torch.float16,
+                     **kw)  # fmt: skip
         # ``none`` inside a CUDA-graph capture on a group whose collectives a graph cannot
         # hold (gloo): a clear error before anything runs, and the contexts stay usable
         # (an NCCL group, one GPU per rank, captures them: nothing to refuse there)

@@ -14,21 +14,21 @@ ranks of ``weight * h_row @ w_down[expert]``, accumulated in float32.
 Strategies:
 
 * ``fused``: one persistent grouped GEMM whose epilogue multiplies each row by its routing
-  weight and stores the tile (float32) in ``h``'s expert-sorted row order into this
-  rank's local row buffer (whole tiles through a TMA descriptor, asynchronous, as a plain
-  GEMM stores; no atomics), and records each (token, slot) entry's row in this rank's
-  entry -> row map; when all its tiles are done a rank raises every owner's counter, and
-  each owner, once all ranks have counted, sums the ``k`` rows of each of its tokens in
-  every rank's row buffer, found through that rank's map (peer reads: the top-k sum and
-  the reduce-scatter in one pass), and converts them to the output type
-  (``moe_finish_kernel``). The row buffers take ``3 * rows * hidden`` float32 per rank,
-  ``rows`` the padded routing's worst case (``max_tokens * topk`` plus up to ``block_m -
-  1`` per expert; two eager buffer sets and one for CUDA graphs: 0.94 GiB at 8192 tokens,
-  top-2, 32 experts, hidden 4096). Every call rewrites every entry's row and map word,
-  so nothing is cleared between calls; an entry whose expert id is out of range (the host
-  checks refuse those, except in a call being captured) has no row, and the finish would
-  read that entry's row of an earlier call. Needs the padded routing of ``AGMoE``'s
-  ``fused`` strategy.
+  weight and stores the tile (in ``rows_dtype``, below) in ``h``'s expert-sorted row
+  order into this rank's local row buffer (whole tiles, as a plain GEMM stores; no
+  atomics), and records each (token, slot) entry's row in this rank's entry -> row map;
+  when all its tiles are done a rank raises every owner's counter, and each owner, once
+  all ranks have counted, sums the ``k`` rows of each of its tokens in every rank's row
+  buffer, found through that rank's map (peer reads: the top-k sum and the reduce-scatter
+  in one pass), and converts them to the output type (``moe_finish_kernel``). The row
+  buffers take ``3 * rows * hidden`` elements of ``rows_dtype`` per rank, ``rows`` the
+  padded routing's worst case (``max_tokens * topk`` plus up to ``block_m - 1`` per
+  expert; two eager buffer sets and one for CUDA graphs: 0.47 GiB in bf16 at 8192
+  tokens, top-2, 32 experts, hidden 4096). Every call rewrites every entry's row and map
+  word, so nothing is cleared between calls; an entry whose expert id is out of range
+  (the host checks refuse those, except in a call being captured) has no row, and the
+  finish would read that entry's row of an earlier call. Needs the padded routing of
+  ``AGMoE``'s ``fused`` strategy.
 * ``none``: ``torch._grouped_mm``, weights, ``index_add`` (float32), NCCL reduce-scatter.
 * ``auto``: ``fused`` for a padded routing (:data:`AUTO_FUSED_ON_GPU` on GPUs), ``none``
   for the ``none`` strategy's routing.
@@ -40,20 +40,22 @@ Inside ``interlace.trace.record`` the ``fused`` strategy's two launches are trac
 (``TRACE`` on): the grouped GEMM (per tile, and the raise of the owners' counters) and the
 finish kernel (per program its wait for the contributions, per tile its end).
 
-The rows stay float32 from the GEMM's accumulator to the owner's sum, which is rounded
-once: each rank's rows are partial sums over its slice of ``inter`` that cancel across
-ranks, and rounding them first (as torch's path, whose ``torch._grouped_mm`` output is
-bf16, does) costs accuracy where they cancel: with bf16 rows the skewed case of
-``tests/ops/test_moe.py`` at W = 4 (CPU emulation) reached the bf16 bound of 1e-2 against
-float32. ``bench moe`` reports the relative error against float32 and times the bf16-row
-variant too (``t_bf16_rows_ms``).
+``rows_dtype``: the type of the weighted rows between the GEMM and the owner's float32
+sum. The default is the op's type, as in torch's path (``torch._grouped_mm``'s output is
+in the op's type): one rounding per row before the sum, and half the bytes of float32 to
+write, read and, on several GPUs, carry over the links. ``torch.float32`` keeps each row
+unrounded until the sum, which is then rounded once. On one H200 at TileLink's shapes
+(TP 4, rank 0 with its waits met): relative error against float32 2.4e-3 with bf16 rows,
+1.7e-3 with float32 rows, and the GEMM + finish 1.22-1.33 x faster with bf16 rows
+(``bench moe``'s records, which hold both: ``t_ms`` and ``t_f32_rows_ms`` in
+benchmarks/results/2026-11-29-h200-w1.json).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...errors import InterlaceValueError
+from ...errors import InterlaceTypeError, InterlaceValueError
 from ...runtime import symm_zeros
 from .._context import BUFFER_SETS, GRAPH_SET
 from . import _checks
@@ -81,8 +83,15 @@ class MoERS(_MoeContext):
         self, group, max_tokens: int, hidden: int, inter: int, experts: int, topk: int,
         dtype: torch.dtype = torch.bfloat16, strategy: str = "auto",
         config: MoeGemmConfig | None = None, validate: bool = True, max_spins=None,
-        eager_graphs: bool | None = None,
+        eager_graphs: bool | None = None, rows_dtype: torch.dtype | None = None,
     ):  # fmt: skip
+        rows_dtype = dtype if rows_dtype is None else rows_dtype
+        if rows_dtype not in (dtype, torch.float32):
+            raise InterlaceTypeError(
+                f"{self.op_name}: rows_dtype must be the op's type {dtype} or float32, got "
+                f"{rows_dtype}"
+            )
+        self.rows_dtype = rows_dtype
         super().__init__(
             group, max_tokens, hidden, inter, experts, topk, dtype, strategy, config,
             validate, max_spins, {"moe": BUFFER_SETS * self._set_size}, eager_graphs,
@@ -94,7 +103,7 @@ class MoERS(_MoeContext):
             bm = self.config.block_m
             self.row_cap = padded_rows(self.max_tokens, self.topk, self.experts, bm)
             shape = (BUFFER_SETS, self.row_cap, self.hidden)
-            self.row_buf = self._track(symm_zeros(shape, torch.float32, group))
+            self.row_buf = self._track(symm_zeros(shape, self.rows_dtype, group))
             entries = (BUFFER_SETS, self.max_tokens * self.topk)
             self.row_map = self._track(symm_zeros(entries, torch.int32, group))
 
@@ -192,7 +201,7 @@ class MoERS(_MoeContext):
                 self.row_buf.ptrs, s * self.row_cap * self.hidden, self.row_map.ptrs,
                 s * self.max_tokens * self.topk, y, m, self.topk, sig, base + 1, base + 2, err,
                 self.rank, self.max_spins, self.world_size, dev, self.group.backend,
-                aligned=True,
+                rows_f32=self.rows_dtype == torch.float32, aligned=True,
             )  # fmt: skip
 
         # the routing's tensors: views of one allocation (the operand), of which the
