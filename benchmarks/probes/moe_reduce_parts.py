@@ -21,45 +21,16 @@ import torch
 def _parts(pb, rt, hp, cfg, row_dtype, distinct, iters):
     """(GEMM ms, finish ms, rel err of rank 0's rows) with rows in ``row_dtype``."""
     from interlace.bench.moe import graph_ms
-    from interlace.ops.moe import _gemm
 
-    m, hidden, dev, world, k = pb.m, pb.hidden, pb.dev, pb.world, pb.k
-    rows = torch.zeros(rt.rows, hidden, dtype=row_dtype, device=dev)
-    n_peer = world - 1 if distinct else 1
-    peers = [torch.zeros(rt.rows, hidden, dtype=row_dtype, device=dev) for _ in range(n_peer)]
-    ptrs = [rows.data_ptr()] + [peers[i % n_peer].data_ptr() for i in range(world - 1)]
-    table = torch.tensor(ptrs, device=dev)
-    row_of = torch.zeros(rt.m_loc * world * k, dtype=torch.int32, device=dev)
-    maps = torch.tensor([row_of.data_ptr()] * world, device=dev)
-    sig = torch.zeros(8, dtype=torch.int32, device=dev)
-    sig_table = torch.tensor([sig.data_ptr()] * world, device=dev)
-    y = torch.empty(m, hidden, dtype=torch.bfloat16, device=dev)
-    grid = _gemm.programs(rt, hidden, cfg, dev, "cuda", reduce=True)
-    err_ptr = pb.err.data_ptr()
-
-    def gemm():
-        _gemm.launch_gemm(
-            a=hp, x_own=None, w=pb.w2, out=None, routing=rt, n=hidden, up=0, cfg=cfg,
-            grid=grid, gather=False, swiglu=False, reduce=True, rows_out=rows, row_of=row_of,
-            sig=sig, sig_table=sig_table, err=err_ptr, rank=0, max_spins=1 << 20,
-            done_slot=0, contrib_slot=1, world=world,
-        )  # fmt: skip
-
-    def finish():
-        sig[1:2].fill_(world)  # every contribution counted (the finish clears it)
-        _gemm.launch_finish(
-            table, 0, maps, 0, y, m, k, sig, 1, 2, err_ptr, 0, 1 << 20, world, dev, "cuda",
-            rows_f32=row_dtype == torch.float32, aligned=True,
-        )  # fmt: skip
-
-    y.fill_(float("nan"))
-    gemm()
-    finish()
+    run = pb.reduce_launches(rt, hp, cfg, row_dtype, distinct_peers=distinct)
+    run.y.fill_(float("nan"))
+    run.gemm()
+    run.finish()
     torch.cuda.synchronize()
-    err = float((y.float() - pb.y_ref).norm() / pb.y_ref.norm())
-    t_gemm = graph_ms(gemm, iters)
-    t_finish = graph_ms(finish, iters)
-    sig.zero_()
+    err = float((run.y.float() - pb.y_ref).norm() / pb.y_ref.norm())
+    t_gemm = graph_ms(run.gemm, iters)
+    t_finish = graph_ms(lambda: run.finish(counted=True), iters)
+    run.sig.zero_()
     return t_gemm, t_finish, err
 
 

@@ -16,8 +16,9 @@ torch's launchers, is in none of them.
 * ``moe_rs``: the grouped GEMM whose epilogue stores the weighted rows (bf16: ``MoERS``'s
   default ``rows_dtype``) in expert-sorted order into the local row buffer + the owner's
   finish, which sums the ``k`` rows of each of its tokens in the ``W`` ranks' row buffers
-  (here: this rank's and ``W - 1`` zero stand-ins, read the same way) and converts them
-  (``t_ms``); the GEMM alone (``t_kernel_ms``); the same as ``t_ms`` with float32 rows
+  (here: this rank's and ``W - 1`` zero stand-ins, each its own buffer in this GPU's
+  memory, read the same way: ``finish_peers``) and converts them (``t_ms``); the GEMM
+  alone (``t_kernel_ms``); the same as ``t_ms`` with float32 rows
   (``rows_dtype=torch.float32``: ``t_f32_rows_ms``, ``f32_rows_rel_err``). Reference:
   ``torch._grouped_mm`` ``[M * k, I / W] x [E, I / W, H]`` alone (``t_ref_ms``), and the
   user's path, that + the routing-weight multiply + ``index_add_`` in float32
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -239,13 +241,22 @@ class _Problem:
         t, t_kernel, err = self._reduce_run(rt, hp, cfg, iters, row_dtype)
         return t, t_kernel, err, self.weights_err(rt)
 
-    def _reduce_run(self, rt, hp, cfg, iters, row_dtype):
+    def reduce_launches(self, rt, hp, cfg, row_dtype, distinct_peers=False):
+        """Rank 0's reduce GEMM and owner's finish on ``hp`` as closures (``gemm``,
+        ``finish``; ``y``: the finish's output), the rows in ``row_dtype``. The finish
+        reads this rank's rows and ``W - 1`` zero stand-ins through this rank's map: one
+        buffer shared by the stand-ins, or one each (``distinct_peers``: reads that miss
+        L2 as peers' would). ``finish(counted=True)`` first raises the contribution
+        counter itself (the finish alone, without the GEMM that raises it). Keep the
+        namespace while its closures run: it holds the row buffers."""
         from ..ops.moe import _gemm
 
         m, hidden, dev, world, k = self.m, self.hidden, self.dev, self.world, self.k
         rows = torch.zeros(rt.rows, hidden, dtype=row_dtype, device=dev)
-        peers = torch.zeros(rt.rows, hidden, dtype=row_dtype, device=dev)  # stand-ins
-        table = torch.tensor([rows.data_ptr()] + [peers.data_ptr()] * (world - 1), device=dev)
+        n_peer = world - 1 if distinct_peers else 1
+        peers = [torch.zeros(rt.rows, hidden, dtype=row_dtype, device=dev) for _ in range(n_peer)]
+        ptrs = [rows.data_ptr()] + [peers[i % n_peer].data_ptr() for i in range(world - 1)]
+        table = torch.tensor(ptrs, device=dev)
         # every rank's entry -> row map: this rank's (the stand-ins' rows are zeros)
         row_of = torch.zeros(TOKENS * k, dtype=torch.int32, device=dev)
         maps = torch.tensor([row_of.data_ptr()] * world, device=dev)
@@ -263,18 +274,31 @@ class _Problem:
                 max_spins=1 << 20, done_slot=0, contrib_slot=1, world=world,
             )  # fmt: skip
 
-        def rs():
-            gemm()
+        def finish(counted=False):
+            if counted:
+                sig[1:2].fill_(world)
             _gemm.launch_finish(
                 table, 0, maps, 0, y, m, k, sig, 1, 2, err_ptr, 0, 1 << 20, world, dev,
-                "cuda", rows_f32=row_dtype == torch.float32,
-                aligned=rows.data_ptr() % 16 == 0 and peers.data_ptr() % 16 == 0,
+                "cuda", rows_f32=row_dtype == torch.float32, aligned=True,
             )  # fmt: skip
 
-        y.fill_(float("nan"))
+        # (the finish's tables hold only the buffers' addresses: the namespace keeps them)
+        return SimpleNamespace(gemm=gemm, finish=finish, y=y, sig=sig, buffers=(rows, *peers))
+
+    def _reduce_run(self, rt, hp, cfg, iters, row_dtype):
+        from ..ops.moe import _gemm
+
+        run = self.reduce_launches(rt, hp, cfg, row_dtype, distinct_peers=True)
+        gemm = run.gemm
+
+        def rs():
+            gemm()
+            run.finish()
+
+        run.y.fill_(float("nan"))
         rs()
         torch.cuda.synchronize()
-        err = float((y.float() - self.y_ref).norm() / self.y_ref.norm())
+        err = float((run.y.float() - self.y_ref).norm() / self.y_ref.norm())
         t = graph_ms(rs, iters)
         # the GEMM alone (its rows never read), its flags cleared
         t_kernel = graph_ms(gemm, iters)
@@ -285,7 +309,7 @@ class _Problem:
                 self.t_triton_kernel[cfg] = graph_ms(gemm, iters)
             finally:
                 _gemm.HOPPER_REDUCE = hopper
-        sig.zero_()
+        run.sig.zero_()
         return t, t_kernel, err
 
 
@@ -327,7 +351,7 @@ def one_gpu(shapes, worlds, routings, sweep, iters, save=None):
             t_kernel_ms=round(t2_kernel, 5), t_ref_ms=round(pb.t_gmm2, 5),
             t_torch_path_ms=round(pb.t_ref2, 5), torch_path="grouped_mm+weights+index_add_fp32",
             tflops=round(flops / 2 / t2 / 1e9, 1), config=_cfg_name(cfg2), rel_err=round(err2, 5),
-            ref_rel_err=round(pb.torch_err, 5), rows_dtype="bfloat16",
+            ref_rel_err=round(pb.torch_err, 5), rows_dtype="bfloat16", finish_peers="distinct",
             t_f32_rows_ms=round(t2_f32, 5), f32_rows_rel_err=round(err2_f32, 5),
             t_triton_kernel_ms=round(pb.t_triton_kernel[cfg2], 5),
             gemm_kernel=pb.reduce_kernel[cfg2],

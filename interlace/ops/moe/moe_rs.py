@@ -46,7 +46,7 @@ in the op's type): one rounding per row before the sum, and half the bytes of fl
 write, read and, on several GPUs, carry over the links. ``torch.float32`` keeps each row
 unrounded until the sum, which is then rounded once. On one H200 at TileLink's shapes
 (TP 4, rank 0 with its waits met): relative error against float32 2.4e-3 with bf16 rows,
-1.7e-3 with float32 rows, and the GEMM + finish 1.22-1.33 x faster with bf16 rows
+1.7e-3 with float32 rows, and the GEMM + finish 1.24-1.43 x faster with bf16 rows
 (``bench moe``'s records, which hold both: ``t_ms`` and ``t_f32_rows_ms`` in
 benchmarks/results/2026-11-29-h200-w1.json).
 """
