@@ -12,9 +12,9 @@ order, as the Triton kernel's reduce mode runs them, its expert from the tile ta
 * two **consumer warpgroups** taking the program's tiles alternately (CUTLASS's
   "ping-pong"): a pair of mbarriers gives one warpgroup's main loop the tensor cores while
   the other runs its epilogue, so a tile's epilogue (the weighted rows' stores, the row
-  map) runs under the next tile's products. The epilogue stores straight from the
-  accumulator's registers (no shared-memory staging, which would cost the ring its
-  stages).
+  map) runs under the next tile's products. The epilogue converts the tile to a
+  row-major layout (through shared memory) and stores it in 16-byte stores; the
+  accumulator's own layout would store 4 or 8 bytes at a time.
 
 After the partitions join, the last program of the launch raises every owner's
 contribution counter (``grouped_gemm.publish_rows``), as the Triton kernel does. A's rows
@@ -22,10 +22,9 @@ beyond the expert's rows are padding rows (weight 0: stored as zeros). The GPU p
 ``ops.moe._gemm.launch_gemm`` in reduce mode where ``hopper_reduce`` holds (K and N
 multiples of the blocks).
 
-On one H200 the same schedule (without routing tables) ran TileLink's six reduce shapes at
-TP 4 at 1.14-1.53 x ``torch._grouped_mm`` (geomean 1.28), where the Triton kernel runs at
-0.69 x (``benchmarks/probes/gluon_grouped_gemm.py``; benchmarks/results/history/
-2026-11-29-h200-w1-gluon-grouped-gemm.txt).
+On one H200, as ``MoERS``'s GEMM with bf16 rows, it ran TileLink's reduce shapes at 1.11 x
+``torch._grouped_mm`` (TP 4) and 1.07 x (TP 8), geomean of 12 each (``bench moe``'s
+``t_kernel_ms`` in benchmarks/results/2026-11-29-h200-w1.json).
 """
 
 from __future__ import annotations

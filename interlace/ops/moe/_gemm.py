@@ -106,7 +106,8 @@ def programs(
 #: byte width of the rows and the partitions' registers: 6 stages of 128 x 64 + 64 x 128
 #: won on TileLink's six reduce shapes at TP 4 on one H200 against 4 and 5
 #: (benchmarks/results/history/2026-11-29-h200-w1-gluon-grouped-gemm.txt); float32 rows
-#: take 5, their epilogue's layout change staging 64 KiB per consumer warpgroup.
+#: take 5: the epilogue's layout change stages 64 KiB of shared memory for them (16 KiB
+#: for bf16), and 6 stages then exceed a block's 227 KiB.
 HOPPER_REDUCE = True
 HOPPER_BLOCK_N = 128
 HOPPER_BLOCK_K = 64
