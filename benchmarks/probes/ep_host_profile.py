@@ -2,8 +2,11 @@
 
 A one-rank world on one GPU builds ``EPAllToAll`` and ``EPLowLatency`` (both protocols)
 at ``bench ep``'s decode shape, warms them up, then times ``--calls`` back-to-back calls
-of each (per call, as ``bench.timing.host_us`` does) and runs as many again under
+of each (per call, as ``bench.timing.host_us`` does) with the short path of a call like
+an earlier one (``OpContext._armed``) off and on, and runs as many again under
 ``cProfile``, printing the functions with the most own and cumulative time per call.
+Then the short path's pieces alone: the key (``replay_key``), the armed lookup, the
+graph's launch, and ``torch.empty`` of combine's output, ``torch.mm`` beside them.
 
     python benchmarks/probes/ep_host_profile.py [--shape 128,7168,8,256] [--calls 400]
 """
@@ -52,6 +55,11 @@ def body(group, shape, calls, rows):
             else:  # (a handle is valid until the next dispatch)
                 h = ctx.dispatch(x, idx, wts)
                 fn = lambda ctx=ctx, h=h, eo=eo: ctx.combine(eo, h)  # noqa: E731
+            replays, ctx._replays = ctx._replays, None  # the short path off
+            for _ in range(20):
+                fn()
+            full = min(_per_call_us(fn, calls // 4) for _ in range(4))
+            ctx._replays = replays
             for _ in range(20):
                 fn()
             plain = min(_per_call_us(fn, calls // 4) for _ in range(4))
@@ -62,12 +70,39 @@ def body(group, shape, calls, rows):
                 fn()
             prof.disable()
             torch.cuda.synchronize()
-            out.append(f"== {name} {what}: {plain:.1f} us per call back to back "
-                       f"(best of 4 loops of {calls // 4}); profile of {calls} calls:\n"
-                       f"{profile_text(prof, rows)}")  # fmt: skip
+            out.append(f"== {name} {what}: {plain:.1f} us per call back to back, "
+                       f"{full:.1f} the whole way (best of 4 loops of {calls // 4}); "
+                       f"profile of {calls} calls:\n{profile_text(prof, rows)}")  # fmt: skip
+        out.append(_pieces(ctx, x, idx, wts, calls))
         ctx.check()
         ctx.close()
     return "\n".join(out)
+
+
+def _pieces(ctx, x, idx, wts, calls) -> str:
+    """The short path's pieces alone, per call back to back (a dispatch's)."""
+    from interlace.ops._context import replay_key
+
+    operands = (x, idx, wts)
+    key, ptrs = replay_key("dispatch", operands)
+    armed = ctx._armed(key)
+    stand_in = torch.empty(1, 1, dtype=ctx.dtype, device=x.device).expand(x.shape[0], ctx.hidden)
+    a = torch.randn(2048, 4096, device=x.device, dtype=torch.bfloat16)
+    b = torch.randn(4096, 2048, device=x.device, dtype=torch.bfloat16)
+    pieces = {
+        "replay_key": lambda: replay_key("dispatch", operands),
+        "_armed": lambda: ctx._armed(key),
+        "graph.launch": lambda: armed.graph.launch(operands, ptrs),
+        "torch.empty": lambda: torch.empty(
+            x.shape[0], ctx.hidden, dtype=ctx.dtype, device=x.device
+        ),  # fmt: skip
+        "empty_like(expanded)": lambda: torch.empty_like(stand_in),
+        "is_capturing": torch._C._cuda_isCurrentStreamCapturing,
+        "fault_pending": ctx.error.fault_pending,
+        "torch.mm": lambda: torch.mm(a, b),
+    }
+    got = {k: min(_per_call_us(fn, calls // 4) for _ in range(4)) for k, fn in pieces.items()}
+    return "   pieces (us): " + ", ".join(f"{k} {v:.2f}" for k, v in got.items())
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ own error (``_check_error``) instead, and leaves the context usable.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 import warnings
@@ -71,6 +72,37 @@ def persistent_grid(
     else:
         limit = cpu_programs  # the interpreter runs programs one after another
     return (max(1, min(n_items, limit)),)
+
+
+@dataclasses.dataclass(slots=True)
+class Armed:
+    """A call kind whose later calls replay its graph directly (``OpContext._arm``): the
+    graph, the buffer set it was captured for (None: the context has none), the call
+    kind of ``_begin_call`` and its fingerprint base and field names."""
+
+    graph: object
+    set: int | None
+    kind: tuple
+    base: int
+    names: tuple
+
+
+def replay_key(name, operands) -> tuple:
+    """``(key, ptrs)`` of an eager call for ``OpContext._armed``: ``name`` (the call and
+    any fields of its own) with each operand's dtype, shape, strides, device index and
+    address modulo 16 (what Triton specialises on, and any coarser alignment an op's
+    checks ask for), and the operands' addresses (``data_ptr()``, read once for the
+    replay). ``(None, None)`` where an operand is not a tensor (the call goes the whole way
+    and raises its own error)."""
+    key, ptrs = [name], []
+    try:
+        for t in operands:  # (one loop: this is most of a replayed call's Python)
+            p = t.data_ptr()
+            ptrs.append(p)
+            key.append((t.dtype, t.shape, t.stride(), t.get_device(), p & 15))
+    except (AttributeError, TypeError):
+        return None, None
+    return tuple(key), tuple(ptrs)
 
 
 #: Buffer / flag sets of an :class:`AlternatingSets` context: two for eager calls, one
@@ -321,12 +353,13 @@ class OpContext:
         it alike on every rank. ``graphed``: the call's next device work is
         :meth:`_enqueue`, which puts that kernel first in the graph it replays (the host
         writes nothing per call) or launches it before an eager run."""
-        self._pending_count = None
+        self._pending_count = self._launched = None
         key = tuple(fields.items())
         kind = self._call_kinds.get(key)
         if kind is None:
             kind = self._call_kinds[key] = self._new_call_kind(key)
         base, values, staged, count = kind
+        self._kind = kind
         self._call_seq += 1
         self.call_flag = base
         fp = base << 8 | (self._call_seq & 0xFF)
@@ -384,6 +417,10 @@ class OpContext:
     _capture = False
     _fault_at_begin = False
     _pending_count = None
+    _launched = None  # (graph, buffer set) this call replayed, for ``_arm``
+    _kind = None  # this call's kind (``_begin_call``)
+    _replays = None
+    _next_set = None
     eager_graphs = False
     #: The value this call's copies raise their peers' flags to, where the consumer checks
     #: it (``primitives.call_flag``): the fingerprint's op-and-arguments part, the same
@@ -452,6 +489,7 @@ class OpContext:
             )
         self.eager_graphs = bool(eager_graphs) and cuda
         self._graphs: dict = {}  # call kind -> EagerGraph, or the reason it cannot be one
+        self._replays = {} if self.eager_graphs else None  # replay_key -> Armed
 
     def _enqueue(self, strategy: str, run, *operands) -> None:
         """Enqueue this call's device work, ``run()``. With ``eager_graphs`` (an eager call
@@ -463,6 +501,7 @@ class OpContext:
         launch from the host instead of every kernel, copy and signal write. The device
         work is the same, so ranks need not agree on it."""
         count, self._pending_count = self._pending_count, None
+        self._launched = None
         if not self.eager_graphs or self._capturing() or _trace.ACTIVE:  # (traced: eager)
             self._eager(count, run)
             return
@@ -470,7 +509,7 @@ class OpContext:
         # Triton specialises a kernel on its pointers' 16-byte alignment: a replay with an
         # operand aligned otherwise than the captured one would run the wrong kernel
         # (and on its dtype: the graph's kernels were compiled for the captured one)
-        ptrs = [None if t is None else t.data_ptr() for t in operands]
+        ptrs = tuple([None if t is None else t.data_ptr() for t in operands])
         kinds = [None if t is None else (t.shape, t.dtype, p % 16 == 0)
                  for t, p in zip(operands, ptrs)]  # fmt: skip
         key = (strategy, s, count, *kinds)
@@ -498,6 +537,57 @@ class OpContext:
         graph.launch(operands, ptrs)
         if s is not None:
             self._next_set = graph.next_set  # as run() would have left it
+        if count is not None:  # (the graph advances the call count itself: replayable)
+            self._launched = (graph, s)
+
+    # ------------------------------------------------------------------ replayed calls
+    def _armed(self, key) -> Armed | None:
+        """The short path of an eager call (``key`` from :func:`replay_key`): the graph a
+        call with an equal key replayed after going the whole way (:meth:`_arm`), where
+        this call may replay it at once with :meth:`_replay`, skipping the argument checks,
+        the fingerprint's and the graph's lookups: ``key`` holds everything those read
+        (each operand's dtype, shape, strides, device and address modulo 16, the op's own
+        fields), so a call with an equal key passes them as the armed one did. None where
+        the call must go the whole way: no such key, the context closed or failed, a fault
+        pending, a CUDA graph being captured, a trace being recorded, the call slot holding
+        another kind's fields, or another buffer set due."""
+        replays = self._replays
+        armed = replays.get(key) if replays else None
+        if (
+            armed is None
+            or armed.kind is not self._call_written
+            or armed.set != self._next_set
+            or self._closed
+            or self._failed is not None
+            or _trace.ACTIVE
+            or self.error.fault_pending()
+            or torch._C._cuda_isCurrentStreamCapturing()
+        ):
+            return None
+        return armed
+
+    def _replay(self, armed: Armed, operands, ptrs) -> None:
+        """Replay ``armed``'s graph with ``operands`` (``ptrs``: their addresses), with
+        the bookkeeping ``_begin`` .. ``_end`` do for a graph-replayed call: the call
+        count (the graph advances the device's), the fingerprint's fields, the buffer set."""
+        self._capture = False
+        self._call_seq += 1
+        self.call_flag = armed.base
+        self.pad.call_names = armed.names
+        self.error.in_call = True
+        armed.graph.launch(operands, ptrs)
+        if armed.set is not None:
+            self._next_set = armed.graph.next_set
+        self.error.in_call = False
+
+    def _arm(self, key) -> None:
+        """After a call that went the whole way: where it replayed its kind's graph (with
+        the call count in it), later calls with an equal ``key`` may replay it directly
+        (:meth:`_armed`). ``key`` None (an operand that is not a tensor) arms nothing."""
+        launched, self._launched = self._launched, None
+        if launched is not None and key is not None and self._replays is not None:
+            graph, s = launched
+            self._replays[key] = Armed(graph, s, self._kind, self.call_flag, self.pad.call_names)
 
     @staticmethod
     def _eager(count, run) -> None:

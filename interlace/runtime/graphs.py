@@ -92,6 +92,11 @@ def _calls() -> dict:
     return calls
 
 
+#: the raw handle of a device's current stream (``driver.current_stream``, bound once: it
+#: is on every replay's path; a CPU-only torch has none)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _call(name: str, *args) -> int:
     return _calls()[name](*args)
 
@@ -246,7 +251,8 @@ class EagerGraph:
         ctx = _vp()
         _checked("cuCtxGetCurrent", ctypes.byref(ctx))
         self._ctx = ctx.value
-        self._last = list(self._starts)  # the operands the instance now points at
+        self._last = tuple(self._starts)  # the operands the instance now points at
+        self._dense = len(present) == len(operands)  # (no None among the operands)
         self._graph_launch = _calls()["cuGraphLaunch"]
 
     @staticmethod
@@ -281,12 +287,11 @@ class EagerGraph:
         """Replay on the current stream with ``operands``: the same sizes, in the same
         order, None where the capture had None, each 16-byte aligned where the captured one
         was and only there (Triton specialised the kernels on it; the caller's key
-        guarantees all of it). ``ptrs``: the operands' ``data_ptr()`` where the caller has
-        them already."""
+        guarantees all of it). ``ptrs``: the operands' ``data_ptr()`` as a tuple (None
+        where the operand is None), where the caller has them already."""
         if ptrs is None:
-            starts = [operands[i].data_ptr() for i in self._present]
-        else:
-            starts = [ptrs[i] for i in self._present]
+            ptrs = tuple([None if t is None else t.data_ptr() for t in operands])
+        starts = ptrs if self._dense else tuple([ptrs[i] for i in self._present])
         if starts != self._last:
             present = [operands[i] for i in self._present]
             for t, size, old in zip(present, self._sizes, self._starts):
@@ -300,7 +305,7 @@ class EagerGraph:
             for patch in self._copies:
                 patch.apply(self._exec, moved, self._ctx)
             self._last = starts
-        result = self._graph_launch(self._exec, driver.current_stream(self._device))
+        result = self._graph_launch(self._exec, _current_stream(self._device))
         if result != 0:
             driver.check(result, "cuGraphLaunch")
 

@@ -78,11 +78,14 @@ def _scale_of(ids):
     return 1.0 + 0.05 * ids.float()
 
 
-def _check_call(group, ctx, gen, kind, n, calls_tol=TOL):
+def _check_call(group, ctx, gen, kind, n, calls_tol=TOL, poison_out=True, offset=0):
+    """One dispatch + combine against the reference. ``poison_out``: combine into a given
+    NaN-filled ``out`` (else it allocates its own); ``offset``: ``x`` that many bytes past
+    a 16-byte boundary (a Triton kernel specialised otherwise must not run on it)."""
     dev, w, r = group.device, group.world_size, group.rank
     x = rand(gen, n, ctx.hidden, dtype=ctx.dtype, device="cpu")
     idx, wts = _routing(gen, kind, n, ctx.topk, ctx.experts, w)
-    h = ctx.dispatch(x.to(dev), idx.to(dev), wts.to(dev))
+    h = ctx.dispatch(_on_device(x, dev, offset), idx.to(dev), wts.to(dev))
     sync(group)
     xs = _gather_padded(x.to(dev), ctx.max_tokens, group)
     idxs = _gather_padded(idx.to(dev), ctx.max_tokens, group)
@@ -105,7 +108,8 @@ def _check_call(group, ctx, gen, kind, n, calls_tol=TOL):
     eo = nans(ctx.capacity, ctx.hidden, dtype=ctx.dtype, device="cpu")
     if total:
         eo[:total] = (got.float() * _scale_of(ids)[:, None]).to(ctx.dtype)
-    out = ctx.combine(eo.to(dev), h, out=nans(n, ctx.hidden, dtype=ctx.dtype, device=dev))
+    out = nans(n, ctx.hidden, dtype=ctx.dtype, device=dev) if poison_out else None
+    out = ctx.combine(eo.to(dev), h, out=out)
     sync(group)
     xq = x.float() if not ctx.fp8 else _dequant(*_quant(x.float()))
     xq = xq.to(ctx.dtype).float() if not ctx.fp8 else xq
@@ -117,6 +121,17 @@ def _check_call(group, ctx, gen, kind, n, calls_tol=TOL):
         assert err < calls_tol, f"{kind}: combine rel err {err:.2e}"
         assert not out.isnan().any()
     return True
+
+
+def _on_device(x, dev, offset=0):
+    """``x`` copied to ``dev``, starting ``offset`` bytes past a 16-byte boundary."""
+    if not offset:
+        return x.to(dev)
+    skip = offset // x.element_size()
+    out = torch.empty(x.numel() + skip, dtype=x.dtype, device=dev)[skip:].view(x.shape)
+    out.copy_(x)
+    assert out.data_ptr() % 16 == offset
+    return out
 
 
 def _quant(x):
@@ -377,6 +392,29 @@ def test_the_routing_fast_path_agrees_with_the_full_checks(monkeypatch):
     assert fits[:4] == [True] * 4 and not any(fits[4:])
 
 
+def test_replay_keys_differ_wherever_the_checks_could():
+    """``replay_key`` (what an eager call that replays its graph directly is matched by):
+    equal for operands alike in dtype, shape, strides, device and 16-byte alignment, and
+    different when any of those differs or the call's own fields do; no key for an operand
+    that is not a tensor."""
+    from interlace.ops._context import replay_key
+
+    z, bf = torch.zeros, torch.bfloat16
+    x, i = z(4, 8, dtype=bf), z(4, 2, dtype=torch.int64)
+    key, ptrs = replay_key("dispatch", (x, i))
+    assert ptrs == (x.data_ptr(), i.data_ptr())
+    assert replay_key("dispatch", (z(4, 8, dtype=bf), z(4, 2, dtype=torch.int64)))[0] == key
+    buf = z(33, dtype=bf)
+    others = [
+        ("combine", (x, i)), ("dispatch", (x.float(), i)), ("dispatch", (z(5, 8, dtype=bf), i)),
+        ("dispatch", (z(8, 4, dtype=bf).t(), i)), ("dispatch", (buf[1:].view(4, 8), i)),
+        ("dispatch", (x, i.int())), ("dispatch", (x, z(4, 3, dtype=torch.int64))),
+    ]  # fmt: skip
+    assert len({replay_key(*o)[0] for o in others} | {key}) == len(others) + 1
+    assert replay_key("dispatch", (x, None)) == (None, None)
+    assert replay_key("dispatch", ([[0.0]], i)) == (None, None)
+
+
 def test_exports():
     from interlace.ops.ep import EPLowLatency
     from interlace.ops.ep.low_latency import EPLowLatency as cls
@@ -401,15 +439,16 @@ def _ll_rows(group, ctx, x, idx):
     ]
 
 
-def _ll_check_call(group, ctx, gen, kind, n):
+def _ll_check_call(group, ctx, gen, kind, n, poison_out=True, offset=0):
     """One low-latency dispatch + combine against references from every rank's inputs:
     rows per expert in (source, token) order, each (token, expert) once; combine of rows
-    scaled per expert equals the top-k weighted sum of the scaled token."""
+    scaled per expert equals the top-k weighted sum of the scaled token (``poison_out``,
+    ``offset``: as for ``_check_call``)."""
     dev, w, r = group.device, group.world_size, group.rank
     x = rand(gen, n, ctx.hidden, dtype=ctx.dtype, device="cpu")
     idx, wts = _routing(gen, kind, n, ctx.topk, ctx.experts, w)
     ctx.recv_x.fill_(float("nan"))
-    h = ctx.dispatch(x.to(dev), idx.to(dev), wts.to(dev))
+    h = ctx.dispatch(_on_device(x, dev, offset), idx.to(dev), wts.to(dev))
     sync(group)
     counts = h.expert_counts.cpu().tolist()
     eo = nans(*h.recv_x.shape, dtype=ctx.dtype, device="cpu")
@@ -419,16 +458,18 @@ def _ll_check_call(group, ctx, gen, kind, n):
         got = h.recv_x[e, : counts[e]].cpu()
         assert torch.equal(got, exp), f"{kind}: expert {e} rows differ"
         eo[e, : counts[e]] = (got.float() * _scale_of(torch.tensor(g))).to(ctx.dtype)
-    _check_combine(group, ctx, h, eo, idx, wts, x.float(), kind)
+    _check_combine(group, ctx, h, eo, idx, wts, x.float(), kind, poison_out)
     return True
 
 
-def _check_combine(group, ctx, h, eo, idx, wts, x_ref, kind):
+def _check_combine(group, ctx, h, eo, idx, wts, x_ref, kind, poison_out=True):
     """Combine of the expert rows ``eo`` (each scaled per expert) equals the top-k
-    weighted sum of each token's scaled ``x_ref``; no output row is left unwritten."""
+    weighted sum of each token's scaled ``x_ref``; no output row is left unwritten
+    (``poison_out``: into a NaN-filled ``out``, else into the one combine allocates)."""
     n = idx.shape[0]
     dev = group.device
-    out = ctx.combine(eo.to(dev), h, out=nans(n, ctx.hidden, dtype=ctx.dtype, device=dev))
+    out = nans(n, ctx.hidden, dtype=ctx.dtype, device=dev) if poison_out else None
+    out = ctx.combine(eo.to(dev), h, out=out)
     sync(group)
     sc = _scale_of(idx.clamp_min(0)) * wts * (idx >= 0)
     ref = (sc[:, :, None] * x_ref[:, None, :]).sum(1)
@@ -567,6 +608,8 @@ def _ll_errors_body(group):
         idx = torch.zeros(4, 2, dtype=torch.int64, device=dev)
         expect_error(InterlaceValueError, "max_tokens", ctx.dispatch, x.repeat(2, 1), idx, wts)
         expect_error(InterlaceTypeError, "dtype", ctx.dispatch, x.float(), idx, wts)
+        odd = _on_device(x.cpu(), dev, 2)  # (2 bytes past a 16-byte boundary)
+        expect_error(InterlaceValueError, "4-byte boundary", ctx.dispatch, odd, idx, wts)
         expect_error(InterlaceValueError, "topk_idx", ctx.dispatch, x, idx[:, :1], wts)
         h = ctx.dispatch(x, idx, wts)
         expect_error(InterlaceValueError, "expert_out", ctx.combine, x, h)
@@ -635,6 +678,77 @@ def _ll_graph_body(group, protocol, fp8):
     finally:
         ctx.close()
     return True
+
+
+def _replayed_body(group, low_latency):
+    """Eager calls that replay their graph directly (``OpContext._armed``): a loop of
+    dispatch + combine (combine allocating its output) with fresh tokens and routing,
+    each against the reference, the third call on taking the short path; then calls that
+    must leave it, each still right: another token count, ``x`` 4 bytes past a 16-byte
+    boundary, 2 bytes past (low latency: raised before launch, its kernels move 4-byte
+    words), a wrong dtype (raised before launch on every rank), an out-of-range expert
+    id (replayed, found on the device, raised on every rank by the next call), a call
+    captured in a user's CUDA graph; and the short path again after each."""
+    from interlace.ops.ep import EPLowLatency
+
+    gen = torch.Generator().manual_seed(41 + group.rank)
+    w, dev, n, hidden, topk, e_loc = group.world_size, group.device, 16, 256, 4, 2
+    cls = EPLowLatency if low_latency else EPAllToAll
+    check = _ll_check_call if low_latency else _check_call
+    with cls(group, n, hidden, w * e_loc, topk) as ctx:
+        replayed = []
+        short = ctx._replay
+        ctx._replay = lambda *a: (replayed.append(1), short(*a))[-1]
+
+        def calls(count, m=n, **kw):
+            before = len(replayed)
+            for i in range(count):
+                check(group, ctx, gen, ("random", "skewed")[i % 2], m, poison_out=False, **kw)
+            return len(replayed) - before
+
+        # calls 1 and 2 of a kind go the whole way (run, then capture): then dispatch and
+        # combine both replay directly
+        assert calls(5) == 2 * 3
+        assert calls(3, n - 3 - group.rank) == 2 * 1  # another token count: a new kind
+        # another alignment: a new kind of dispatch (its combine replays throughout)
+        assert calls(3, offset=4) == 1 + 3
+        x = rand(gen, n, hidden, dtype=torch.bfloat16, device="cpu")
+        idx, wts = (t.to(dev) for t in _routing(gen, "random", n, topk, w * e_loc, w))
+        if low_latency:
+            odd = _on_device(x, dev, 2)
+            expect_error(InterlaceValueError, "4-byte boundary", ctx.dispatch, odd, idx, wts)
+            h = ctx.dispatch(x.to(dev), idx, wts)
+            eo = _on_device(torch.zeros(h.recv_x.shape, dtype=torch.bfloat16), dev, 2)
+            expect_error(InterlaceValueError, "4-byte boundary", ctx.combine, eo, h)
+            ctx.combine(eo.clone(), h)
+        else:
+            # the 4-byte offset's graph serves it (Triton specialises on 16 bytes): its
+            # first call goes the whole way, then it replays directly
+            assert calls(3, offset=2) == 2 + 3
+        x = x.to(dev)
+        assert calls(2) == 2 * 2  # the first kind again
+        expect_error(InterlaceTypeError, "dtype", ctx.dispatch, x.float(), idx, wts)
+        before = len(replayed)
+        bad = idx.clone()
+        bad[0, 0] = w * e_loc + group.rank
+        expect_error(InterlaceValueError, "expert id", _dispatch_checked, ctx, x, bad, wts)
+        assert len(replayed) == before + 1  # (the bad call itself replayed)
+        assert calls(2) == 2 * 2
+        h = ctx.dispatch(x, idx, wts)  # a user's graph of a combine, then eager calls
+        eo = torch.zeros(h.recv_x.shape, dtype=torch.bfloat16, device=dev)
+        graph, _ = capture(lambda: ctx.combine(eo, ctx.dispatch(x, idx, wts)))
+        replay(graph)
+        # the capture left the call slot's fields to the graph: the first dispatch after
+        # it rewrites them (the whole way), every call after that replays directly
+        assert calls(3) == 2 + 3
+        ctx.check()
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("low_latency", [False, True], ids=["normal", "low_latency"])
+def test_replayed_calls(world, low_latency):
+    run_on_gpus(world, _replayed_body, low_latency, why="eager graphs need a GPU")
 
 
 @pytest.mark.gpu

@@ -48,7 +48,7 @@ from ...kernels.ep import (
 )
 from ...runtime import symm_empty
 from .. import _trace
-from .._context import OpContext, sm_count
+from .._context import OpContext, replay_key, sm_count
 from .._launch import launch
 from . import combine as _combine
 from .layout import (
@@ -162,19 +162,28 @@ class EPAllToAll(EPCallChecks, OpContext):
         ``topk_idx [tokens, topk]`` (int64 or int32, -1 = no expert), with
         ``topk_weights`` (fp32 or the context dtype) kept for combine. Returns an
         :class:`EPHandle`. Collective."""
-        self._begin()
-        check_routing_args(self.op_name, x, topk_idx, topk_weights, self)
-        self._fingerprint(graphed=True)
-        n = x.shape[0]
-        if n == 0:
-            run = lambda: self._dispatch(n, None, None, None)  # noqa: E731
-            run() if self.group.backend == "cpu" else self._enqueue("dispatch0", run)
+        operands = (x, topk_idx, topk_weights)
+        key, ptrs = replay_key("dispatch", operands)
+        armed = self._armed(key)
+        if armed is not None:  # (a call like one that went the whole way: ``_armed``)
+            self._replay(armed, operands, ptrs)
+            n = x.shape[0]
         else:
-            run = lambda: self._dispatch(n, x, topk_idx, topk_weights)  # noqa: E731
-            self._enqueue("dispatch", run, x, topk_idx, topk_weights)
+            self._begin()
+            check_routing_args(self.op_name, x, topk_idx, topk_weights, self)
+            self._fingerprint(graphed=True)
+            n = x.shape[0]
+            if n == 0:
+                run = lambda: self._dispatch(n, None, None, None)  # noqa: E731
+                run() if self.group.backend == "cpu" else self._enqueue("dispatch0", run)
+            else:
+                run = lambda: self._dispatch(n, x, topk_idx, topk_weights)  # noqa: E731
+                self._enqueue("dispatch", run, x, topk_idx, topk_weights)
+            self._end()
+            if n:
+                self._arm(key)
         self._calls += 1
         self._dispatched = (self._calls, n)
-        self._end()
         return EPHandle(
             self.recv_x, self.recv_scale, self.expert_counts, self.expert_offsets, n, self._calls
         )
@@ -255,7 +264,6 @@ class EPAllToAll(EPCallChecks, OpContext):
         rank's tokens of the dispatch that returned ``handle``; ``expert_out
         [capacity, hidden]`` holds one row per row of ``handle.recv_x`` (in the context
         dtype). Sums are fp32; tokens routed nowhere get 0. Collective."""
-        self._begin()
         return _combine.combine(self, expert_out, handle, out)
 
     def __repr__(self) -> str:

@@ -54,7 +54,7 @@ from ...errors import InterlaceTypeError, InterlaceValueError
 from ...kernels.ep_low_latency import ll_combine_kernel, ll_dispatch_kernel
 from ...runtime import symm_empty
 from .. import _trace
-from .._context import OpContext, sm_count
+from .._context import OpContext, replay_key, sm_count
 from .._launch import launch
 from .dispatch import FP8_GROUP
 from .layout import EPCallChecks, check_routing_args, next_pow2
@@ -200,17 +200,27 @@ class EPLowLatency(EPCallChecks, OpContext):
         """Send each token of ``x [tokens, hidden]`` (tokens <= max_tokens) to the ranks
         of its experts ``topk_idx [tokens, topk]`` (-1 = none); ``topk_weights`` are kept
         for combine. Returns an :class:`EPLowLatencyHandle`. Collective."""
-        self._begin()
-        check_routing_args(self.op_name, x, topk_idx, topk_weights, self)
-        self._fingerprint(graphed=True)
-        n = x.shape[0]
-        if n == 0:  # placeholders the kernel never reads
-            x, topk_idx, topk_weights = self._stub, self.home_idx, self.home_w
-        run = lambda: self._dispatch(n, x, topk_idx, topk_weights)  # noqa: E731
-        self._enqueue(f"dispatch{n == 0}", run, x, topk_idx, topk_weights)
+        operands = (x, topk_idx, topk_weights)
+        key, ptrs = replay_key("dispatch", operands)
+        armed = self._armed(key)
+        if armed is not None:  # (a call like one that went the whole way: ``_armed``)
+            self._replay(armed, operands, ptrs)
+            n = x.shape[0]
+        else:
+            self._begin()
+            check_routing_args(self.op_name, x, topk_idx, topk_weights, self)
+            _check_words(self.op_name, "x", x)
+            self._fingerprint(graphed=True)
+            n = x.shape[0]
+            if n == 0:  # placeholders the kernel never reads
+                x, topk_idx, topk_weights = self._stub, self.home_idx, self.home_w
+            run = lambda: self._dispatch(n, x, topk_idx, topk_weights)  # noqa: E731
+            self._enqueue(f"dispatch{n == 0}", run, x, topk_idx, topk_weights)
+            self._end()
+            if n:
+                self._arm(key)
         self._calls += 1
         self._dispatched = (self._calls, n)
-        self._end()
         return EPLowLatencyHandle(
             self.recv_x, self.recv_scale, self.expert_counts, self.layout, self.recv_src, n,
             self._calls,
@@ -257,6 +267,22 @@ class EPLowLatency(EPCallChecks, OpContext):
         """``out[t] = sum_k topk_weights[t, k] * expert_out[row of (t, k)]`` (fp32 sums)
         for this rank's tokens of the dispatch that returned ``handle``; ``expert_out``
         is laid out as ``handle.recv_x``. Collective."""
+        key = None
+        if out is None and type(handle) is EPLowLatencyHandle and handle.num_tokens:
+            n, last = handle.num_tokens, self._dispatched
+            if last is not None and handle.call == last[0]:
+                key, ptrs = replay_key(("combine", n), (expert_out,))
+                armed = self._armed(key)
+                if armed is not None:  # (as a call that went the whole way: ``_armed``)
+                    out = torch.empty(n, self.hidden, dtype=self.dtype, device=self.group.device)
+                    self._replay(armed, (expert_out, out), (*ptrs, out.data_ptr()))
+                    return out
+        out = self._combine_call(expert_out, handle, out)
+        self._arm(key)
+        return out
+
+    def _combine_call(self, expert_out, handle, out):
+        """:meth:`combine` the whole way: checks, fingerprint, the enqueued launch."""
         self._begin()
         op = self.op_name
         if not isinstance(handle, EPLowLatencyHandle):
@@ -273,6 +299,7 @@ class EPLowLatency(EPCallChecks, OpContext):
                 f"{op}: expert_out must be a contiguous {list(want)} tensor, got "
                 f"{tuple(expert_out.shape)}"
             )
+        _check_words(op, "expert_out", expert_out)
         n = handle.num_tokens
         if out is None:
             out = torch.empty(n, self.hidden, dtype=self.dtype, device=self.group.device)
@@ -282,6 +309,7 @@ class EPLowLatency(EPCallChecks, OpContext):
                 raise InterlaceValueError(
                     f"{op}: out must be a contiguous [{n}, {self.hidden}] tensor"
                 )
+            _check_words(op, "out", out)
         self._fingerprint(graphed=True)
         dst = out if n else self._stub  # placeholder, never written
         run = lambda: self._combine(n, expert_out, dst)  # noqa: E731
@@ -308,6 +336,17 @@ class EPLowLatency(EPCallChecks, OpContext):
             f"EPLowLatency(world={self.world_size}, max_tokens={self.max_tokens}, hidden="
             f"{self.hidden}, experts={self.experts}, topk={self.topk}, protocol="
             f"{self.protocol!r}, fp8={self.fp8})"
+        )
+
+
+def _check_words(op: str, name: str, t: torch.Tensor) -> None:
+    """The kernels move rows as 4-byte words: ``t`` must start on a 4-byte boundary (a
+    tensor of its own always does; a view at an odd element offset does not)."""
+    if t.data_ptr() % 4:
+        raise InterlaceValueError(
+            f"{op}: {name} must start at a 4-byte boundary (the kernels move rows as "
+            f"4-byte words); this view starts {t.data_ptr() % 4} bytes past one "
+            f"(pass {name}.clone())"
         )
 
 
