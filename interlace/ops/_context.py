@@ -78,13 +78,15 @@ def persistent_grid(
 class Armed:
     """A call kind whose later calls replay its graph directly (``OpContext._arm``): the
     graph, the buffer set it was captured for (None: the context has none), the call
-    kind of ``_begin_call`` and its fingerprint base and field names."""
+    kind of ``_begin_call`` and its fingerprint base and field names; ``note``: what the
+    op keeps for its replayed calls (e.g. the strategy that ran)."""
 
     graph: object
     set: int | None
     kind: tuple
     base: int
     names: tuple
+    note: object = None
 
 
 def replay_key(name, operands) -> tuple:
@@ -359,7 +361,7 @@ class OpContext:
         if kind is None:
             kind = self._call_kinds[key] = self._new_call_kind(key)
         base, values, staged, count = kind
-        self._kind = kind
+        self._kind_now = kind
         self._call_seq += 1
         self.call_flag = base
         fp = base << 8 | (self._call_seq & 0xFF)
@@ -418,9 +420,10 @@ class OpContext:
     _fault_at_begin = False
     _pending_count = None
     _launched = None  # (graph, buffer set) this call replayed, for ``_arm``
-    _kind = None  # this call's kind (``_begin_call``)
+    _kind_now = None  # this call's kind (``_begin_call``)
     _replays = None
     _next_set = None
+    _stream_capturing = staticmethod(lambda: False)  # (no CUDA: nothing is captured)
     eager_graphs = False
     #: The value this call's copies raise their peers' flags to, where the consumer checks
     #: it (``primitives.call_flag``): the fingerprint's op-and-arguments part, the same
@@ -490,6 +493,8 @@ class OpContext:
         self.eager_graphs = bool(eager_graphs) and cuda
         self._graphs: dict = {}  # call kind -> EagerGraph, or the reason it cannot be one
         self._replays = {} if self.eager_graphs else None  # replay_key -> Armed
+        if cuda:  # (bound once: ``_armed`` asks it on every call)
+            self._stream_capturing = torch._C._cuda_isCurrentStreamCapturing
 
     def _enqueue(self, strategy: str, run, *operands) -> None:
         """Enqueue this call's device work, ``run()``. With ``eager_graphs`` (an eager call
@@ -561,7 +566,7 @@ class OpContext:
             or self._failed is not None
             or _trace.ACTIVE
             or self.error.fault_pending()
-            or torch._C._cuda_isCurrentStreamCapturing()
+            or self._stream_capturing()
         ):
             return None
         return armed
@@ -580,14 +585,17 @@ class OpContext:
             self._next_set = armed.graph.next_set
         self.error.in_call = False
 
-    def _arm(self, key) -> None:
+    def _arm(self, key, note=None) -> None:
         """After a call that went the whole way: where it replayed its kind's graph (with
         the call count in it), later calls with an equal ``key`` may replay it directly
-        (:meth:`_armed`). ``key`` None (an operand that is not a tensor) arms nothing."""
+        (:meth:`_armed`; ``note``: kept for them as ``Armed.note``). ``key`` None (an
+        operand that is not a tensor) arms nothing."""
         launched, self._launched = self._launched, None
         if launched is not None and key is not None and self._replays is not None:
             graph, s = launched
-            self._replays[key] = Armed(graph, s, self._kind, self.call_flag, self.pad.call_names)
+            self._replays[key] = Armed(
+                graph, s, self._kind_now, self.call_flag, self.pad.call_names, note
+            )
 
     @staticmethod
     def _eager(count, run) -> None:
