@@ -6,7 +6,11 @@ After warm-up (compile, capture), each line is the median, over batches of 50
 back-to-back calls (the device synchronised before each batch), of the host time per
 call (``--iters`` calls in all):
 
-* ``call``: the whole eager call ``ctx(a, b)`` (graph replay);
+* ``call``: the eager call ``ctx(a, b)`` (a call like an earlier one: its graph replayed
+  at once, ``OpContext._armed``); ``call, whole way``: the same with that short path off;
+  its pieces: ``replay_key``, ``_armed``, ``graph.launch`` (the armed graph);
+* the same three for GEMM+AR ``fused`` (no output allocation: its result is the
+  context's own buffer);
 * ``torch.mm``: ``torch.mm(a_full, b)`` (the cuBLAS call a user makes instead);
 * ``torch.empty``: the output's allocation;
 * ``stream write``: ``runtime.streams.stream_write_value32`` (the call fingerprint's write);
@@ -42,6 +46,26 @@ def _touch(x):
     tl.store(x, tl.load(x) + 1)
 
 
+def _short_path_pieces(ctx, a, b, iters: int, out=None) -> dict:
+    """The short path's pieces alone for ``ctx(a, b)`` (no bias; ``out``: the output the
+    graph writes, where the op allocates one per call)."""
+    from interlace.ops._context import replay_key
+
+    key, ptrs = replay_key(ctx._next_set, (a, b))
+    armed = ctx._armed(key)
+    if armed is None:  # (the buffer set due now has none: the other set's key)
+        return {"replay_key": per_call_us(lambda: replay_key(ctx._next_set, (a, b)), iters)}
+    operands = (a, b, None, out)
+    p_out = None if out is None else out.data_ptr()
+    return {
+        "replay_key": per_call_us(lambda: replay_key(ctx._next_set, (a, b)), iters),
+        "_armed": per_call_us(lambda: ctx._armed(key), iters),
+        "graph.launch": per_call_us(
+            lambda: armed.graph.launch(operands, (ptrs[0], ptrs[1], None, p_out)), iters
+        ),
+    }
+
+
 def body(group, iters: int):
     import interlace
     from interlace.bench.dense import model_shape
@@ -59,6 +83,11 @@ def body(group, iters: int):
             ctx(a, b)
         torch.cuda.synchronize()
         rows["call"] = per_call_us(lambda: ctx(a, b), iters)
+        replays, ctx._replays = ctx._replays, None
+        rows["call, whole way"] = per_call_us(lambda: ctx(a, b), iters)
+        ctx._replays = replays
+        out = torch.empty(s.M, s.N, device=dev, dtype=torch.bfloat16)
+        rows.update(_short_path_pieces(ctx, a, b, iters, out))
         rows["torch.mm"] = per_call_us(lambda: torch.mm(a, b), iters)
         rows["torch.empty"] = per_call_us(
             lambda: torch.empty(s.M, s.N, device=dev, dtype=torch.bfloat16), iters
@@ -67,6 +96,18 @@ def body(group, iters: int):
         slot = ctx.pad.local("call").view(torch.uint32)
         rows["stream write"] = per_call_us(lambda: stream_write_value32(slot, 0, 7), iters)
         ctx.check()
+    sr = model_shape("gemm_ar", "llama3-8b", 2048, 1)
+    a2 = torch.randn(sr.M, sr.K, device=dev, dtype=torch.bfloat16)
+    b2 = torch.randn(sr.K, sr.N, device=dev, dtype=torch.bfloat16) / sr.K**0.5
+    with interlace.GemmAR(group, max_m=sr.M, n=sr.N, k=sr.K, strategy="fused") as ar:
+        for _ in range(5):
+            ar(a2, b2)
+        rows["GEMM+AR call"] = per_call_us(lambda: ar(a2, b2), iters)
+        replays, ar._replays = ar._replays, None
+        rows["GEMM+AR call, whole way"] = per_call_us(lambda: ar(a2, b2), iters)
+        ar._replays = replays
+        rows.update({f"GEMM+AR {k}": v for k, v in _short_path_pieces(ar, a2, b2, iters).items()})
+        ar.check()
     # a one-kernel graph: the floor of a replay, through each layer
     x = torch.zeros(1, device=dev)
     _touch[(1,)](x)

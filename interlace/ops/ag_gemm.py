@@ -154,6 +154,12 @@ class AGGemm(AlternatingSets, OverlappedGemm):
 
     def __call__(self, a_shard, b, bias=None, out=None):
         w = self.world_size
+        key = None
+        if out is None:  # (a call like an earlier one replays its graph at once)
+            key, result = self._replayed(a_shard, b, bias, (w, 1))
+            if result is not None:
+                return result
+        given = out is not None
         self._check_call(a_shard, b, bias, self.max_m // w)
         m_loc, n = a_shard.shape[0], b.shape[1]
         if out is None:
@@ -179,6 +185,8 @@ class AGGemm(AlternatingSets, OverlappedGemm):
             self._sm_pull(a_shard, b, bias, out)
         self.last_strategy = strategy
         self._end()
+        if not given:
+            self._arm_call(key, strategy)
         return out
 
     def _baseline(self, a_shard, b, bias, out):

@@ -35,7 +35,7 @@ import torch
 from ..errors import InterlaceValueError
 from ..tune.policy import OverlapPolicy, estimate_us, lookup
 from . import segment_gemm
-from ._context import OpContext
+from ._context import OpContext, replay_key
 from .segment_gemm import MAX_SPLIT, GemmConfig
 
 
@@ -126,6 +126,39 @@ class OverlappedGemm(OpContext):
     def _keep_plan(self, key, plan):
         (self._captured_plans if self._capturing() else self._plans)[key] = plan
         return plan
+
+    # ------------------------------------------------------------------ replayed calls
+    def _replayed(self, a, b, bias, rows: tuple[int, int] | None):
+        """The short path of an eager call without ``out`` (``OpContext._armed``): a call
+        like one that went the whole way replays its graph at once, into a fresh output of
+        ``a``'s rows times ``rows[0] / rows[1]`` (None: the op's own result buffer, kept
+        in the armed note). Returns ``(key, result)``: ``result`` None where the call must
+        go the whole way, which then arms ``key`` (:meth:`_arm_call`)."""
+        operands = (a, b) if bias is None else (a, b, bias)
+        key, ptrs = replay_key(self._next_set, operands)
+        armed = self._armed(key)
+        if armed is None or self._switches(armed.note[0]):
+            return key, None
+        strategy, result = armed.note
+        out = None
+        if rows is not None:
+            m = a.shape[0] * rows[0] // rows[1]
+            out = result = torch.empty(m, b.shape[1], dtype=self.dtype, device=self.group.device)
+        p_bias = None if bias is None else ptrs[2]
+        ptrs = (ptrs[0], ptrs[1], p_bias, None if out is None else out.data_ptr())
+        self._replay(armed, (a, b, bias, out), ptrs)
+        self.last_strategy = strategy
+        return key, result
+
+    def _arm_call(self, key, strategy: str, result=None) -> None:
+        """After a call without ``out`` that went the whole way: ``_arm`` its key, noting
+        the strategy it ran and (``result``) the op's own result buffer it returned."""
+        self._arm(key, (strategy, result))
+
+    def _switches(self, strategy: str) -> bool:
+        """Whether a call of ``strategy`` must first run the device barrier of a strategy
+        switch (it then goes the whole way); GEMM+RS / GEMM+AR override."""
+        return False
 
     def _check_call(self, a, b, bias, a_rows_max: int):
         self._begin()

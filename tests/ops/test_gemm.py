@@ -18,6 +18,7 @@ import interlace
 from interlace.errors import InterlaceTypeError, InterlaceValueError
 from tests.conftest import GPU_SIZES, WITH_ONE_GPU
 from tests.ops._helpers import (
+    capture,
     check_graph_replays,
     expect_error,
     gathered,
@@ -25,6 +26,8 @@ from tests.ops._helpers import (
     rand,
     reduced,
     rel_err,
+    replay,
+    run_on_gpus,
     sync,
 )
 
@@ -549,14 +552,7 @@ def _eager_graph_body(group, op, strategy, calls=7, **options):
             out = nans(*shape, dtype=dtype, device=dev)
             c = ctx(a, b, bias=bias, out=out)
             sync(group)
-            if op == "ag":
-                ref = gathered(a, group).float() @ b.float()
-            else:
-                ref = reduced(a.float() @ b.float(), group)
-                if op == "rs":
-                    ref = ref[group.rank * m_loc : (group.rank + 1) * m_loc]
-            if bias is not None:
-                ref += bias.float()
+            ref = _reference(op, a, b, bias, group, m_loc)
             assert c.data_ptr() == out.data_ptr()
             assert rel_err(c, ref) < TOL, (op, strategy, i, rel_err(c, ref))
         ctx.check()
@@ -577,6 +573,75 @@ def test_eager_graphs(op, strategy, size):
     from tests.conftest import get_world
 
     get_world("cuda", size).run(_eager_graph_body, op, strategy)
+
+
+def _reference(op, a, b, bias, group, m_loc):
+    """float32 reference of one AG+GEMM / GEMM+RS / GEMM+AR call."""
+    if op == "ag":
+        ref = gathered(a, group).float() @ b.float()
+    else:
+        ref = reduced(a.float() @ b.float(), group)
+        if op == "rs":
+            ref = ref[group.rank * m_loc : (group.rank + 1) * m_loc]
+    return ref if bias is None else ref + bias.float()
+
+
+def _replayed_body(group, op, strategy):
+    """Eager calls without ``out`` that replay their graph directly (``OpContext._armed``):
+    with fresh inputs each call, every result against the float32 reference (GEMM+AR's
+    the context's own result buffer), all but each buffer set's first two calls replayed
+    directly; then calls that leave the short path, each still right: a bias (a new kind),
+    ``out=`` given, fewer rows (a new kind), a call captured in a user's CUDA graph."""
+    w, dev, dtype = group.world_size, group.device, torch.bfloat16
+    m_loc, n, k = 256, 384, 256
+    gen = torch.Generator().manual_seed(7 + group.rank)
+    bias = rand(torch.Generator().manual_seed(3), n, dtype=dtype, device=dev)
+    cls = {"ag": interlace.AGGemm, "rs": interlace.GemmRS, "ar": interlace.GemmAR}[op]
+    with cls(group, w * m_loc, n, k, strategy=strategy) as ctx:
+        replayed = []
+        short = ctx._replay
+        ctx._replay = lambda *args: (replayed.append(1), short(*args))[-1]
+        b = rand(gen, k, n, dtype=dtype, device=dev, scale=0.2)
+
+        def calls(count, m=m_loc, **kw):
+            before, sets = len(replayed), set()
+            for _ in range(count):
+                a = rand(gen, m if op == "ag" else w * m, k, dtype=dtype, device=dev)
+                sets.add(ctx._next_set)
+                c = ctx(a, b, **kw)
+                sync(group)
+                err = rel_err(c, _reference(op, a, b, kw.get("bias"), group, m))
+                assert err < TOL, (op, strategy, err)
+                if op == "ar" and "out" not in kw:
+                    assert c.data_ptr() == ctx.result.local.data_ptr()
+            return len(replayed) - before, 2 * len(sets)
+
+        got, whole = calls(8)
+        assert got == 8 - whole > 0, (got, whole)
+        got, whole = calls(6, bias=bias)
+        assert got == 6 - whole, (got, whole)
+        shape = (m_loc, n) if op == "rs" else (w * m_loc, n)
+        assert calls(2, out=nans(*shape, dtype=dtype, device=dev))[0] == 0
+        got, whole = calls(6, m=m_loc - 64)
+        assert got == 6 - whole, (got, whole)
+        a = rand(gen, m_loc if op == "ag" else w * m_loc, k, dtype=dtype, device=dev)
+        graph, c = capture(lambda: ctx(a, b))
+        replay(graph, c)
+        assert rel_err(c, _reference(op, a, b, None, group, m_loc)) < TOL
+        # after a capture the call slot's fields are the graph's: the next call goes the
+        # whole way (rewriting them), every call after it replays directly
+        assert calls(6)[0] == 5
+        ctx.check()
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "op, strategy",
+    [("ag", "fused"), ("rs", "fused"), ("rs", "ce_fused"), ("ar", "fused"), ("ar", "ce_fused")],
+)
+def test_replayed_calls(world, op, strategy):
+    run_on_gpus(world, _replayed_body, op, strategy, why="eager graphs need a GPU")
 
 
 class _CopyingGraph:

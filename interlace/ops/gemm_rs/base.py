@@ -86,6 +86,9 @@ class ScatterGemm(AlternatingSets, Fused, CeFused, CeScatter, Ring, ChunkShippin
 
     _last_overlapped: str | None = None
 
+    def _switches(self, strategy: str) -> bool:
+        return strategy in ("fused", "ce_fused") and self._last_overlapped not in (None, strategy)
+
     @staticmethod
     def _regions(world):
         return {
