@@ -284,6 +284,64 @@ def test_hundred_contexts_do_not_grow_memory(world):
 
 
 # ----------------------------------------------------------------------------- CUDA graphs
+def _replayed_body(group, op, method):
+    """Eager calls without ``out`` that replay their graph directly (``OpContext._armed``):
+    fresh inputs each call (all-gather ``ce_push``: the result a view of the context's
+    buffer of the call's set), every result against torch.distributed's, all but each
+    buffer set's first two calls replayed directly; then other rows (a new kind), ``out=``
+    given (the whole way), and the short path again."""
+    w, dev, dtype = group.world_size, group.device, torch.bfloat16
+    cls = {"ag": interlace.AllGather, "rs": interlace.ReduceScatter, "ar": interlace.AllReduce}
+    cols, rows = 24, 8 * w
+    gen = torch.Generator().manual_seed(50 + group.rank)
+
+    def reference(x):
+        if op == "ag":
+            return gathered(x, group)
+        ref = reduced(x, group)
+        m = x.shape[0] // w
+        return ref[group.rank * m : (group.rank + 1) * m] if op == "rs" else ref
+
+    def shape_of(n):
+        return {"ag": (w * n, cols), "rs": (n // w, cols), "ar": (n, cols)}[op]
+
+    with cls[op](group, max_numel=rows * cols, dtype=dtype, method=method) as ctx:
+        replayed = []
+        short = ctx._replay
+        ctx._replay = lambda *args: (replayed.append(1), short(*args))[-1]
+
+        def calls(count, n=rows, out=False):
+            before, sets = len(replayed), set()
+            for _ in range(count):
+                x = torch.randn(n, cols, generator=gen).to(dtype).to(dev)
+                sets.add(ctx._next_set)
+                given = _poison(torch.empty(shape_of(n), dtype=dtype, device=dev)) if out else None
+                y = ctx(x, out=given)
+                sync(group)
+                assert rel_err(y, reference(x)) < 1e-2, (op, method)
+            return len(replayed) - before, 2 * len(sets)
+
+        got, whole = calls(6)
+        assert got == 6 - whole > 0, (got, whole)
+        got, whole = calls(6, n=rows // 2)
+        assert got == 6 - whole, (got, whole)
+        assert calls(2, out=True)[0] == 0
+        assert calls(3)[0] == 3
+        ctx.check()
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "op, method",
+    [("ag", m) for m in interlace.AllGather.METHODS]
+    + [("rs", m) for m in interlace.ReduceScatter.METHODS]
+    + [("ar", m) for m in interlace.AllReduce.METHODS],
+)
+def test_replayed_calls(world, op, method):
+    run_on_gpus(world, _replayed_body, op, method, why="eager graphs need a GPU")
+
+
 def _graph_body(group):
     w, dtype = group.world_size, torch.bfloat16
     ag = interlace.AllGather(group, max_numel=4096 * 3, dtype=dtype)
