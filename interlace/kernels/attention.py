@@ -40,6 +40,7 @@ from ..language.primitives import (
     guard_coord,
     notify,
     peer_ptr_aligned,
+    rounded,
     wait,
     wait_inline,
 )
@@ -428,7 +429,7 @@ def sp_attn_fwd_kernel(
             trace_step(TRACE, tbuf, EV_TILE_END, t, c, pid_m)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    o_desc.store([bh, m0, 0], out.to(o.dtype.element_ty).reshape(1, BLOCK_M, D))
+    o_desc.store([bh, m0, 0], rounded(out, o.dtype.element_ty).reshape(1, BLOCK_M, D))
     tl.store(lse + bh * S_loc + q_idx, m_i + tl.math.log2(l_safe), mask=q_idx < S_loc)
     if CLEAR:
         _exit_clear(sig, arrival, rank, err, max_spins, WORLD)
@@ -593,8 +594,8 @@ def sp_attn_bwd_dkdv_kernel(
     whole = (WORLD * BKV).to(tl.int64) * S_loc * D
     dst_k = peer_ptr_aligned(recv + part, recv_table, rank, c)
     dst_v = peer_ptr_aligned(recv + whole + part, recv_table, rank, c)
-    tl.store(dst_k + kv_offs, dk.to(recv.dtype.element_ty), mask=k_ok[:, None])
-    tl.store(dst_v + kv_offs, dv.to(recv.dtype.element_ty), mask=k_ok[:, None])
+    tl.store(dst_k + kv_offs, rounded(dk, recv.dtype.element_ty), mask=k_ok[:, None])
+    tl.store(dst_v + kv_offs, rounded(dv, recv.dtype.element_ty), mask=k_ok[:, None])
     rows = tl.minimum(S_loc - n0, BLOCK_N)
     trace_step(TRACE, tbuf, EV_TILE_END, 1, c, rows)
     owner_sig = tl.load(sig_table + c).to(tl.pointer_type(tl.int32))
@@ -731,7 +732,7 @@ def sp_attn_bwd_dq_kernel(
             )  # fmt: skip
             trace_step(TRACE, tbuf, EV_TILE_END, t, c, pid_m)
     dq_acc = dq_acc * sm_scale
-    dq_desc.store([bh, m0, 0], dq_acc.to(dq.dtype.element_ty).reshape(1, BLOCK_M, D))
+    dq_desc.store([bh, m0, 0], rounded(dq_acc, dq.dtype.element_ty).reshape(1, BLOCK_M, D))
     if CLEAR:
         _exit_clear(sig, arrival, rank, err, max_spins, WORLD)
     trace_step(TRACE, tbuf, EV_END, 0, 0, 0)
@@ -769,8 +770,8 @@ def sp_attn_bwd_reduce_kernel(
         acc_k += tl.load(recv + base + offs, mask=m, other=0.0).to(tl.float32)
         acc_v += tl.load(recv + whole + base + offs, mask=m, other=0.0).to(tl.float32)
         trace_step(TRACE, tbuf, EV_TILE_END, t, src, t)
-    tl.store(dk + offs, acc_k.to(dk.dtype.element_ty), mask=ok[:, None])
-    tl.store(dv + offs, acc_v.to(dv.dtype.element_ty), mask=ok[:, None])
+    tl.store(dk + offs, rounded(acc_k, dk.dtype.element_ty), mask=ok[:, None])
+    tl.store(dv + offs, rounded(acc_v, dv.dtype.element_ty), mask=ok[:, None])
     tl.debug_barrier()
     arrived = tl.atomic_add(sig + dkv_slot + WORLD, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) - 1:

@@ -18,6 +18,7 @@ from ..language.primitives import (
     last_program_clears,
     notify,
     remote_base,
+    rounded,
     wait,
     wait_call,
 )
@@ -87,7 +88,7 @@ def reduce_pull_kernel(out, src_table, like, n, src_offset, rank, world, BLOCK: 
         for p in range(world):
             src = remote_base(src_table, p, like) + src_offset
             acc += tl.load(src + offs, mask=mask).to(tl.float32)
-        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+        tl.store(out + offs, rounded(acc, out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -156,7 +157,7 @@ def reduce_arrivals_kernel(
             src = (rank + world - i) % world
             vals = tl.load(recv + src.to(tl.int64) * slot_stride + offs, mask=ok)
             acc += vals.to(tl.float32)
-        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+        tl.store(out + offs, rounded(acc, out.dtype.element_ty), mask=mask)
     if CLEAR_AT_END:
         last_program_clears(sig, done_slot, sig_first, clear_count)
 

@@ -34,6 +34,7 @@ from ..language.primitives import (
     guard,
     notify,
     peer_ptr_aligned,
+    rounded,
     signal_base,
     wait,
 )
@@ -261,7 +262,7 @@ def merge_kernel(
         trace_step(TRACE, tbuf, EV_TILE_END, i, src, pid)
     o, _ = _merged(m, l_sum, acc)
     dst = out + (rows // HQ)[:, None] * stride_ob + (rows % HQ)[:, None] * stride_oh
-    tl.store(dst + offs_d[None, :], o.to(out.dtype.element_ty), mask=rmask[:, None])
+    tl.store(dst + offs_d[None, :], rounded(o, out.dtype.element_ty), mask=rmask[:, None])
     if ACK:
         tl.debug_barrier()
         done = tl.atomic_add(sig + done_slot, 1, sem="acq_rel", scope="gpu")

@@ -42,6 +42,7 @@ from ..language.primitives import (
     peer_ptr_aligned,
     record_check,
     record_fault,
+    rounded,
     signal_base,
     wait,
     wait_deadline,
@@ -510,7 +511,7 @@ def ep_combine_send_kernel(
                     )  # fmt: skip
                     acc += wj[:, None] * v.to(tl.float32)
                 tl.store(
-                    dst + rows64[:, None] * H + hc[None, :], acc.to(dst.dtype.element_ty),
+                    dst + rows64[:, None] * H + hc[None, :], rounded(acc, dst.dtype.element_ty),
                     mask=used[:, None] & hm[None, :],
                 )  # fmt: skip
         trace_step(TRACE, tbuf, EV_TILE_END, i, s, mine.to(tl.int32))
@@ -564,7 +565,7 @@ def ep_combine_recv_kernel(
                 acc += tl.load(src, mask=go[:, None] & hm[None, :], other=0.0).to(tl.float32)
             acc = tl.where(state == 0, acc, float("nan"))
             tl.store(
-                out + rows64[:, None] * H + hc[None, :], acc.to(out.dtype.element_ty),
+                out + rows64[:, None] * H + hc[None, :], rounded(acc, out.dtype.element_ty),
                 mask=rmask[:, None] & hm[None, :],
             )  # fmt: skip
     trace_step(TRACE, tbuf, EV_TILE_END, world - 1, pid, 0)

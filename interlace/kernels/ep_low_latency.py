@@ -56,6 +56,7 @@ from ..language.primitives import (
     peer_ptr_aligned,
     record_check,
     record_fault,
+    rounded,
     wait_deadline,
     wait_stop,
 )
@@ -381,8 +382,8 @@ def _pack(lo, hi, IS_BF16: tl.constexpr):
     """fp32 ``lo`` / ``hi`` rounded to bfloat16 (else float16) and packed into int32
     words (low first)."""
     if IS_BF16:
-        a = lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        b = hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
+        a = rounded(lo, tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        b = rounded(hi, tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
     else:
         a = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         b = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16

@@ -41,6 +41,7 @@ from ..language.primitives import (
     last_program_clears,
     notify,
     peer_ptr_aligned,
+    rounded,
     signal_base,
     wait_inline,
 )
@@ -650,7 +651,7 @@ def _reduce_half(
                 acc, recv, recv_rows, out_row0, tile_row, in_tile, ok & (i0 + j < WORLD), rank,
                 i0 + j, N, WORLD,
             )  # fmt: skip
-    val = _add_bias(acc, bias, col, N, HALF_N, HAS_BIAS).to(out_ty)
+    val = rounded(_add_bias(acc, bias, col, N, HALF_N, HAS_BIAS), out_ty)
     for i in range(0, WORLD if BROADCAST else 1):
         q = (rank + i) % WORLD
         dst = c
@@ -700,13 +701,13 @@ def _store_tile(
     if USE_TMA:
         if SUBTILE:
             left, right = _halves(acc, BLOCK_M, BLOCK_N)
-            c_desc.store([tile_row, col], left.to(out_ty))
-            c_desc.store([tile_row, col + BLOCK_N // 2], right.to(out_ty))
+            c_desc.store([tile_row, col], rounded(left, out_ty))
+            c_desc.store([tile_row, col + BLOCK_N // 2], rounded(right, out_ty))
         else:
-            c_desc.store([tile_row, col], acc.to(out_ty))
+            c_desc.store([tile_row, col], rounded(acc, out_ty))
     else:
         ptrs = c + (c_row0 + lrows)[:, None].to(tl.int64) * N + cols[None, :]
-        tl.store(ptrs, acc.to(out_ty), mask=mask)
+        tl.store(ptrs, rounded(acc, out_ty), mask=mask)
 
 
 @triton.jit
@@ -737,9 +738,9 @@ def _scatter_epilogue(
         acc = _add_partial(acc, recv, recv_rows, out_row0, tile_row, in_tile, ok, rank, i, N, WORLD)
     if not USE_TMA:
         push_base = push_dst + tile_row.to(tl.int64) * N
-        tl.store(push_base + in_tile, acc.to(out_ty), mask=mask & is_push)
+        tl.store(push_base + in_tile, rounded(acc, out_ty), mask=mask & is_push)
     acc = _add_bias(acc, bias, col, N, HALF_N, HAS_BIAS, keep)
-    val = acc.to(out_ty)
+    val = rounded(acc, out_ty)
     if BROADCAST:
         if USE_TMA:  # the partial to its owner; own rows: out of bounds, no store
             c_desc.store([tl.where(is_push, tile_row, rows), col], val)

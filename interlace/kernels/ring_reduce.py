@@ -33,6 +33,7 @@ from ..language.primitives import (
     last_program_clears,
     notify,
     peer_ptr_aligned,
+    rounded,
     signal_base,
     wait,
 )
@@ -81,9 +82,10 @@ def ring_reduce_scatter_kernel(
             if s > 0:
                 acc += tl.load(recv + (s - 1) * slot_elems + offs, mask=ok).to(tl.float32)
             if s < WORLD - 1:
-                tl.store(right_recv + s * slot_elems + offs, acc.to(recv.dtype.element_ty), mask=ok)
+                val = rounded(acc, recv.dtype.element_ty)
+                tl.store(right_recv + s * slot_elems + offs, val, mask=ok)
             else:
-                tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+                tl.store(out + offs, rounded(acc, out.dtype.element_ty), mask=mask)
         if s < WORLD - 1:  # this program's share of step s has landed on the right
             notify(right_sig + ring_first + s * MAX_PROGRAMS + pid, 1)
     last_program_clears(sig, go_slot + 1, clear_first, clear_count)

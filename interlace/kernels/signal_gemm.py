@@ -46,7 +46,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..language.primitives import count_tile
+from ..language.primitives import count_tile, rounded
 from ..language.trace import (
     EV_END,
     EV_NOTIFY,
@@ -207,9 +207,9 @@ def signal_gemm_kernel(
             offs = (slot + strip * stride) * (SUB_M * BLOCK_N) + within
             ptrs = buf + offs[:, None] + c[None, :]
             if STRIPS == 1:
-                tl.store(ptrs, acc.to(out_ty))
+                tl.store(ptrs, rounded(acc, out_ty))
             else:
-                tl.store(ptrs, acc.to(out_ty), mask=(strip < world)[:, None])
+                tl.store(ptrs, rounded(acc, out_ty), mask=(strip < world)[:, None])
             # Every thread releases its own stores (no CTA barrier: one in the loop stops
             # Triton 3.6 from pipelining it); the group is done at tiles * LANES.
             if SIGNAL:
