@@ -87,8 +87,7 @@ def _launches(kg, routing, work, meta, stride, sig, err):
         rt.tile_count, work.scratch, work.base_scratch, rt.entry_ids, rt.weights, sig, 0, 0,
         err.data_ptr(), 0, 1 << 20,
     )  # fmt: skip
-    consts = dict(CHUNK=chunk, E_PAD=routing.e_pad(e), WORLD=w, BLOCK_M=rt.block_m, CB=32,
-                  TB=64, WAIT=True, num_warps=4)  # fmt: skip
+    consts = routing.route_consts(rt, wait=True)
     return [
         lambda phase=phase: kg.moe_route_kernel[(n_chunks,)](*args, PHASE=phase, **consts)
         for phase in (1, 2)

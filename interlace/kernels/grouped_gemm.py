@@ -134,6 +134,7 @@ def moe_route_kernel(
     max_spins,
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
     CB: tl.constexpr, TB: tl.constexpr, WAIT: tl.constexpr, PHASE: tl.constexpr,
+    NC_PAD: tl.constexpr,
 ):  # fmt: skip
     """The routing build, one program per chunk (see the module docstring). ``PHASE`` 1:
     count (``counts[c, e]``: entries of chunk ``c`` routed to expert ``e``; ``E_PAD``
@@ -142,7 +143,9 @@ def moe_route_kernel(
     the programs meeting at a grid barrier between them (counter ``sig + bar_slot`` and the
     departure counter after it, left at zero: every program must be resident at once).
     ``scratch``: int32 ``[n_chunks, 3 * WORLD + 1, E_PAD]``, ``base_scratch``: ``[n_chunks,
-    E_PAD]``, working space."""
+    E_PAD]``, working space. ``NC_PAD``: the build reads every chunk's counts in one load
+    of ``NC_PAD`` rows (``>= n_chunks``; 0: ``CB`` rows at a time, where they do not fit
+    in registers)."""
     c = tl.program_id(0)
     n_prog = tl.num_programs(0)
     p, src, i0 = _chunk_source(rank, cps, CHUNK, WORLD)
@@ -170,7 +173,7 @@ def moe_route_kernel(
             c, n_prog, hist, ids, idx, i0, mk, cps, E, src, src_meta, w_off, counts,
             n_chunks, offsets, tiles, tile_count, scratch + c * (3 * WORLD + 1) * E_PAD,
             base_scratch, sorted_entry, sorted_w, seen >= n_prog, CHUNK, E_PAD, WORLD,
-            BLOCK_M, CB, TB,
+            BLOCK_M, CB, TB, NC_PAD,
         )  # fmt: skip
 
 
@@ -179,7 +182,7 @@ def _route_build(
     c, n_prog, hist, ids, idx, i0, mk, cps, E, src, src_meta, w_off, counts, n_chunks,
     offsets, tiles, tile_count, scr, base_scratch, sorted_entry, sorted_w, counted,
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
-    CB: tl.constexpr, TB: tl.constexpr,
+    CB: tl.constexpr, TB: tl.constexpr, NC_PAD: tl.constexpr,
 ):  # fmt: skip
     """``moe_route_kernel``'s build: from every chunk's counts (read only if ``counted``:
     the grid barrier held), each expert's padded start and this chunk's prefix, then tiles
@@ -187,16 +190,24 @@ def _route_build(
     the offsets, the tile count and the experts' padding rows."""
     e_r = tl.arange(0, E_PAD)
     # per arrival position: the running count of each expert (chunks are in arrival order)
-    run = tl.zeros((E_PAD,), dtype=tl.int32)
-    before = tl.zeros((E_PAD,), dtype=tl.int32)  # entries of each expert in chunks < c
-    for q in tl.static_range(WORLD):
-        for c0 in range(q * cps, (q + 1) * cps, CB):
-            rows = c0 + tl.arange(0, CB)
-            ok = (rows < (q + 1) * cps) & counted
-            blk = tl.load(counts + rows[:, None] * E_PAD + e_r[None, :], mask=ok[:, None], other=0)
-            run += tl.sum(blk, axis=0)
-            before += tl.sum(tl.where((rows < c)[:, None], blk, 0), axis=0)
-        tl.store(scr + (ROW_CUM * WORLD + q) * E_PAD + e_r, run)
+    if NC_PAD > 0:  # every chunk's counts in one load: the sums below come from registers
+        c_r = tl.arange(0, NC_PAD)
+        c_ok = (c_r < n_chunks) & counted
+        every = tl.load(counts + c_r[:, None] * E_PAD + e_r[None, :], mask=c_ok[:, None], other=0)
+        run = tl.sum(every, axis=0)
+        before = tl.sum(tl.where((c_r < c)[:, None], every, 0), axis=0)  # chunks < c
+    else:  # CB chunks' counts per load, the running sums through the scratch
+        run = tl.zeros((E_PAD,), dtype=tl.int32)
+        before = tl.zeros((E_PAD,), dtype=tl.int32)  # entries of each expert in chunks < c
+        for q in tl.static_range(WORLD):
+            for c0 in range(q * cps, (q + 1) * cps, CB):
+                rows = c0 + tl.arange(0, CB)
+                ok = (rows < (q + 1) * cps) & counted
+                at = counts + rows[:, None] * E_PAD + e_r[None, :]
+                blk = tl.load(at, mask=ok[:, None], other=0)
+                run += tl.sum(blk, axis=0)
+                before += tl.sum(tl.where((rows < c)[:, None], blk, 0), axis=0)
+            tl.store(scr + (ROW_CUM * WORLD + q) * E_PAD + e_r, run)
     total = tl.where(e_r < E, run, 0)
     padded = tl.cdiv(total, BLOCK_M) * BLOCK_M
     start = tl.cumsum(padded, axis=0) - padded
@@ -208,7 +219,11 @@ def _route_build(
     prev = tl.zeros((E_PAD,), dtype=tl.int32)
     q0 = 0
     for q in tl.static_range(WORLD):
-        cum = tl.load(scr + (ROW_CUM * WORLD + q) * E_PAD + e_r)
+        if NC_PAD > 0:  # the counts of positions <= q, summed in registers
+            cum = tl.sum(tl.where((c_r < (q + 1) * cps)[:, None], every, 0), axis=0)
+            tl.store(scr + (ROW_CUM * WORLD + q) * E_PAD + e_r, cum)
+        else:
+            cum = tl.load(scr + (ROW_CUM * WORLD + q) * E_PAD + e_r)
         n_le = tl.where(cum == total, tl.cdiv(total, BLOCK_M), cum // BLOCK_M)
         b = n_le - prev
         tl.store(scr + (ROW_BASE * WORLD + q) * E_PAD + e_r, q0 + tl.cumsum(b, axis=0) - b - prev)

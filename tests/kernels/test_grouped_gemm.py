@@ -26,10 +26,11 @@ def _routing_kernels():
         "tile_count": p32, "scratch": p32, "base_scratch": p32, "sorted_entry": p32,
         "sorted_w": "*fp32", "bar_slot": i32,
     }  # fmt: skip
-    for phase in (0, 1, 2):  # one launch, the count alone, the build alone
+    # one launch, the count alone, the build alone (counts in one load, or CB at a time)
+    for phase, nc_pad in ((0, 32), (1, 0), (2, 0), (2, 64)):
         yield g.moe_route_kernel, route, {
             "CHUNK": 1024, "E_PAD": 64, "WORLD": 4 if phase else 8, "BLOCK_M": 128, "CB": 32,
-            "TB": 64, "WAIT": True, "PHASE": phase,
+            "TB": 64, "WAIT": True, "PHASE": phase, "NC_PAD": nc_pad,
         }  # fmt: skip
     yield g.moe_finish_kernel, {
         "rows_table": "*i64", "set_off": i32, "map_table": "*i64", "map_off": i32,
@@ -39,7 +40,7 @@ def _routing_kernels():
         "ALIGNED": True, "TRACE": False, "tbuf": None}  # fmt: skip
 
 
-@pytest.mark.parametrize("i", range(4))
+@pytest.mark.parametrize("i", range(5))
 def test_routing_kernels_compile_for_hopper(i):
     kernel, sig, const = list(_routing_kernels())[i]
     inspect.compile_for_hopper(kernel, sig, const, num_stages=1)

@@ -538,6 +538,47 @@ def _per_rank_case(group, cfg):
             assert (ids.reshape(-1)[mine] == e).all(), f"expert {e}"
 
 
+def _routing_loads_body(group):
+    """The routing build reading every chunk's counts in one load and ``CB`` chunks at a
+    time (``routing.COUNTS_IN_ONE_LOAD`` 0) builds the same routing: offsets, tile table,
+    rows and weights, at several chunks per arrival position, skewed and random."""
+    from interlace.ops.moe import routing as R
+
+    dev = group.device
+    world, m, k, experts, block_m = 3, 300, 2, 7, 32
+    gen = torch.Generator().manual_seed(5)
+    for kind in ("skewed", "random"):
+        ids, wts = make_routing(gen, world * m, k, experts, kind)
+        meta = torch.empty(world, 2 * m * k, dtype=torch.int32, device=dev)
+        for s in range(world):
+            R.pack_meta(meta[s], ids[s * m : (s + 1) * m].to(dev), wts[s * m : (s + 1) * m].to(dev))
+        built = []
+        for limit in (R.COUNTS_IN_ONE_LOAD, 0):
+            work = R.alloc_routing(m, k, experts, world, block_m, dev)
+            work.routing.storage.fill_(-7)
+            saved, R.COUNTS_IN_ONE_LOAD = R.COUNTS_IN_ONE_LOAD, limit
+            try:
+                assert (R.route_consts(work.routing, False)["NC_PAD"] > 0) == (limit > 0)
+                rt = R.launch_routing(work, meta, 2 * m * k, rank=group.rank)
+            finally:
+                R.COUNTS_IN_ONE_LOAD = saved
+            sync(group)
+            n_tiles = int(rt.tile_count[0])
+            used = int(rt.offsets[-1])
+            built.append([rt.offsets.cpu(), rt.tiles[:n_tiles].cpu(), rt.entry_ids[:used].cpu(),
+                          rt.weights[:used].cpu()])  # fmt: skip
+        for a, b in zip(*built):
+            assert torch.equal(a, b), kind
+        assert n_tiles > 0 and used >= world * m * k
+    return True
+
+
+def test_routing_counts_in_one_load_or_by_blocks(world):
+    if world.world_size != 2:
+        pytest.skip("each rank builds alone; W = 2 is enough")
+    world.run(_routing_loads_body)
+
+
 def test_reduce_kernels_per_rank_repeated(world):
     if world.world_size != 2:
         pytest.skip("one rank runs it; W = 2 is enough")

@@ -153,7 +153,6 @@ def launch_routing(
     chunk = chunk_size(mk)
     cps = cdiv(mk, chunk)
     n_chunks = w * cps
-    ep = e_pad(e)
     sig_t = sig if sig is not None else work.counts
     one = (
         bar_slot is not None and sig is not None and meta.is_cuda
@@ -164,13 +163,30 @@ def launch_routing(
         rt.tile_count, work.scratch, work.base_scratch, rt.entry_ids, rt.weights, sig_t,
         flag0, bar_slot or 0, err or _no_err(meta), rank, max_spins,
     )  # fmt: skip
-    consts = dict(
-        CHUNK=chunk, E_PAD=ep, WORLD=w, BLOCK_M=rt.block_m, CB=32, TB=64, WAIT=wait,
-        num_warps=4,
-    )  # fmt: skip
+    consts = route_consts(rt, wait)
     for phase in (0,) if one else (1, 2):
         moe_route_kernel[(n_chunks,)](*args, PHASE=phase, **consts)
     return rt
+
+
+#: The routing build reads every chunk's counts in one load where they are at most this
+#: many int32 (``NC_PAD * E_PAD``: 32 KB of registers over a program's 128 threads), else
+#: 32 chunks' at a time; one load replaced a round trip per arrival position
+#: (``benchmarks/results/history/2026-11-29-h200-w1-moe-routing-one-load.txt``).
+COUNTS_IN_ONE_LOAD = 8192
+
+
+def route_consts(rt: MoeRouting, wait: bool) -> dict:
+    """The constexprs (and warps) of ``moe_route_kernel`` for ``rt``'s sizes."""
+    mk = rt.m_loc * rt.topk
+    chunk = chunk_size(mk)
+    n_chunks = rt.world * cdiv(mk, chunk)
+    ep = e_pad(rt.experts)
+    nc_pad = 1 << max(0, n_chunks - 1).bit_length()
+    return dict(
+        CHUNK=chunk, E_PAD=ep, WORLD=rt.world, BLOCK_M=rt.block_m, CB=32, TB=64, WAIT=wait,
+        NC_PAD=nc_pad if nc_pad * ep <= COUNTS_IN_ONE_LOAD else 0, num_warps=4,
+    )  # fmt: skip
 
 
 _NO_ERR: dict = {}
