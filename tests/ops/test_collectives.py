@@ -11,7 +11,16 @@ import torch
 import interlace
 from interlace.errors import InterlaceTypeError, InterlaceValueError, WaitTimeoutError
 from interlace.runtime.graphs import EagerGraph
-from tests.ops._helpers import capture, gathered, reduced, rel_err, replay, run_on_gpus, sync
+from tests.ops._helpers import (
+    capture,
+    counting,
+    gathered,
+    reduced,
+    rel_err,
+    replay,
+    run_on_gpus,
+    sync,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -305,10 +314,8 @@ def _replayed_body(group, op, method):
     def shape_of(n):
         return {"ag": (w * n, cols), "rs": (n // w, cols), "ar": (n, cols)}[op]
 
-    with cls[op](group, max_numel=rows * cols, dtype=dtype, method=method) as ctx:
-        replayed = []
-        short = ctx._replay
-        ctx._replay = lambda *args: (replayed.append(1), short(*args))[-1]
+    ctx = cls[op](group, max_numel=rows * cols, dtype=dtype, method=method)
+    with ctx, counting(ctx, "_replay") as replayed:
 
         def calls(count, n=rows, out=False):
             before, sets = len(replayed), set()

@@ -18,7 +18,17 @@ import interlace
 from interlace.errors import InterlaceTypeError, InterlaceValueError
 from interlace.ops.ep import EPAllToAll, EPCapacityError, EPMoE
 from interlace.ops.ep.baseline import a2a_combine, a2a_dispatch
-from tests.ops._helpers import capture, expect_error, nans, rand, rel_err, replay, run_on_gpus, sync
+from tests.ops._helpers import (
+    capture,
+    counting,
+    expect_error,
+    nans,
+    rand,
+    rel_err,
+    replay,
+    run_on_gpus,
+    sync,
+)
 
 TOL = 1e-2
 
@@ -415,6 +425,79 @@ def test_replay_keys_differ_wherever_the_checks_could():
     assert replay_key("dispatch", ([[0.0]], i)) == (None, None)
 
 
+class _StandInGraph:
+    """Stands in for an armed ``EagerGraph`` on the CPU backend: records each launch's
+    operands and addresses (nothing runs)."""
+
+    next_set = None
+
+    def __init__(self):
+        self.launches = []
+
+    def launch(self, operands, ptrs):
+        self.launches.append((operands, ptrs))
+
+
+def _short_path_body(group):
+    """The short path's Python on the CPU backend (no graphs there: a stand-in armed by
+    hand for this call's key): a dispatch like the armed one launches it with its operands
+    and their addresses and returns the handle of this call; a combine without ``out``
+    launches with a fresh output of the tokens' shape; a call of another dtype, one with
+    ``out=``, one after the context failed or closed, and one while a fault is pending go
+    the whole way (each raising as that way does)."""
+    from interlace.errors import ContextClosedError, ContextFailedError
+    from interlace.ops._context import Armed, replay_key
+    from interlace.ops.ep import EPLowLatency
+
+    dev, w = group.device, group.world_size
+    gen = torch.Generator().manual_seed(group.rank)
+    ctx = EPLowLatency(group, 4, 16, 2 * w, 2)
+    x = rand(gen, 4, 16, dtype=torch.bfloat16, device=dev)
+    idx = torch.zeros(4, 2, dtype=torch.int64, device=dev)
+    wts = torch.ones(4, 2, device=dev)
+    h = ctx.dispatch(x, idx, wts)  # the whole way (the call slot holds its fields)
+    eo = torch.zeros(h.recv_x.shape, dtype=torch.bfloat16, device=dev)
+    ctx.combine(eo, h)
+    graph = _StandInGraph()
+    armed = Armed(graph, None, ctx._kind_now, ctx.call_flag, ctx.pad.call_names)
+    ctx._replays = {
+        replay_key("dispatch", (x, idx, wts))[0]: armed,
+        replay_key(("combine", 4), (eo,))[0]: armed,
+    }
+    x2, idx2, wts2 = x.clone(), idx.clone(), wts.clone()
+    calls = ctx._calls
+    h2 = ctx.dispatch(x2, idx2, wts2)
+    ((ops, ptrs),) = graph.launches
+    assert ops == (x2, idx2, wts2) and ptrs == (x2.data_ptr(), idx2.data_ptr(), wts2.data_ptr())
+    assert h2.num_tokens == 4 and h2.call == calls + 1 == ctx._dispatched[0]
+    y = ctx.combine(eo, h2)
+    ops, ptrs = graph.launches[-1]
+    assert ops[0] is eo and ops[1] is y and ptrs == (eo.data_ptr(), y.data_ptr())
+    assert y.shape == (4, 16) and y.dtype == torch.bfloat16
+    expect_error(InterlaceTypeError, "dtype", ctx.dispatch, x.float(), idx, wts)
+    out = torch.empty(4, 16, dtype=torch.bfloat16, device=dev)
+    assert ctx.combine(eo, ctx.dispatch(x, idx, wts), out=out) is out  # (out=: whole way)
+    assert len(graph.launches) == 3  # that dispatch was replayed; its combine was not
+    key = replay_key("dispatch", (x, idx, wts))[0]
+    assert ctx._armed(key) is armed
+    ctx.error.words[0] = 1  # a fault pending: the whole way, which raises it
+    assert ctx._armed(key) is None
+    ctx.error.words[0] = 0
+    ctx._failed = RuntimeError("a fault")
+    expect_error(ContextFailedError, "", ctx.dispatch, x, idx, wts)
+    ctx._failed = None
+    ctx.close()
+    expect_error(ContextClosedError, "closed", ctx.dispatch, x, idx, wts)
+    assert len(graph.launches) == 3
+    return True
+
+
+def test_short_path_on_a_stand_in_graph(world):
+    if world.world_size != 2 or world.backend != "cpu":
+        pytest.skip("the Python of the short path: one CPU world")
+    world.run(_short_path_body)
+
+
 def test_exports():
     from interlace.ops.ep import EPLowLatency
     from interlace.ops.ep.low_latency import EPLowLatency as cls
@@ -695,10 +778,8 @@ def _replayed_body(group, low_latency):
     w, dev, n, hidden, topk, e_loc = group.world_size, group.device, 16, 256, 4, 2
     cls = EPLowLatency if low_latency else EPAllToAll
     check = _ll_check_call if low_latency else _check_call
-    with cls(group, n, hidden, w * e_loc, topk) as ctx:
-        replayed = []
-        short = ctx._replay
-        ctx._replay = lambda *a: (replayed.append(1), short(*a))[-1]
+    ctx = cls(group, n, hidden, w * e_loc, topk)
+    with ctx, counting(ctx, "_replay") as replayed:
 
         def calls(count, m=n, **kw):
             before = len(replayed)

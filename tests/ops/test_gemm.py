@@ -20,6 +20,7 @@ from tests.conftest import GPU_SIZES, WITH_ONE_GPU
 from tests.ops._helpers import (
     capture,
     check_graph_replays,
+    counting,
     expect_error,
     gathered,
     nans,
@@ -597,10 +598,8 @@ def _replayed_body(group, op, strategy):
     gen = torch.Generator().manual_seed(7 + group.rank)
     bias = rand(torch.Generator().manual_seed(3), n, dtype=dtype, device=dev)
     cls = {"ag": interlace.AGGemm, "rs": interlace.GemmRS, "ar": interlace.GemmAR}[op]
-    with cls(group, w * m_loc, n, k, strategy=strategy) as ctx:
-        replayed = []
-        short = ctx._replay
-        ctx._replay = lambda *args: (replayed.append(1), short(*args))[-1]
+    ctx = cls(group, w * m_loc, n, k, strategy=strategy)
+    with ctx, counting(ctx, "_replay") as replayed:
         b = rand(gen, k, n, dtype=dtype, device=dev, scale=0.2)
 
         def calls(count, m=m_loc, **kw):

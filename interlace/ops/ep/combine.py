@@ -8,7 +8,6 @@ import torch
 from ...errors import InterlaceValueError
 from ...kernels.ep import ep_combine_recv_kernel, ep_combine_send_kernel
 from .. import _trace
-from .._context import replay_key
 from .._launch import launch
 from .layout import EPHandle, next_pow2
 
@@ -43,16 +42,9 @@ def check_combine_args(ctx, expert_out, handle, out) -> None:
 def combine(ctx, expert_out, handle, out=None) -> torch.Tensor:
     """:meth:`EPAllToAll.combine`: a call like one that went the whole way replays its
     graph at once (``OpContext._armed``); otherwise checks, fingerprint, the launches."""
-    key = None
-    if out is None and type(handle) is EPHandle and handle.num_tokens:
-        n, last = handle.num_tokens, ctx._dispatched
-        if last is not None and handle.call == last[0]:
-            key, ptrs = replay_key(("combine", n), (expert_out,))
-            armed = ctx._armed(key)
-            if armed is not None:
-                out = torch.empty(n, ctx.hidden, dtype=ctx.dtype, device=ctx.group.device)
-                ctx._replay(armed, (expert_out, out), (*ptrs, out.data_ptr()))
-                return out
+    key, result = ctx._replayed_combine(expert_out, handle, out, EPHandle)
+    if result is not None:
+        return result
     ctx._begin()
     out = _combine_call(ctx, expert_out, handle, out)
     ctx._arm(key)

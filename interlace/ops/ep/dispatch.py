@@ -48,7 +48,7 @@ from ...kernels.ep import (
 )
 from ...runtime import symm_empty
 from .. import _trace
-from .._context import OpContext, replay_key, sm_count
+from .._context import OpContext, sm_count
 from .._launch import launch
 from . import combine as _combine
 from .layout import (
@@ -162,13 +162,8 @@ class EPAllToAll(EPCallChecks, OpContext):
         ``topk_idx [tokens, topk]`` (int64 or int32, -1 = no expert), with
         ``topk_weights`` (fp32 or the context dtype) kept for combine. Returns an
         :class:`EPHandle`. Collective."""
-        operands = (x, topk_idx, topk_weights)
-        key, ptrs = replay_key("dispatch", operands)
-        armed = self._armed(key)
-        if armed is not None:  # (a call like one that went the whole way: ``_armed``)
-            self._replay(armed, operands, ptrs)
-            n = x.shape[0]
-        else:
+        key, n = self._replayed_dispatch(x, topk_idx, topk_weights)
+        if n is None:  # (else a call like one that went the whole way replayed its graph)
             self._begin()
             check_routing_args(self.op_name, x, topk_idx, topk_weights, self)
             self._fingerprint(graphed=True)

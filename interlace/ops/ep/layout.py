@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import InterlaceValueError
+from .._context import replay_key
 
 
 class EPCapacityError(InterlaceValueError):
@@ -151,6 +152,36 @@ class EPCallChecks:
         counts differ by rank); a rank that skipped a step differs in its call count.
         ``graphed``: the call's device work is one ``_enqueue`` (``OpContext._begin_call``)."""
         self._begin_call(graphed=graphed, hidden=self.hidden, experts=self.experts, topk=self.topk)
+
+    def _replayed_dispatch(self, x, topk_idx, topk_weights):
+        """The short path of a dispatch (``OpContext._armed``): ``(key, n)``, ``n`` this
+        rank's tokens where a call like one that went the whole way replayed its graph at
+        once, else None (the call goes the whole way, then arms ``key``)."""
+        operands = (x, topk_idx, topk_weights)
+        key, ptrs = replay_key("dispatch", operands)
+        armed = self._armed(key)
+        if armed is None:
+            return key, None
+        self._replay(armed, operands, ptrs)
+        return key, x.shape[0]
+
+    def _replayed_combine(self, expert_out, handle, out, handle_type):
+        """The short path of a combine without ``out`` (``OpContext._armed``): ``(key,
+        result)``, ``result`` None where the call must go the whole way (then arming
+        ``key``, None where it may not: ``out`` given, a handle not of the latest dispatch,
+        no tokens)."""
+        if out is not None or type(handle) is not handle_type or not handle.num_tokens:
+            return None, None
+        n, last = handle.num_tokens, self._dispatched
+        if last is None or handle.call != last[0]:
+            return None, None
+        key, ptrs = replay_key(("combine", n), (expert_out,))
+        armed = self._armed(key)
+        if armed is None:
+            return key, None
+        out = torch.empty(n, self.hidden, dtype=self.dtype, device=self.group.device)
+        self._replay(armed, (expert_out, out), (*ptrs, out.data_ptr()))
+        return key, out
 
     def _bad_index_error(self, rank: int, slot: int, what: str):
         """The error of an expert id outside [-1, experts), found alike on every rank

@@ -54,7 +54,7 @@ from ...errors import InterlaceTypeError, InterlaceValueError
 from ...kernels.ep_low_latency import ll_combine_kernel, ll_dispatch_kernel
 from ...runtime import symm_empty
 from .. import _trace
-from .._context import OpContext, replay_key, sm_count
+from .._context import OpContext, sm_count
 from .._launch import launch
 from .dispatch import FP8_GROUP
 from .layout import EPCallChecks, check_routing_args, next_pow2
@@ -200,13 +200,8 @@ class EPLowLatency(EPCallChecks, OpContext):
         """Send each token of ``x [tokens, hidden]`` (tokens <= max_tokens) to the ranks
         of its experts ``topk_idx [tokens, topk]`` (-1 = none); ``topk_weights`` are kept
         for combine. Returns an :class:`EPLowLatencyHandle`. Collective."""
-        operands = (x, topk_idx, topk_weights)
-        key, ptrs = replay_key("dispatch", operands)
-        armed = self._armed(key)
-        if armed is not None:  # (a call like one that went the whole way: ``_armed``)
-            self._replay(armed, operands, ptrs)
-            n = x.shape[0]
-        else:
+        key, n = self._replayed_dispatch(x, topk_idx, topk_weights)
+        if n is None:  # (else a call like one that went the whole way replayed its graph)
             self._begin()
             check_routing_args(self.op_name, x, topk_idx, topk_weights, self)
             _check_words(self.op_name, "x", x)
@@ -267,16 +262,9 @@ class EPLowLatency(EPCallChecks, OpContext):
         """``out[t] = sum_k topk_weights[t, k] * expert_out[row of (t, k)]`` (fp32 sums)
         for this rank's tokens of the dispatch that returned ``handle``; ``expert_out``
         is laid out as ``handle.recv_x``. Collective."""
-        key = None
-        if out is None and type(handle) is EPLowLatencyHandle and handle.num_tokens:
-            n, last = handle.num_tokens, self._dispatched
-            if last is not None and handle.call == last[0]:
-                key, ptrs = replay_key(("combine", n), (expert_out,))
-                armed = self._armed(key)
-                if armed is not None:  # (as a call that went the whole way: ``_armed``)
-                    out = torch.empty(n, self.hidden, dtype=self.dtype, device=self.group.device)
-                    self._replay(armed, (expert_out, out), (*ptrs, out.data_ptr()))
-                    return out
+        key, result = self._replayed_combine(expert_out, handle, out, EPLowLatencyHandle)
+        if result is not None:
+            return result
         out = self._combine_call(expert_out, handle, out)
         self._arm(key)
         return out
