@@ -42,7 +42,8 @@ MODEL, M, COLLECTIVE_BYTES = "llama3-8b", 2048, 16 << 20
 #: the argument checks (``_begin`` and the op's checks), the strategy choice, the call's
 #: fingerprint written into its signal pad (a stream memory write), the enqueue (on a GPU
 #: the replay of the call's captured graph), the end. ``other``: the rest of the call
-#: (output allocation, plan lookups, the op's own code).
+#: (output allocation, plan lookups, the op's own code). A call like an earlier one runs
+#: none of these steps (``OpContext._armed``: its graph replayed at once): all ``other``.
 STEPS = {"_begin": "check", "_check_call": "check", "_check_tensor": "check",
          "_check_out": "check", "_resolve": "resolve", "_begin_call": "fingerprint",
          "_enqueue": "enqueue", "_end": "end"}  # fmt: skip
