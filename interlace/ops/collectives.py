@@ -111,7 +111,6 @@ class AllGather(AlternatingSets, OpContext):
                 result = x.new_empty(armed.note)  # the note: the result's shape
                 self._replay(armed, (x, result), (ptrs[0], result.data_ptr()))
                 return result
-        given = out is not None
         self._begin()
         self._check_tensor("x", x, max_numel=self.max_numel)
         shape = (self.world_size * x.shape[0], *x.shape[1:])
@@ -128,8 +127,8 @@ class AllGather(AlternatingSets, OpContext):
             result = out if out is not None else x.new_empty(shape)
             self._enqueue("pull", lambda: self._pull(x, result), x, result)
         self._end()
-        if not given:
-            self._arm(key, result if self.method == "ce_push" else shape)
+        # (key None where out= was given: nothing armed)
+        self._arm(key, result if self.method == "ce_push" else shape)
         return result
 
     def _pull(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -243,7 +242,6 @@ class ReduceScatter(AlternatingSets, OpContext):
                 out = x.new_empty(armed.note)  # the note: the result's shape
                 self._replay(armed, (x, out), (ptrs[0], out.data_ptr()))
                 return out
-        given = out is not None
         self._begin()
         w = self.world_size
         self._check_tensor("x", x, max_numel=w * self.max_numel, numel_multiple=w)
@@ -255,8 +253,7 @@ class ReduceScatter(AlternatingSets, OpContext):
         self._begin_call(graphed=True, numel=x.numel(), method=self.method)
         self._enqueue(self.method, lambda: self._reduce_scatter(x, out, m), x, out)
         self._end()
-        if not given:
-            self._arm(key, shape)
+        self._arm(key, shape)  # (key None where out= was given)
         return out
 
     def _reduce_scatter(self, x: torch.Tensor, out: torch.Tensor, m: int) -> None:
@@ -368,7 +365,6 @@ class AllReduce(OpContext):
                 out = torch.empty_like(x)
                 self._replay(armed, (x, out), (ptrs[0], out.data_ptr()))
                 return out
-        given = out is not None
         self._begin()
         self._check_tensor("x", x, max_numel=self.max_numel)
         out = self._check_out(out, x.shape)
@@ -377,8 +373,7 @@ class AllReduce(OpContext):
         self._begin_call(graphed=True, numel=x.numel(), method=self.method)
         self._enqueue(self.method, lambda: self._all_reduce(x, out), x, out)
         self._end()
-        if not given:
-            self._arm(key)
+        self._arm(key)  # (key None where out= was given)
         return out
 
     def _all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> None:

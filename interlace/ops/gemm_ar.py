@@ -85,7 +85,6 @@ class GemmAR(ScatterGemm):
             key, result = self._replayed(a, b, bias, None)
             if result is not None:
                 return result
-        given = out is not None
         self._check_call(a, b, bias, self.max_m)
         self._rows_check(a)
         m, n = a.shape[0], b.shape[1]
@@ -103,8 +102,7 @@ class GemmAR(ScatterGemm):
             result = self._overlapped_call(strategy, a, b, bias, out)
         self.last_strategy = strategy
         self._end()
-        if not given:
-            self._arm_call(key, strategy, result)
+        self._arm_call(key, strategy, result)  # (key None where out= was given)
         return result
 
 
