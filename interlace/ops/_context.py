@@ -585,6 +585,22 @@ class OpContext:
             self._next_set = armed.graph.next_set
         self.error.in_call = False
 
+    def _replayed_out(self, name, inputs: tuple, out, make):
+        """The short path (:meth:`_armed`) of a call whose graph's operands are ``inputs``
+        and then its output: ``(key, result)``. ``out`` where given is in the key (its
+        dtype, shape, strides, device and alignment: all its checks read); else the result
+        is ``make(armed)``, a fresh tensor. ``result`` None where the call must go the
+        whole way (then arming ``key``)."""
+        key, ptrs = replay_key(name, inputs if out is None else (*inputs, out))
+        armed = self._armed(key)
+        if armed is None:
+            return key, None
+        if out is None:
+            out = make(armed)
+            ptrs = (*ptrs, out.data_ptr())
+        self._replay(armed, (*inputs, out), ptrs)
+        return key, out
+
     def _arm(self, key, note=None) -> None:
         """After a call that went the whole way: where it replayed its kind's graph (with
         the call count in it), later calls with an equal ``key`` may replay it directly

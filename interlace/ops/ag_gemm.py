@@ -154,11 +154,10 @@ class AGGemm(AlternatingSets, OverlappedGemm):
 
     def __call__(self, a_shard, b, bias=None, out=None):
         w = self.world_size
-        key = None
-        if out is None:  # (a call like an earlier one replays its graph at once)
-            key, result = self._replayed(a_shard, b, bias, (w, 1))
-            if result is not None:
-                return result
+        # (a call like an earlier one replays its graph at once)
+        key, result = self._replayed(a_shard, b, bias, (w, 1), out)
+        if result is not None:
+            return result
         self._check_call(a_shard, b, bias, self.max_m // w)
         m_loc, n = a_shard.shape[0], b.shape[1]
         if out is None:
@@ -184,7 +183,7 @@ class AGGemm(AlternatingSets, OverlappedGemm):
             self._sm_pull(a_shard, b, bias, out)
         self.last_strategy = strategy
         self._end()
-        self._arm_call(key, strategy)  # (key None where out= was given)
+        self._arm_call(key, strategy)
         return out
 
     def _baseline(self, a_shard, b, bias, out):

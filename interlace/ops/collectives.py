@@ -234,14 +234,10 @@ class ReduceScatter(AlternatingSets, OpContext):
         return max(1, min(4, chunk_bytes // (32 << 20)))
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        key = None
-        if out is None:  # (a call like an earlier one replays its graph at once)
-            key, ptrs = replay_key(self._next_set, (x,))
-            armed = self._armed(key)
-            if armed is not None:
-                out = x.new_empty(armed.note)  # the note: the result's shape
-                self._replay(armed, (x, out), (ptrs[0], out.data_ptr()))
-                return out
+        # (a call like an earlier one replays its graph at once; the note: the result's shape)
+        key, result = self._replayed_out(self._next_set, (x,), out, lambda a: x.new_empty(a.note))
+        if result is not None:
+            return result
         self._begin()
         w = self.world_size
         self._check_tensor("x", x, max_numel=w * self.max_numel, numel_multiple=w)
@@ -253,7 +249,7 @@ class ReduceScatter(AlternatingSets, OpContext):
         self._begin_call(graphed=True, numel=x.numel(), method=self.method)
         self._enqueue(self.method, lambda: self._reduce_scatter(x, out, m), x, out)
         self._end()
-        self._arm(key, shape)  # (key None where out= was given)
+        self._arm(key, shape)
         return out
 
     def _reduce_scatter(self, x: torch.Tensor, out: torch.Tensor, m: int) -> None:
@@ -357,14 +353,10 @@ class AllReduce(OpContext):
             self.reduced = self._track(symm_empty((self.max_numel,), dtype, group))
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        key = None
-        if out is None:  # (a call like an earlier one replays its graph at once)
-            key, ptrs = replay_key(self._next_set, (x,))
-            armed = self._armed(key)
-            if armed is not None:
-                out = torch.empty_like(x)
-                self._replay(armed, (x, out), (ptrs[0], out.data_ptr()))
-                return out
+        # (a call like an earlier one replays its graph at once)
+        key, result = self._replayed_out(self._next_set, (x,), out, lambda _: torch.empty_like(x))
+        if result is not None:
+            return result
         self._begin()
         self._check_tensor("x", x, max_numel=self.max_numel)
         out = self._check_out(out, x.shape)
@@ -373,7 +365,7 @@ class AllReduce(OpContext):
         self._begin_call(graphed=True, numel=x.numel(), method=self.method)
         self._enqueue(self.method, lambda: self._all_reduce(x, out), x, out)
         self._end()
-        self._arm(key)  # (key None where out= was given)
+        self._arm(key)
         return out
 
     def _all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> None:

@@ -80,11 +80,10 @@ class GemmAR(ScatterGemm):
         return result if out is None else out
 
     def __call__(self, a, b, bias=None, out=None):
-        key = None
-        if out is None:  # (a call like an earlier one replays its graph at once)
-            key, result = self._replayed(a, b, bias, None)
-            if result is not None:
-                return result
+        # (a call like an earlier one replays its graph at once)
+        key, result = self._replayed(a, b, bias, None, out)
+        if result is not None:
+            return result
         self._check_call(a, b, bias, self.max_m)
         self._rows_check(a)
         m, n = a.shape[0], b.shape[1]
@@ -102,7 +101,7 @@ class GemmAR(ScatterGemm):
             result = self._overlapped_call(strategy, a, b, bias, out)
         self.last_strategy = strategy
         self._end()
-        self._arm_call(key, strategy, result)  # (key None where out= was given)
+        self._arm_call(key, strategy, None if out is not None else result)
         return result
 
 

@@ -128,31 +128,38 @@ class OverlappedGemm(OpContext):
         return plan
 
     # ------------------------------------------------------------------ replayed calls
-    def _replayed(self, a, b, bias, rows: tuple[int, int] | None):
-        """The short path of an eager call without ``out`` (``OpContext._armed``): a call
-        like one that went the whole way replays its graph at once, into a fresh output of
-        ``a``'s rows times ``rows[0] / rows[1]`` (None: the op's own result buffer, kept
-        in the armed note). Returns ``(key, result)``: ``result`` None where the call must
-        go the whole way, which then arms ``key`` (:meth:`_arm_call`)."""
+    def _replayed(self, a, b, bias, rows: tuple[int, int] | None, out=None):
+        """The short path of an eager call (``OpContext._armed``): a call like one that went
+        the whole way replays its graph at once, into ``out`` where given, else into a
+        fresh output of ``a``'s rows times ``rows[0] / rows[1]`` (None: the op's own
+        result buffer, kept in the armed note). Returns ``(key, result)``: ``result`` None
+        where the call must go the whole way, which then arms ``key`` (:meth:`_arm_call`).
+        The key holds ``out``'s dtype, shape, strides, device and alignment: all that the
+        checks of ``out`` read."""
         operands = (a, b) if bias is None else (a, b, bias)
-        key, ptrs = replay_key(self._next_set, operands)
+        if out is not None:
+            operands += (out,)
+        key, ptrs = replay_key((self._next_set, bias is not None), operands)
         armed = self._armed(key)
         if armed is None or self._switches(armed.note[0]):
             return key, None
         strategy, result = armed.note
-        out = None
-        if rows is not None:
+        p_out = None
+        if out is not None:
+            result, p_out = out, ptrs[-1]
+        elif rows is not None:
             m = a.shape[0] * rows[0] // rows[1]
             out = result = torch.empty(m, b.shape[1], dtype=self.dtype, device=self.group.device)
+            p_out = out.data_ptr()
         p_bias = None if bias is None else ptrs[2]
-        ptrs = (ptrs[0], ptrs[1], p_bias, None if out is None else out.data_ptr())
-        self._replay(armed, (a, b, bias, out), ptrs)
+        self._replay(armed, (a, b, bias, out), (ptrs[0], ptrs[1], p_bias, p_out))
         self.last_strategy = strategy
         return key, result
 
     def _arm_call(self, key, strategy: str, result=None) -> None:
-        """After a call without ``out`` that went the whole way: ``_arm`` its key, noting
-        the strategy it ran and (``result``) the op's own result buffer it returned."""
+        """After a call that went the whole way: ``_arm`` its key, noting the strategy it
+        ran and (``result``, for a call without ``out``) the op's own result buffer it
+        returned."""
         self._arm(key, (strategy, result))
 
     def _switches(self, strategy: str) -> bool:

@@ -442,9 +442,10 @@ def _short_path_body(group):
     """The short path's Python on the CPU backend (no graphs there: a stand-in armed by
     hand for this call's key): a dispatch like the armed one launches it with its operands
     and their addresses and returns the handle of this call; a combine without ``out``
-    launches with a fresh output of the tokens' shape; a call of another dtype, one with
-    ``out=``, one after the context failed or closed, and one while a fault is pending go
-    the whole way (each raising as that way does)."""
+    launches with a fresh output of the tokens' shape, and one with ``out=`` into that
+    ``out`` where its key (with ``out``'s) was armed; a call of another dtype, an ``out``
+    of another alignment, one after the context failed or closed, and one while a fault is
+    pending go the whole way (each raising as that way does)."""
     from interlace.errors import ContextClosedError, ContextFailedError
     from interlace.ops._context import Armed, replay_key
     from interlace.ops.ep import EPLowLatency
@@ -476,8 +477,16 @@ def _short_path_body(group):
     assert y.shape == (4, 16) and y.dtype == torch.bfloat16
     expect_error(InterlaceTypeError, "dtype", ctx.dispatch, x.float(), idx, wts)
     out = torch.empty(4, 16, dtype=torch.bfloat16, device=dev)
-    assert ctx.combine(eo, ctx.dispatch(x, idx, wts), out=out) is out  # (out=: whole way)
+    assert ctx.combine(eo, ctx.dispatch(x, idx, wts), out=out) is out  # (not armed: whole way)
     assert len(graph.launches) == 3  # that dispatch was replayed; its combine was not
+    ctx._replays[replay_key(("combine", 4), (eo, out))[0]] = armed
+    out2 = torch.empty_like(out)
+    assert ctx.combine(eo, ctx.dispatch(x, idx, wts), out=out2) is out2
+    assert graph.launches[-1] == ((eo, out2), (eo.data_ptr(), out2.data_ptr()))
+    assert len(graph.launches) == 5
+    odd = torch.empty(4 * 16 + 2, dtype=torch.bfloat16, device=dev)[2:].view(4, 16)
+    assert ctx.combine(eo, ctx.dispatch(x, idx, wts), out=odd) is odd  # another alignment
+    assert len(graph.launches) == 6 and graph.launches[-1][0][0] is x  # (its dispatch)
     key = replay_key("dispatch", (x, idx, wts))[0]
     assert ctx._armed(key) is armed
     ctx.error.words[0] = 1  # a fault pending: the whole way, which raises it
@@ -488,7 +497,7 @@ def _short_path_body(group):
     ctx._failed = None
     ctx.close()
     expect_error(ContextClosedError, "closed", ctx.dispatch, x, idx, wts)
-    assert len(graph.launches) == 3
+    assert len(graph.launches) == 6
     return True
 
 
@@ -771,7 +780,8 @@ def _replayed_body(group, low_latency):
     boundary, 2 bytes past (low latency: raised before launch, its kernels move 4-byte
     words), a wrong dtype (raised before launch on every rank), an out-of-range expert
     id (replayed, found on the device, raised on every rank by the next call), a call
-    captured in a user's CUDA graph; and the short path again after each."""
+    captured in a user's CUDA graph; and the short path again after each. Combines into a
+    fresh NaN-filled ``out=`` each call take it too (each replay re-points the graph)."""
     from interlace.ops.ep import EPLowLatency
 
     gen = torch.Generator().manual_seed(41 + group.rank)
@@ -781,15 +791,18 @@ def _replayed_body(group, low_latency):
     ctx = cls(group, n, hidden, w * e_loc, topk)
     with ctx, counting(ctx, "_replay") as replayed:
 
-        def calls(count, m=n, **kw):
+        def calls(count, m=n, poison_out=False, **kw):
             before = len(replayed)
             for i in range(count):
-                check(group, ctx, gen, ("random", "skewed")[i % 2], m, poison_out=False, **kw)
+                check(group, ctx, gen, ("random", "skewed")[i % 2], m, poison_out=poison_out, **kw)
             return len(replayed) - before
 
         # calls 1 and 2 of a kind go the whole way (run, then capture): then dispatch and
         # combine both replay directly
         assert calls(5) == 2 * 3
+        # combine with out=: its first call goes the whole way (replaying the same graph,
+        # it arms a key that holds out's), the next ones replay directly into their out
+        assert calls(4, poison_out=True) == 4 + 3
         assert calls(3, n - 3 - group.rank) == 2 * 1  # another token count: a new kind
         # another alignment: a new kind of dispatch (its combine replays throughout)
         assert calls(3, offset=4) == 1 + 3

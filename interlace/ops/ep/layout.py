@@ -166,22 +166,19 @@ class EPCallChecks:
         return key, x.shape[0]
 
     def _replayed_combine(self, expert_out, handle, out, handle_type):
-        """The short path of a combine without ``out`` (``OpContext._armed``): ``(key,
-        result)``, ``result`` None where the call must go the whole way (then arming
-        ``key``, None where it may not: ``out`` given, a handle not of the latest dispatch,
-        no tokens)."""
-        if out is not None or type(handle) is not handle_type or not handle.num_tokens:
+        """The short path of a combine (``OpContext._armed``): ``(key, result)``, ``result``
+        None where the call must go the whole way (then arming ``key``, None where it may
+        not: a handle not of the latest dispatch, no tokens). ``out`` where given is in the
+        key (its dtype, shape, strides, device and alignment: all its checks read), else
+        the result is a fresh tensor."""
+        if type(handle) is not handle_type or not handle.num_tokens:
             return None, None
-        n, last = handle.num_tokens, self._dispatched
+        last = self._dispatched
         if last is None or handle.call != last[0]:
             return None, None
-        key, ptrs = replay_key(("combine", n), (expert_out,))
-        armed = self._armed(key)
-        if armed is None:
-            return key, None
-        out = torch.empty(n, self.hidden, dtype=self.dtype, device=self.group.device)
-        self._replay(armed, (expert_out, out), (*ptrs, out.data_ptr()))
-        return key, out
+        n, hidden = handle.num_tokens, self.hidden
+        fresh = lambda _: torch.empty(n, hidden, dtype=self.dtype, device=self.group.device)  # noqa: E731
+        return self._replayed_out(("combine", n), (expert_out,), out, fresh)
 
     def _bad_index_error(self, rank: int, slot: int, what: str):
         """The error of an expert id outside [-1, experts), found alike on every rank
