@@ -6,7 +6,8 @@ On one GPU: (1) a world of one rank (every kernel of the op with its waits met a
 GPU time of dispatch, combine and the MoE layer against the ``none`` baseline
 (``all_to_all_single`` + ``torch._grouped_mm``) and the host time of an eager call
 (replayed from a CUDA graph) as ``bench host`` measures it: ``host_us`` in a loop of calls,
-``host_cold_us`` alone after a barrier, each step of the call path (``host_<step>_us``),
+``host_cold_us`` alone after a barrier, combine into a given ``out`` (``host_out_us``), each
+step of the call path (``host_<step>_us``),
 ``torch.mm``'s host time beside it; and of a user-captured graph's replay; (2) a world of two
 ranks sharing the GPU: the same calls' times (the ranks' kernels time-slice one GPU, so
 these check the protocol under load, not NVLink speed). With two or more GPUs, one rank
@@ -51,6 +52,7 @@ class _Times:
     combine_us: float | None = None
     dispatch_cold_us: float | None = None
     combine_cold_us: float | None = None
+    combine_out_us: float | None = None  # combine into a given ``out``
     graph_ms: float | None = None
     graph_us: float | None = None
     #: host time of each step of the eager call path (``host.step_times``)
@@ -72,6 +74,8 @@ def _times(group, ctx, x, idx, wts, eo, iters, host=True) -> _Times:
     h = ctx.dispatch(x, idx, wts)
     t.combine_us = host_us(group, lambda: ctx.combine(eo, h), iters)
     t.combine_cold_us = host_cold_us(group, lambda: ctx.combine(eo, h), iters)
+    out = torch.empty_like(ctx.combine(eo, h))
+    t.combine_out_us = host_us(group, lambda: ctx.combine(eo, h, out=out), iters)
     t.dispatch_steps = step_times(ctx, lambda c: c.dispatch(x, idx, wts), iters)
     h = ctx.dispatch(x, idx, wts)
     t.combine_steps = step_times(ctx, lambda c: c.combine(eo, h), iters)
@@ -158,7 +162,7 @@ def _one_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
                  **t.dispatch_steps)  # fmt: skip
     rec_c = dict(op="ep_combine", strategy="symm", **base, t_ms=t.combine_ms,
                  host_us=t.combine_us, host_cold_us=t.combine_cold_us,
-                 **t.combine_steps)  # fmt: skip
+                 host_out_us=t.combine_out_us, **t.combine_steps)  # fmt: skip
     rec_g = dict(op="ep_dispatch_combine", strategy="graph", **base, t_ms=t.graph_ms,
                  host_us=t.graph_us)  # fmt: skip
     nbytes = tokens * hidden * 2 * (topk if experts == w else _ranks_per_token(idx, e_loc))
@@ -231,6 +235,8 @@ def _ll_shape(group, shape, with_none: bool, iters: int) -> list[dict]:
             rec = dict(op=op, strategy=protocol, mode="low_latency", **base, t_ms=t_ms,
                        host_us=host, host_cold_us=cold, t_normal_ms=t_norm,
                        algbw_gbps=nbytes / (t_ms * 1e-3) / 1e9, **steps)  # fmt: skip
+            if op == "ep_combine":
+                rec["host_out_us"] = t.combine_out_us
             if with_none:
                 rec["t_nccl_ms"] = t_nd if op == "ep_dispatch" else t_nc
             recs.append(rec)
@@ -254,8 +260,9 @@ def _merge(per_rank: list[list[dict]]) -> list[dict]:
     out = []
     for recs in zip(*per_rank):
         rec = dict(recs[0])
-        for k in ("t_ms", "host_us", "host_cold_us", "host_torch_mm_us", "host_torch_mm_cold_us",
-                  "t_nccl_ms", "t_none_ms", "t_serial_ms", "t_normal_ms"):  # fmt: skip
+        for k in ("t_ms", "host_us", "host_cold_us", "host_out_us", "host_torch_mm_us",
+                  "host_torch_mm_cold_us", "t_nccl_ms", "t_none_ms", "t_serial_ms",
+                  "t_normal_ms"):  # fmt: skip
             vals = [r.get(k) for r in recs if r.get(k) is not None]
             if vals:
                 rec[k] = max(vals)
@@ -314,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     results += recs
     print(
         f"{'op':20s} {'mode/strategy':24s} {'W':>2s} {'tok':>4s} {'t_ms':>8s} {'normal':>8s} "
-        f"{'nccl/none':>9s} {'host_us':>8s} {'cold':>6s} {'mm':>5s}"
+        f"{'nccl/none':>9s} {'host_us':>8s} {'cold':>6s} {'out=':>6s} {'mm':>5s}"
     )
     for r in results:
         cols = []
@@ -323,12 +330,13 @@ def main(argv: list[str] | None = None) -> int:
             cols.append("-" if v is None else f"{v:.3f}")
         host_s = [
             "-" if r.get(k) is None else f"{r[k]:.1f}"
-            for k in ("host_us", "host_cold_us", "host_torch_mm_us")
+            for k in ("host_us", "host_cold_us", "host_out_us", "host_torch_mm_us")
         ]
         tag = f"{r.get('mode', MODE)}/{r['strategy']}" + ("/sh" if r.get("shared_gpu") else "")
         print(
             f"{r['op']:20s} {tag:24s} {r['as_world']:2d} {r['tokens']:4d} {r['t_ms']:8.3f} "
-            f"{cols[0]:>8s} {cols[1]:>9s} {host_s[0]:>8s} {host_s[1]:>6s} {host_s[2]:>5s}"
+            f"{cols[0]:>8s} {cols[1]:>9s} {host_s[0]:>8s} {host_s[1]:>6s} {host_s[2]:>6s} "
+            f"{host_s[3]:>5s}"
         )
     return 0
 
