@@ -4,7 +4,7 @@ the public shape table (docs/design.md, "Measuring") for the given world sizes.
     python benchmarks/probes/tune_gemm.py --worlds 2 4 --out DIR [--emit]
 
 Prints, per shape, cuBLAS time and each config's time and writes ``gemm_tuning.json``;
-``--emit`` writes the best configs into ``interlace/tune/configs/gemm.json`` (what
+``--emit`` writes the best configs into ``interlace/ops/configs/gemm.json`` (what
 ``interlace.ops.segment_gemm.gemm_config`` reads). Correctness of every config is checked
 against a float32 reference first.
 """
@@ -20,8 +20,8 @@ import statistics
 import torch
 
 from interlace.bench.timing import pipelined_median_ms
+from interlace.ops.configs import GEMM_FIELDS, write_gemm_configs
 from interlace.ops.segment_gemm import GemmConfig, matmul
-from interlace.tune.configs import GEMM_FIELDS, write_gemm_configs
 
 MODELS = {"llama-7b": (4096, 11008), "llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}
 
@@ -55,7 +55,7 @@ CANDIDATES = [
 
 def emit_table(results, device: str):
     """Write the best config per shape (where it is not the default) to
-    ``interlace/tune/configs/gemm.json``."""
+    ``interlace/ops/configs/gemm.json``."""
     table = {}
     for r in results:
         best = r["best"]
@@ -66,7 +66,7 @@ def emit_table(results, device: str):
     about = (
         f"Best segment-GEMM tile config per (m, n, k), measured on one {device} by "
         "benchmarks/probes/tune_gemm.py (regenerate with its --emit). Read by "
-        "interlace.tune.configs."
+        "interlace.ops.configs."
     )
     print(f"wrote {write_gemm_configs(table, about)}")
 
@@ -76,7 +76,7 @@ def main():
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument(
-        "--emit", action="store_true", help="write the best configs to tune/configs/gemm.json"
+        "--emit", action="store_true", help="write the best configs to ops/configs/gemm.json"
     )
     args = ap.parse_args()
     torch.manual_seed(0)

@@ -30,7 +30,7 @@ from .timing import graph_of, max_over_ranks, median_ms, paired_median_ms
 #: model -> (hidden H, intermediate I)
 MODELS = {"llama-7b": (4096, 11008), "llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}
 #: (hidden, intermediate) of models outside the public table, whose per-rank GEMMs the
-#: tuned configs (``tune/configs/gemm.json``) do not hold: ``bench kernels --models``
+#: tuned configs (``ops/configs/gemm.json``) do not hold: ``bench kernels --models``
 #: takes them to check the configs chosen for shapes nobody tuned
 OTHER_MODELS = {"qwen2-7b": (3584, 18944), "llama2-13b": (5120, 13824)}
 MS = (2048, 8192)

@@ -15,7 +15,7 @@ Strategies common to the three (``strategy=``; each op's module lists its own):
 * ``none``: cuBLAS + NCCL back to back: the baseline, and the fallback.
 * ``auto``: ``fused`` (GEMM+RS / GEMM+AR on large problems: ``ce_fused``), unless the
   cost model says overlap cannot pay for its extra synchronisation (small problems): then
-  ``none``. The thresholds are one table, :mod:`interlace.tune.policy`. ``last_strategy``
+  ``none``. The thresholds are one table, :mod:`interlace.ops.policy`. ``last_strategy``
   says which ran.
 
 Eager calls (``eager_graphs``, on by default where the driver allows): each kind of call is
@@ -33,15 +33,15 @@ from __future__ import annotations
 import torch
 
 from ..errors import InterlaceValueError
-from ..tune.policy import OverlapPolicy, estimate_us, lookup
 from . import segment_gemm
 from ._context import OpContext, replay_key
+from .policy import OverlapPolicy, estimate_us, lookup
 from .segment_gemm import MAX_SPLIT, GemmConfig
 
 
 class OverlappedGemm(OpContext):
     """Shared by AG+GEMM, GEMM+RS and GEMM+AR: the capacity checks, the strategy a call
-    runs (``auto``: :mod:`interlace.tune.policy`), the tile config, the plan caches and
+    runs (``auto``: :mod:`interlace.ops.policy`), the tile config, the plan caches and
     the call checks. ``policy`` overrides the table's entry for this op and world size."""
 
     STRATEGIES: tuple[str, ...] = ("auto", "fused", "none")

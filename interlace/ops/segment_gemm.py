@@ -23,10 +23,10 @@ from ..kernels.gemm import (
     gemm_segments_kernel,
 )
 from ..runtime.signals import ERROR_WORDS
-from ..tune.configs import gemm_configs
 from . import _trace
 from ._context import cdiv, sm_count
 from ._launch import PreparedLaunch, install_scratch_allocator
+from .configs import gemm_configs
 
 KINDS = {
     "store": KIND_STORE.value,
@@ -85,7 +85,7 @@ def _device_sms(device_index: int) -> int:
 
 
 def gemm_config(m: int, n: int, k: int, backend: str = "cuda") -> GemmConfig:
-    """The tile config for a GEMM shape: the tuned one (``tune/configs/gemm.json``,
+    """The tile config for a GEMM shape: the tuned one (``ops/configs/gemm.json``,
     measured on an H200), else the wave model (:func:`modelled_config`) for this GPU's SM
     count. A function of the shape and the GPU model only, so every rank picks the same
     config without talking (the tile grid defines the signal counts)."""

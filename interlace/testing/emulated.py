@@ -32,8 +32,8 @@ from ..ops import segment_gemm as _gemm
 from ..ops.ag_gemm import ag_layout
 from ..ops.gemm_rs import cef_layout
 from ..ops.gemm_rs.fused import fused_segments
+from ..ops.policy import lookup
 from ..runtime.signals import ERROR_WORDS
-from ..tune.policy import lookup
 
 SPINS = 1 << 22  # every wait is met before the launch; bounded all the same
 GO, DONE, ARRIVAL, PAD = 4, 8, 64, 4096  # signal slots (any layout that does not overlap)

@@ -329,7 +329,7 @@ def _auto_choice_body(group):
 def _big_pick(op: str, w: int) -> str:
     """What ``auto`` overlaps LLaMA-7B at M 8192 with: ``ce_fused`` when the GEMM,
     estimated at 650 TFLOP/s, reaches the op's floor for this world size."""
-    from interlace.tune.policy import lookup
+    from interlace.ops.policy import lookup
 
     floor = lookup(op, w).ce_fused_min_gemm_us
     gemm_us = 2.0 * 8192 * 4096 * (11008 // w) / 650e6
@@ -354,7 +354,7 @@ def _auto_switch_body(group, calls):
     """GEMM+RS ``auto`` moving between ``fused`` (smaller calls) and ``ce_fused`` (larger
     ones) on one context: every call right, whatever ran before it (the two share
     buffers and signal slots; a switch runs a barrier first)."""
-    from interlace.tune.policy import lookup
+    from interlace.ops.policy import lookup
 
     w, r = group.world_size, group.rank
     m_loc, n, k = _shapes(group)[0]

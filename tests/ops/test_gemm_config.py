@@ -78,7 +78,7 @@ def test_the_outside_models_are_outside_the_tuned_table():
     """``bench kernels --models qwen2-7b,llama2-13b`` times shapes no config was tuned for
     (so their configs come from the wave model)."""
     from interlace.bench.dense import OTHER_MODELS, model_shape
-    from interlace.tune.configs import gemm_configs
+    from interlace.ops.configs import gemm_configs
 
     shapes = [model_shape(op, model, m, w) for op in ("ag_gemm", "gemm_rs") for model in
               OTHER_MODELS for m in (2048, 8192) for w in (2, 4, 8)]  # fmt: skip

@@ -1,9 +1,8 @@
 """Data that steers the ops, kept as JSON beside this reader.
 
 ``gemm.json``: the best segment-GEMM tile config per ``(m, n, k)``, measured on one H200
-(``benchmarks/probes/tune_gemm.py --emit`` writes it). The reader returns plain dicts so
-that this module imports nothing from the layers below it (``ops.segment_gemm`` turns them
-into its ``GemmConfig``).
+(``benchmarks/probes/tune_gemm.py --emit`` writes it). The reader returns plain dicts
+(``ops.segment_gemm`` turns them into its ``GemmConfig``).
 """
 
 from __future__ import annotations

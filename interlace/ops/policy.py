@@ -10,7 +10,7 @@ each strategy uses by default.
 
 Every entry names the results that back it (files under ``benchmarks/results/``; the
 ratios are time / bound, where bound = max(GEMM alone, communication alone)). The table is
-data only: this module imports nothing from interlace, so the ops may read it.
+data only: this module imports nothing from interlace.
 """
 
 from __future__ import annotations
