@@ -36,8 +36,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .. import tune
 from ..ops.signal_reorder import SignalReorderGemmAR, default_partition, launch_rows, rms_norm
+from ..tune import search
 from .dense import rel_err
 from .timing import graph_of, max_over_ranks, median_ms
 
@@ -113,7 +113,7 @@ def _pick_context(group, m, n, k, dtype, a, b, comm_sms, iters, warmup, timed):
     for sms in candidates:
         ctx = _context(group, m, n, k, dtype, sms)
         try:
-            mdl = tune.measure_model(ctx, m, a=a, b=b, iters=iters if timed else 1,
+            mdl = search.measure_model(ctx, m, a=a, b=b, iters=iters if timed else 1,
                                      warmup=warmup if timed else 0, use_cache=False)  # fmt: skip
             predicted, part = mdl.best_predicted()
             if not timed:  # the CPU check covers the overlapped path, whatever the model says
@@ -220,11 +220,11 @@ def _shape_records(group, model, m, n, k, dtype_name, iters, warmup, grade_limit
 def _predictor_record(ctx, mdl, model, m, n, k, dtype_name, a, b, limit, iters, warmup):
     """Predicted against measured time over up to ``limit`` partitions (all of them when
     there are fewer; else the predictor's favourites and a spread of the rest)."""
-    cands = tune.exhaustive_candidates(mdl, limit)
-    rows = tune.grade(ctx, m, cands, model=mdl, a=a, b=b, iters=iters, warmup=2)
+    cands = search.exhaustive_candidates(mdl, limit)
+    rows = search.grade(ctx, m, cands, model=mdl, a=a, b=b, iters=iters, warmup=2)
     best = min(rows, key=lambda r: r["measured_ms"])
     chosen = rows[0]  # candidates come best predicted first
-    ablation = {name: _r(err) for name, err in tune.errors_without(mdl, rows).items()}
+    ablation = {name: _r(err) for name, err in search.errors_without(mdl, rows).items()}
     return {
         "op": "signal_reorder_predictor", "strategy": "signal_reorder", "model": model,
         "dtype": dtype_name, "M": m, "N": n, "K": k, "n_waves": mdl.layout.n_waves,
@@ -236,7 +236,7 @@ def _predictor_record(ctx, mdl, model, m, n, k, dtype_name, a, b, limit, iters, 
             {"partition": r["partition"], "predicted_ms": _r(r["predicted_ms"]),
              "measured_ms": _r(r["measured_ms"])} for r in rows
         ],
-        "mean_abs_err": _r(tune.mean_abs_error(rows)),
+        "mean_abs_err": _r(search.mean_abs_error(rows)),
         "mean_abs_err_without": ablation,
         # t_ms: what following the predictor gives (every record has one: docs/design.md,
         # "Measuring")

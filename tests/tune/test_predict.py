@@ -14,11 +14,11 @@ import pytest
 
 from interlace.errors import InterlaceValueError
 from interlace.ops.signal_reorder import Layout
-from interlace.tune import (
+from interlace.tune import cache
+from interlace.tune.search import (
     CommCurve,
     Model,
     best_partition,
-    cache,
     comm_time,
     enumerate_partitions,
     errors_without,
