@@ -134,8 +134,13 @@ class Emulated:
             single=mode in ("rs_fused", "ar_fused"),
         )  # fmt: skip
         ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)  # noqa: E731
+        # ``fused`` pushes a partial to owner ``q`` through the receive buffers' pointer
+        # table, at ``recv + (table[q] - table[rank])``: the peers' entries are the
+        # stand-in and this rank's is ``recv`` itself, so that pushes land in the stand-in
+        # (with one stand-in in every entry they landed in ``recv``'s own slot)
         pushed_to = self.peer_recv if mode in ("rs_fused", "ar_fused") else self.recv
-        self._keep = (ptrs(self.pads), ptrs(self.results), ptrs([pushed_to] * world))
+        recv_table = [self.recv if q == rank else pushed_to for q in range(world)]
+        self._keep = (ptrs(self.pads), ptrs(self.results), ptrs(recv_table))
         signals = _gemm.Signals(
             sig=sig, err=self.err.data_ptr(), rank=rank, max_spins=SPINS, world=world,
             sig_table=None if mode in ("plain", "ag") else self._keep[0],

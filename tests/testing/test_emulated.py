@@ -69,3 +69,28 @@ def test_emulated_rejects_unknown_mode():
 
     with pytest.raises(ValueError, match="mode must be one of"):
         Emulated(2, 0, 64, 32, 32, "bogus", device=torch.device("cpu"))
+
+
+def _pushes_body(group):
+    from interlace.testing.emulated import Emulated
+
+    dev = group.device
+    m_loc, n, k = (32, 40, 24) if group.backend == "cpu" else (512, 520, 264)
+    moved = {}
+    for mode in ("rs_fused", "ar_fused"):
+        emu = Emulated(3, 1, 3 * m_loc, n, k, mode, device=dev, one_loop=None)
+        before = emu.recv.clone()
+        emu.peer_recv.fill_(float("nan"))
+        emu.check()
+        pushed = emu.peer_recv[1]  # this rank's slot of the owners' (stand-in) buffers
+        moved[mode] = (bool(torch.equal(emu.recv, before)), bool(torch.isfinite(pushed).all()))
+    return moved
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_emulated_fused_pushes_land_in_the_stand_in(backend):
+    """``fused``'s partial tiles for other ranks go to the stand-in of their buffers: this
+    rank's receive buffer, which holds the peers' partials it reduces, stays untouched,
+    and every row of this rank's slot in the stand-in is written."""
+    for moved in get_world(backend, 1).run(_pushes_body):
+        assert moved == {"rs_fused": (True, True), "ar_fused": (True, True)}
