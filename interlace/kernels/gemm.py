@@ -21,15 +21,6 @@ Segment kinds (the epilogue):
 * ``KIND_REDUCE``: rows this rank owns: wait until every peer has pushed all its tiles of
   the chunk, add their partials in fp32, add bias, store into ``c`` (reduce-scatter) or into
   every rank's output and release-add each peer's broadcast counter (all-reduce).
-* ``KIND_SPREAD`` (``SPREAD_REDUCE``): rows this rank owns, reduced by every program after
-  the tiles: the row has no tiles; the chunk's own partial tiles are a ``KIND_PUSH``
-  segment into this rank's own slot of the receive buffer (counted in ``SEG_OWN_SLOT``).
-  Once all tiles are done, the programs share the chunk's sums in units of
-  ``SPREAD_M x SPREAD_N`` elements (each waits for the peers' counters and the own one,
-  adds the ``WORLD`` partials in fp32 in rank order, adds bias and stores or broadcasts;
-  all-reduce: each program release-adds its units of the chunk to each peer's broadcast
-  counter), instead of a quarter of the programs reducing whole tiles while the rest
-  sit idle.
 
 Segment table: int32 ``[n_segments, SEG_COLS]``; the columns are named below.
 """
@@ -73,12 +64,6 @@ KIND_STORE = tl.constexpr(0)
 KIND_PUSH = tl.constexpr(1)
 KIND_REDUCE = tl.constexpr(2)
 KIND_STORE_OWN = tl.constexpr(3)  # as KIND_STORE, but A's rows come from ``a_own`` (no copy)
-KIND_SPREAD = tl.constexpr(4)  # own rows reduced by all programs after the tiles (no tiles)
-#: the units of the spread reduction: 16 x 256 elements, every source's loads of a unit in
-#: flight together (8 registers each per thread with 8 warps)
-SPREAD_M = tl.constexpr(16)
-SPREAD_N = tl.constexpr(256)
-SPREAD_MAX_ROWS = tl.constexpr(128)  # table rows of a launch with spread rows, at most
 
 # Segment table columns.
 SEG_TILE0 = tl.constexpr(0)  # global index of the segment's first tile
@@ -93,8 +78,7 @@ SEG_WAIT_EXPECTED = tl.constexpr(8)
 SEG_NOTIFY = tl.constexpr(9)  # slot to release-add on the owner (push) / on peers (broadcast)
 SEG_FINAL_SLOT = tl.constexpr(10)  # all-reduce: local slot the owner's broadcast raises
 SEG_FINAL_EXPECTED = tl.constexpr(11)  # all-reduce: broadcast count this rank must receive
-SEG_OWN_SLOT = tl.constexpr(12)  # ``KIND_SPREAD``: local counter of the own partial's tiles
-SEG_COLS = tl.constexpr(13)
+SEG_COLS = tl.constexpr(12)
 
 
 @triton.jit
@@ -171,14 +155,10 @@ def _mma(
 
 
 @triton.jit
-def _add_bias(
-    acc, bias, col, N, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, enabled=True, cols=None
-):
-    """``acc + bias`` where ``enabled`` (partial sums get the bias once, at the owner);
-    ``cols``: the tile's columns (default ``col + arange(BLOCK_N)``)."""
+def _add_bias(acc, bias, col, N, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, enabled=True):
+    """``acc + bias`` where ``enabled`` (partial sums get the bias once, at the owner)."""
     if HAS_BIAS:
-        if cols is None:
-            cols = col + tl.arange(0, BLOCK_N)
+        cols = col + tl.arange(0, BLOCK_N)
         b = tl.load(bias + cols, mask=(cols < N) & enabled, other=0.0)
         acc += b.to(tl.float32)[None, :]
     return acc
@@ -207,7 +187,7 @@ def gemm_segments_kernel(
     EXIT_CLEAR: tl.constexpr = False, NOTIFY_STORES: tl.constexpr = False,
     STAGE_PUSHES: tl.constexpr = False, ONE_LOOP: tl.constexpr = False,
     COUNT_UNIT: tl.constexpr = 1, PEER_LOADS: tl.constexpr = 1,
-    SPREAD_REDUCE: tl.constexpr = False, TRACE: tl.constexpr = False, tbuf=None,
+    TRACE: tl.constexpr = False, tbuf=None,
 ):  # fmt: skip
     """See the module docstring. ``a_own`` ([own_rows, K]) is read by ``KIND_STORE_OWN``;
     ``recv`` ([WORLD, recv_rows, N], symmetric, table ``recv_table``) receives partials;
@@ -241,8 +221,6 @@ def gemm_segments_kernel(
       or reduced tile adds ``COUNT_UNIT`` (the launch's ``num_warps``) to its counter.
       Its reduce tiles load their peers' partials ``PEER_LOADS`` peers at a time (those
       loads in flight together; ``segment_gemm.peer_loads`` picks it).
-    * ``SPREAD_REDUCE``: after the segments' tiles, every program takes its units of the
-      ``KIND_SPREAD`` rows (:func:`_spread_reduce`).
 
     There is one main loop for every kind: only the epilogue branches. (A second
     instantiation of the pipelined loop, e.g. one per A source, cost 35 % on an H200.)"""
@@ -294,8 +272,6 @@ def gemm_segments_kernel(
             rows = tl.load(row_of + SEG_ROWS)
             kind = tl.load(row_of + SEG_KIND)
             seg_mt = tl.cdiv(rows, BLOCK_M)
-            if SPREAD_REDUCE:  # a spread row has no tiles
-                seg_mt = tl.where(kind == KIND_SPREAD, 0, seg_mt)
             end = tile0 + seg_mt * tiles_n
             first = _first_tile(tile0, pid, n_prog)
             if first < end:
@@ -399,10 +375,7 @@ def gemm_segments_kernel(
                     if kind == KIND_PUSH:
                         if USE_TMA:
                             bulk_stores_done()
-                        if STAGE_PUSHES or owner == rank:  # read on this GPU only
-                            notify(owner_sig, mine, ADD=True, LOCAL=True)
-                        else:
-                            notify(owner_sig, mine, ADD=True)
+                        notify(owner_sig, mine, ADD=True, LOCAL=STAGE_PUSHES)
                         trace_event(TRACE, tbuf, EV_NOTIFY, first, s, owner)
                     if BROADCAST:
                         if kind == KIND_REDUCE:
@@ -424,11 +397,6 @@ def gemm_segments_kernel(
                         mine = (end - first + n_prog - 1) // n_prog
                         notify(sig + notify_slot, mine, ADD=True, LOCAL=True)
                         trace_event(TRACE, tbuf, EV_NOTIFY, first, s, rank)
-    if SPREAD_REDUCE:
-        _spread_reduce(
-            c, bias, recv, recv_rows, out_table, seg, n_seg, sig, sig_table, err, rank,
-            max_spins, N, pid, n_prog, WORLD, HAS_BIAS, BROADCAST,
-        )  # fmt: skip
     if BROADCAST:
         # The last program also waits for every peer's broadcast of the rows it owns, so
         # the kernel ends only when the whole all-reduced output is in place on this rank.
@@ -446,79 +414,6 @@ def gemm_segments_kernel(
     trace_event(TRACE, tbuf, EV_END, 0, 0, 0)
     if EXIT_CLEAR:
         last_program_clears(sig, go_slot + 1, clear_first, clear_count)
-
-
-@triton.jit
-def _spread_reduce(
-    c, bias, recv, recv_rows, out_table, seg, n_seg, sig, sig_table, err, rank, max_spins, N,
-    pid, n_prog, WORLD: tl.constexpr, HAS_BIAS: tl.constexpr, BROADCAST: tl.constexpr,
-):  # fmt: skip
-    """The reduction of the ``KIND_SPREAD`` rows, shared by all programs: the units of
-    ``SPREAD_M x SPREAD_N`` elements of those rows, numbered across them in table order,
-    go to the programs round-robin. A program's first unit of a row waits for the peers'
-    counters (``SEG_WAIT_*``) and the own partial's (``SEG_OWN_SLOT``, same count); each
-    unit loads the ``WORLD`` partials of ``recv`` (slot ``p``: rank ``p``'s; this rank's
-    own in its own slot) all at once, adds them in fp32 in rank order (the sum does not
-    depend on which rank or program reduces) and the bias, and stores the rounded sum into
-    ``c`` at the owner's rows (reduce-scatter) or into every rank's output (all-reduce,
-    then one release-add of its units per peer's broadcast counter of the chunk). The
-    spread rows end the table, which has at most ``SPREAD_MAX_ROWS`` rows."""
-    out_ty = c.dtype.element_ty
-    units_n = tl.cdiv(N, SPREAD_N)
-    r = tl.arange(0, SPREAD_M)
-    # the spread rows are the table's last ones: find the first in one load, not one
-    # round trip per row
-    idx = tl.arange(0, SPREAD_MAX_ROWS)
-    kinds = tl.load(seg + idx * SEG_COLS + SEG_KIND, mask=idx < n_seg, other=-1)
-    u0 = 0  # first unit of the current row
-    for s in range(tl.min(tl.where(kinds == KIND_SPREAD, idx, n_seg)), n_seg):
-        row_of = seg + s * SEG_COLS
-        rows = tl.load(row_of + SEG_ROWS)
-        units = tl.where(tl.load(row_of + SEG_KIND) == KIND_SPREAD, tl.cdiv(rows, SPREAD_M), 0)
-        units *= units_n
-        first = _first_tile(u0, pid, n_prog)
-        if first < u0 + units:
-            # the peers' partials first (they land while this rank's last tiles run), then
-            # the own partial's counter, which the last own tile raises
-            expected = tl.load(row_of + SEG_WAIT_EXPECTED)
-            token = expected
-            wait_count = tl.load(row_of + SEG_WAIT_COUNT)
-            if wait_count > 0:  # (none in a world of one)
-                token = consumer_tile_wait(
-                    sig, tl.load(row_of + SEG_WAIT_FIRST), wait_count, expected, err, rank,
-                    max_spins,
-                )  # fmt: skip
-            seen = consumer_tile_wait(
-                sig, tl.load(row_of + SEG_OWN_SLOT), 1, expected, err, rank, max_spins
-            )
-            token = tl.minimum(token, seen)
-            row0 = tl.load(row_of + SEG_ROW0)
-            out_row0 = tl.load(row_of + SEG_OUT_ROW0)
-            for u in range(first, u0 + units, n_prog):
-                unit_row = ((u - u0) // units_n) * SPREAD_M
-                cols = ((u - u0) % units_n) * SPREAD_N + tl.arange(0, SPREAD_N)
-                mask = (unit_row + r < rows)[:, None] & (cols < N)[None, :]
-                in_unit = r[:, None] * N + cols[None, :]
-                ok = guard(mask, token, expected)
-                acc = tl.zeros((SPREAD_M, SPREAD_N), dtype=tl.float32)
-                for p in tl.static_range(WORLD):
-                    base = recv + (p * recv_rows + out_row0 + unit_row).to(tl.int64) * N
-                    acc += tl.load(base + in_unit, mask=ok, other=0.0).to(tl.float32)
-                val = rounded(_add_bias(acc, bias, 0, N, SPREAD_N, HAS_BIAS, cols=cols), out_ty)
-                for i in range(0, WORLD if BROADCAST else 1):
-                    q = (rank + i) % WORLD
-                    dst = c + (out_row0 + unit_row).to(tl.int64) * N
-                    if BROADCAST:
-                        dst = peer_ptr_aligned(c, out_table, rank, q)
-                        dst += (row0 + unit_row).to(tl.int64) * N
-                    tl.store(dst + in_unit, val, mask=mask)
-            if BROADCAST:
-                mine = (u0 + units - first + n_prog - 1) // n_prog
-                notify_slot = tl.load(row_of + SEG_NOTIFY)
-                for i in tl.static_range(1, WORLD):
-                    q = (rank + i) % WORLD
-                    notify(signal_base(sig_table, q) + notify_slot, mine, ADD=True)
-        u0 += units
 
 
 @triton.jit

@@ -17,13 +17,9 @@ from ..errors import InterlaceTypeError, InterlaceValueError
 from ..kernels.gemm import (
     KIND_PUSH,
     KIND_REDUCE,
-    KIND_SPREAD,
     KIND_STORE,
     KIND_STORE_OWN,
     SEG_COLS,
-    SPREAD_M,
-    SPREAD_MAX_ROWS,
-    SPREAD_N,
     gemm_segments_kernel,
 )
 from ..runtime.signals import ERROR_WORDS
@@ -37,7 +33,6 @@ KINDS = {
     "push": KIND_PUSH.value,
     "reduce": KIND_REDUCE.value,
     "store_own": KIND_STORE_OWN.value,
-    "spread": KIND_SPREAD.value,
 }
 
 
@@ -152,23 +147,10 @@ class Segment:
     notify: int = 0
     final_slot: int = 0
     final_expected: int = 0
-    own_slot: int = 0
 
 
 def tiles_of(rows: int, n: int, cfg: GemmConfig) -> int:
     return cdiv(rows, cfg.block_m) * cdiv(n, cfg.block_n)
-
-
-def seg_tiles(s: Segment, n: int, cfg: GemmConfig) -> int:
-    """The tiles the GEMM computes for segment ``s`` (a ``spread`` row has none: all
-    programs reduce it after the tiles)."""
-    return 0 if s.kind == "spread" else tiles_of(s.rows, n, cfg)
-
-
-def spread_units(rows: int, n: int) -> int:
-    """The units of the spread reduction of ``rows`` rows (``kernels.gemm.SPREAD_M`` x
-    ``SPREAD_N`` elements each): what a ``spread`` row's all-reduce broadcast counts."""
-    return cdiv(rows, SPREAD_M.value) * cdiv(n, SPREAD_N.value)
 
 
 def segment_table(segments: list[Segment], n: int, cfg: GemmConfig, device) -> torch.Tensor:
@@ -182,10 +164,9 @@ def segment_table(segments: list[Segment], n: int, cfg: GemmConfig, device) -> t
             [
                 tile0, s.row0, s.rows, KINDS[s.kind], s.owner, s.out_row0, s.wait_first,
                 s.wait_count, s.wait_expected, s.notify, s.final_slot, s.final_expected,
-                s.own_slot,
             ]
         )  # fmt: skip
-        tile0 += seg_tiles(s, n, cfg)
+        tile0 += tiles_of(s.rows, n, cfg)
     assert len(rows[0]) == SEG_COLS.value
     return to_device(torch.tensor(rows, dtype=torch.int32), device)
 
@@ -249,7 +230,7 @@ def count_unit(one_loop: OneLoop | None, cfg: GemmConfig) -> int:
 
 
 def total_tiles(segments: list[Segment], n: int, cfg: GemmConfig) -> int:
-    return sum(seg_tiles(s, n, cfg) for s in segments)
+    return sum(tiles_of(s.rows, n, cfg) for s in segments)
 
 
 def tma_ok(k: int, n: int, dtype: torch.dtype) -> bool:
@@ -316,12 +297,10 @@ class PeerStores:
     """Where the epilogue sends tiles besides ``c``. ``push``: partial tiles of other
     ranks' rows go to their owner's ``recv`` (``recv_table``: every rank's; ``recv_rows``
     rows per source), or, with ``stage``, into this local buffer, counted in local slots;
-    ``broadcast``: reduced tiles are stored into every rank's output (``out_table``);
-    ``spread``: the table's ``spread`` rows are reduced by every program after the tiles."""
+    ``broadcast``: reduced tiles are stored into every rank's output (``out_table``)."""
 
     push: bool = False
     broadcast: bool = False
-    spread: bool = False
     recv: torch.Tensor | None = None
     recv_table: torch.Tensor | None = None
     recv_rows: int = 0
@@ -350,11 +329,6 @@ def launcher(
     neither waits nor notifies; ``peers``: None for one that only stores into ``c``."""
     sg = signals or Signals(sig=tiles.table, err=0, rank=0, max_spins=0, world=1)
     ps = peers or PeerStores()
-    if ps.spread and tiles.count > SPREAD_MAX_ROWS.value:
-        raise InterlaceValueError(
-            f"a launch with spread rows has at most {SPREAD_MAX_ROWS.value} segments, "
-            f"got {tiles.count}"
-        )
     one_loop = tiles.one_loop
     use_tma = tma_ok(k, n, dtype)
     if one_loop is not None and (
@@ -384,8 +358,7 @@ def launcher(
         ENTRY_BARRIER=sg.bar_slot is not None, EXIT_CLEAR=sg.clear is not None,
         NOTIFY_STORES=sg.notify_stores, STAGE_PUSHES=ps.stage is not None,
         ONE_LOOP=one_loop is not None, COUNT_UNIT=count_unit(one_loop, cfg),
-        PEER_LOADS=peer_loads(sg.world), SPREAD_REDUCE=ps.spread, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        PEER_LOADS=peer_loads(sg.world), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     kwargs.update(KERNEL_OVERRIDES)
     return GemmLaunch(PreparedLaunch(gemm_segments_kernel, tiles.grid, args, kwargs, OPERANDS))

@@ -16,8 +16,7 @@ Modes:
   signals); ``stage``: every ``ce_fused`` chunk staged (no reduction);
 * ``rs`` / ``ar``: GEMM+RS / GEMM+AR ``ce_fused`` (all-reduce with ``gather="epilogue"``);
 * ``rs_fused`` / ``ar_fused``: GEMM+RS / GEMM+AR ``fused`` (partial tiles pushed to the
-  owner from the epilogue, the own rows reduced by every program after the tiles; the own
-  partial's counters are cleared as the launch ends, as the op's are);
+  owner from the epilogue);
 * ``ag``: AG+GEMM ``fused``'s consumer: its own rows read in place, each peer's chunk after
   its arrival flag (``m`` is the gathered rows).
 """
@@ -38,9 +37,6 @@ from ..runtime.signals import ERROR_WORDS
 
 SPINS = 1 << 22  # every wait is met before the launch; bounded all the same
 GO, DONE, ARRIVAL, PAD = 4, 8, 64, 4096  # signal slots (any layout that does not overlap)
-#: ``fused``: the exit clearing's slots (an unused "go" slot, the finished-program
-#: counter, then the own partial's counters)
-OWN_CLEAR = 2048
 MODES = ("plain", "stage", "rs", "ar", "rs_fused", "ar_fused", "ag")
 #: the op and strategy each mode stands for
 OP_OF = {
@@ -65,14 +61,12 @@ class Emulated:
 
     def __init__(
         self, world, rank, m, n, k, mode, split=None, kernel=None, device=None, one_loop=False,
-        cfg=None, spread=True,
+        cfg=None,
     ):  # fmt: skip
         """``split``: chunks per owner (default: the op's). ``one_loop``: the kernel's
         one-loop mode (True: required; None: where the op would take it, on a GPU).
         ``cfg``: a tile config instead of the op's (given as for plain stores, kept as
-        given but for the epilogue's room). ``kernel``: a variant of the segment GEMM.
-        ``spread=False``: ``fused``'s own rows reduced in their tiles' epilogues instead
-        (the layout before the spread reduction, for comparisons)."""
+        given but for the epilogue's room). ``kernel``: a variant of the segment GEMM."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         dev = device or torch.device("cuda", torch.cuda.current_device())
@@ -86,14 +80,13 @@ class Emulated:
         if backend == "cuda" and scatter:  # as the op's (``widen``: no config given)
             self.cfg = _gemm.scatter_config(self.cfg, n, widen=cfg is None)
         self.chunks, self.slot_of = None, None
-        self.spread = spread and mode in ("rs_fused", "ar_fused")
         if mode == "ag":
             _, segments = ag_layout(world, rank, m_loc, self.cfg, split, arrival=ARRIVAL)
         elif mode in ("rs_fused", "ar_fused"):
             segments = fused_segments(
                 world, rank, m, n, self.cfg, split, all_reduce=self.all_reduce,
                 partial=ARRIVAL, broadcast=ARRIVAL + world * _gemm.MAX_SPLIT * (world - 1),
-                go=GO, own=OWN_CLEAR + 2 if spread else None,
+                go=GO,
             )  # fmt: skip
         else:
             layout = cef_layout(
@@ -148,18 +141,16 @@ class Emulated:
         pushed_to = self.peer_recv if mode in ("rs_fused", "ar_fused") else self.recv
         recv_table = [self.recv if q == rank else pushed_to for q in range(world)]
         self._keep = (ptrs(self.pads), ptrs(self.results), ptrs(recv_table))
-        clear = dict(go_slot=OWN_CLEAR, clear=(OWN_CLEAR, 2 + world * _gemm.MAX_SPLIT))
         signals = _gemm.Signals(
             sig=sig, err=self.err.data_ptr(), rank=rank, max_spins=SPINS, world=world,
             sig_table=None if mode in ("plain", "ag") else self._keep[0],
-            **(clear if self.spread else {}),
         )  # fmt: skip
         peers = None
         if scatter:
             peers = _gemm.PeerStores(
                 push=True, broadcast=self.all_reduce, recv=self.recv, recv_rows=m_loc,
                 recv_table=self._keep[2], stage=self.stage if staged else None,
-                out_table=self._keep[1] if self.all_reduce else None, spread=self.spread,
+                out_table=self._keep[1] if self.all_reduce else None,
             )  # fmt: skip
         previous = _gemm.gemm_segments_kernel
         if kernel is not None:  # the launcher takes the module's kernel when it is made
@@ -197,8 +188,6 @@ class Emulated:
         worst = 0.0
         for s in self.segments:  # what each chunk's rows must hold
             lo, hi = s.row0, s.row0 + s.rows
-            if s.kind == "push" and s.owner == r and self.spread:
-                continue  # the own partial: reduced with the peers' by its ``spread`` row
             if self.mode == "stage" or s.kind == "push":
                 if self.mode in ("rs_fused", "ar_fused"):
                     continue  # pushed into stand-ins of the owners' buffers

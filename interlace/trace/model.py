@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass, field
 from ..kernels.gemm import (
     KIND_PUSH,
     KIND_REDUCE,
-    KIND_SPREAD,
     KIND_STORE,
     KIND_STORE_OWN,
     SEG_KIND,
@@ -601,7 +600,6 @@ def _tiles_of(info: dict) -> int:
     return sum(
         -(-row[SEG_ROWS.value] // info["block_m"]) * tiles_n
         for row in info["seg"][info["seg_first"] : info["n_seg"]]
-        if row[SEG_KIND.value] != KIND_SPREAD.value  # reduced after the tiles, by units
     )
 
 

@@ -93,8 +93,6 @@ class ScatterGemm(AlternatingSets, Fused, CeFused, CeScatter, Ring, ChunkShippin
     def _regions(world):
         return {
             "partial": world * MAX_SPLIT * (world - 1), "broadcast": world * MAX_SPLIT,
-            # fused: per own chunk its own partial's finished tiles
-            "own": world * MAX_SPLIT,
             # ce_scatter: per (source, piece) arrivals and the reduction's finished-program
             # counter (its last slot); per chunk finished-tile counts
             "arrival": world * MAX_SPLIT + 1, "chunk_done": world * MAX_SPLIT,

@@ -1,13 +1,9 @@
 """GEMM+RS / GEMM+AR ``fused``: every rank computes the row chunks in rank-rotated order
 (its own rows last); the GEMM's epilogue stores each finished partial tile straight into
-the owner's receive buffer and raises the owner's counter. The owner's own tiles, computed
-last, go into its own slot of that buffer the same way; then every program of the launch
-takes a share of the own rows' reduction (the ``WORLD`` partials added in fp32, bias, the
-result stored; GEMM+AR: stored into every rank's output). No separate reduction launch.
-
-The reduction is spread over all programs because the own rows are only ``1 / W`` of the
-tiles: reduced in the epilogues of their own tiles, a quarter of the programs (W 8, M 2048)
-spent 14-30 us on them while the rest sat idle (``benchmarks/NOTES.md``, tile phases)."""
+the owner's receive buffer and raises the owner's counter; the owner's own tiles, computed
+last, add the peers' partials in fp32 in their epilogue. No separate reduction pass, no
+tail. GEMM+AR: the owner's epilogue also writes each reduced tile into every rank's output
+(the all-gather half, spread over the whole GEMM)."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ... import schedule
 from .. import segment_gemm
-from ..segment_gemm import GemmConfig, Segment, spread_units, tiles_of
+from ..segment_gemm import GemmConfig, Segment, tiles_of
 
 
 @dataclass
@@ -29,52 +25,32 @@ class FusedPlan:
 
 def fused_segments(
     world: int, rank: int, m: int, n: int, cfg: GemmConfig, split: int, *, all_reduce: bool,
-    partial: int, broadcast: int, go: int, own: int | None = None,
+    partial: int, broadcast: int, go: int,
 ) -> list[Segment]:  # fmt: skip
     """The ``fused`` GEMM's segments for ``rank`` (no buffers: ``interlace.testing.emulated``
     builds the same kernel layout on one device), from a checked schedule: its chunks in
     the order this rank sends them (own rows last). A chunk of another rank is pushed to
     its owner once the entry barrier raised ``go``, raising the owner's counter of (chunk,
     source) from ``partial``; all-reduce: it then waits for the owner's broadcast counter of
-    the chunk (from ``broadcast``) before the kernel ends.
-
-    This rank's own chunks: with ``own`` (the launch runs with ``PeerStores.spread``), a
-    push into this rank's own slot counted in ``own + chunk``, and after every segment a
-    ``spread`` row that all programs reduce once every source's counter and the own one
-    are full, raising the broadcast counters by units (``spread_units``); without it, a
-    ``reduce`` segment whose tiles wait, reduce and raise the broadcast counters."""
+    the chunk (from ``broadcast``) before the kernel ends. This rank's own chunks wait for
+    every source's counter, reduce, and raise the broadcast counters."""
     m_loc = m // world
     template = schedule.partition_all_reduce if all_reduce else schedule.full_mesh_reduce_scatter
     sched = template(world, m_loc, split, backend="sm", align=cfg.block_m)
     schedule.check(sched)
     slot_of = {c.id: i for i, c in enumerate(sched.row_order)}
-    segments, spread = [], []
+    segments = []
     for chunk, _ in schedule.chunk_order(sched, rank):
         o, cid = chunk.owner, slot_of[chunk.id]
         tiles = tiles_of(chunk.rows, n, cfg)
         common = dict(row0=chunk.lo, rows=chunk.rows, owner=o, out_row0=chunk.lo - o * m_loc)
         if o != rank:
             src = (rank - o - 1) % world  # the owner numbers its sources from o + 1
-            final = (tiles if own is None else spread_units(chunk.rows, n)) if all_reduce else 0
             segments.append(
                 Segment(
                     kind="push", notify=partial + cid * (world - 1) + src,
-                    final_slot=broadcast + cid, final_expected=final,
+                    final_slot=broadcast + cid, final_expected=tiles if all_reduce else 0,
                     wait_first=go, wait_count=1, wait_expected=1, **common,
-                )
-            )  # fmt: skip
-        elif own is not None:
-            segments.append(
-                Segment(
-                    kind="push", notify=own + cid, wait_first=go, wait_count=1,
-                    wait_expected=1, **common,
-                )
-            )  # fmt: skip
-            spread.append(
-                Segment(
-                    kind="spread", wait_first=partial + cid * (world - 1),
-                    wait_count=world - 1, wait_expected=tiles, own_slot=own + cid,
-                    notify=broadcast + cid, **common,
                 )
             )  # fmt: skip
         else:
@@ -84,7 +60,7 @@ def fused_segments(
                     wait_count=world - 1, wait_expected=tiles, notify=broadcast + cid, **common,
                 )
             )  # fmt: skip
-    return segments + spread
+    return segments
 
 
 class Fused:
@@ -100,7 +76,6 @@ class Fused:
             self.world_size, self.rank, m, n, cfg, self._split_of("fused"),
             all_reduce=self.BROADCAST, partial=self.pad.offset("partial"),
             broadcast=self.pad.offset("broadcast"), go=self.pad.offset("go"),
-            own=self.pad.offset("own"),
         )  # fmt: skip
         tiles = segment_gemm.plan_tiles(
             segments, m, n, cfg, self.group.device, self.group.backend, single=True
@@ -117,7 +92,7 @@ class Fused:
             peers = segment_gemm.PeerStores(
                 push=True, broadcast=self.BROADCAST, recv=self.recv.local,
                 recv_table=self.recv.ptrs, recv_rows=self.max_m // self.world_size,
-                out_table=getattr(self, "result", self.recv).ptrs, spread=True,
+                out_table=getattr(self, "result", self.recv).ptrs,
             )  # fmt: skip
             run = plan.launchers[bias is not None] = segment_gemm.launcher(
                 m, n, self.k, plan.tiles, dtype=self.dtype, device=self.group.device,
