@@ -21,7 +21,10 @@ Then (one rank) graphs of ``n`` one-program kernels (n = 1, 2, 3, 4, 6, 8), with
 memset node in front: the driver's ``cuGraphLaunch`` per launch, to tell what one more
 node costs the host.
 
-    python benchmarks/probes/call_split.py [--iters 1000] [--world 2]
+``--ep-tokens 128 4096``: the EP calls at each of these token counts (``bench ep``'s
+decode and prefill shapes; low latency up to 256 tokens).
+
+    python benchmarks/probes/call_split.py [--iters 1000] [--world 2] [--ep-tokens 128 4096]
 """
 
 from __future__ import annotations
@@ -217,13 +220,44 @@ def _span(part: str) -> range:
     return range(int(a), int(b or a) + 1)
 
 
-def body(group, iters: int, pin: bool = False):
+def _ep_rows(group, tokens, hidden, topk, experts, iters, tag: bool) -> list[dict]:
+    """The EP dispatch / combine rows (normal; low latency where ``tokens`` <= 256) at
+    ``tokens`` tokens (named with it when ``tag``)."""
+    from interlace.ops.ep import EPAllToAll, EPLowLatency
+
+    dev = group.device
+    gen = torch.Generator().manual_seed(0)
+    xt = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(dev)
+    idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices.to(dev)
+    wts = torch.softmax(torch.rand(tokens, topk, generator=gen), -1).to(dev)
+    eps = [("ep normal", EPAllToAll)]
+    if tokens <= 256:
+        eps.append(("ep low_latency", EPLowLatency))
+    rows = []
+    for name, cls in eps:
+        name = f"{name} {tokens} tokens" if tag else name
+        ctx = cls(group, tokens, hidden, experts, topk)
+        h = ctx.dispatch(xt, idx, wts)
+        eo = torch.randn(*h.recv_x.shape, device=dev).to(torch.bfloat16)
+        fn = lambda c=ctx: c.dispatch(xt, idx, wts)  # noqa: E731
+        rows.append(split_call(f"{name} dispatch", ctx, fn, iters, group))
+        h = ctx.dispatch(xt, idx, wts)
+        fn = lambda c=ctx, eo=eo, h=h: c.combine(eo, h)  # noqa: E731
+        rows.append(split_call(f"{name} combine", ctx, fn, iters, group))
+        out = torch.empty_like(fn())
+        fn = lambda c=ctx, eo=eo, h=h, out=out: c.combine(eo, h, out=out)  # noqa: E731
+        rows.append(split_call(f"{name} combine out=", ctx, fn, iters, group))
+        ctx.check()
+        ctx.close()
+    return rows
+
+
+def body(group, iters: int, pin: bool = False, ep_tokens=(128,)):
     import os
 
     import interlace
     from interlace.bench.dense import model_shape
     from interlace.bench.host import COLLECTIVE_BYTES, _inputs
-    from interlace.ops.ep import EPAllToAll, EPLowLatency
 
     dev = group.device
     rows = []
@@ -250,26 +284,9 @@ def body(group, iters: int, pin: bool = False):
         with cls(group, capacity, torch.bfloat16) as ctx:
             rows.append(split_call(op, ctx, lambda c=ctx, x=x: c(x), iters))
             ctx.check()
-    tokens, hidden, topk, experts = 128, 7168, 8, 256
-    gen = torch.Generator().manual_seed(0)
-    xt = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(dev)
-    idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices.to(dev)
-    wts = torch.softmax(torch.rand(tokens, topk, generator=gen), -1).to(dev)
-    eps = (("ep normal", EPAllToAll(group, tokens, hidden, experts, topk)),
-           ("ep low_latency", EPLowLatency(group, tokens, hidden, experts, topk)))  # fmt: skip
-    for name, ctx in eps:
-        h = ctx.dispatch(xt, idx, wts)
-        eo = torch.randn(*h.recv_x.shape, device=dev).to(torch.bfloat16)
-        fn = lambda c=ctx: c.dispatch(xt, idx, wts)  # noqa: E731
-        rows.append(split_call(f"{name} dispatch", ctx, fn, iters, group))
-        h = ctx.dispatch(xt, idx, wts)
-        fn = lambda c=ctx, eo=eo, h=h: c.combine(eo, h)  # noqa: E731
-        rows.append(split_call(f"{name} combine", ctx, fn, iters, group))
-        out = torch.empty_like(fn())
-        fn = lambda c=ctx, eo=eo, h=h, out=out: c.combine(eo, h, out=out)  # noqa: E731
-        rows.append(split_call(f"{name} combine out=", ctx, fn, iters, group))
-        ctx.check()
-        ctx.close()
+    hidden, topk, experts = 7168, 8, 256
+    for tokens in ep_tokens:
+        rows += _ep_rows(group, tokens, hidden, topk, experts, iters, len(ep_tokens) > 1)
     a = torch.randn(2048, 4096, device=dev, dtype=torch.bfloat16)
     b = torch.randn(4096, 6144, device=dev, dtype=torch.bfloat16)
     mm = per_call_us(lambda: torch.mm(a, b), iters, group)
@@ -292,9 +309,10 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=1000)
     p.add_argument("--world", type=int, default=1, help="ranks sharing the GPU (EP calls only)")
     p.add_argument("--pin", action="store_true", help="each rank on a physical core of its own")
+    p.add_argument("--ep-tokens", type=int, nargs="+", default=[128], help="EP calls' tokens")
     args = p.parse_args()
     with World(args.world, "cuda", timeout=600, share_device=args.world > 1) as world:
-        print("\n".join(world.run(body, args.iters, args.pin)))
+        print("\n".join(world.run(body, args.iters, args.pin, args.ep_tokens)))
     return 0
 
 
