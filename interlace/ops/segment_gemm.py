@@ -120,8 +120,10 @@ def scatter_config(cfg: GemmConfig, n: int, widen: bool = True) -> GemmConfig:
     GEMM's: 128-column tiles widened to 256 and 8 warps (``widen``, where ``n`` allows),
     the reduce tiles' epilogue then having twice the warps per tile (LLaMA-3-8B, M 8192,
     TP 4, the kernel alone on one H200: GEMM+RS 0.402 -> 0.390 ms, GEMM+AR 0.437 ->
-    0.412, ``history/2026-11-24-h200-ce-fused-other-tiles-probe.txt``); then room made
-    for the epilogue (``with_epilogue_room``)."""
+    0.412, ``history/2026-11-24-h200-ce-fused-other-tiles-probe.txt``; over five models,
+    M 2048 / 8192, W 4 / 8, ``fused`` and ``ce_fused``, the wide tiles were the faster in
+    every group, ``history/2026-11-30-h200-w1-scatter-tiles.txt``); then room made for the
+    epilogue (``with_epilogue_room``)."""
     if widen and cfg.block_n < 256 <= n:
         cfg = replace(cfg, block_n=256, num_warps=8, num_stages=3)
     return with_epilogue_room(cfg)
