@@ -18,7 +18,7 @@ import math
 import torch
 
 from interlace.bench.dense import MODELS, model_shape
-from interlace.bench.timing import graph_of, paired_median_ms
+from interlace.bench.kernels import against_cublas
 from interlace.ops.gemm_rs.ce_fused import gather_order
 from interlace.testing import emulated
 from interlace.testing.emulated import Emulated
@@ -74,23 +74,15 @@ def main() -> None:
                             key = f"{'rounds' if r else 'last'}{split}"
                             kern[key] = build(w, s.M, s.N, s.K, mode, split, r, dev)
                             errs[key] = kern[key].check()
-                    a, b = kern[names[0]].a, kern[names[0]].b
-                    ref_out = torch.empty(s.M, s.N, device=dev, dtype=a.dtype)
-                    fns = [graph_of(None, lambda a=a, b=b, o=ref_out: torch.matmul(a, b, out=o))]
-                    fns += [graph_of(None, kern[x]) for x in names]
-                    times = paired_median_ms(None, [g.replay for g in fns], args.iters)
-                    for x in kern.values():
-                        if int(x.err[0]):
-                            raise RuntimeError(f"a wait timed out: {x.err.tolist()}")
-                    ratio = {x: t / times[0] for x, t in zip(names, times[1:])}
+                    t_ref, ratio = against_cublas({x: kern[x] for x in names}, args.iters)
                     row = dict(mode=mode, model=model, M=s.M, N=s.N, K=s.K, as_world=w,
-                               t_cublas_ms=times[0], x_cublas=ratio, rel_err=errs,
+                               t_cublas_ms=t_ref, x_cublas=ratio, rel_err=errs,
                                default_split=emulated.op_split(mode, w))  # fmt: skip
                     rows.append(row)
                     print(f"{mode:9} {model:11} {s.M:5} {w:2} {row['default_split']:5} "
                           + " ".join(f"{ratio[x]:8.3f}" for x in names)
                           + f"  err {max(errs.values()):.2e}", flush=True)  # fmt: skip
-                    del kern, fns
+                    del kern
                     torch.cuda.empty_cache()
     for mode in ("rs_fused", "ar_fused"):
         for w in args.worlds:

@@ -17,7 +17,7 @@ import math
 import torch
 
 from interlace.bench.dense import MODELS, OTHER_MODELS, model_shape
-from interlace.bench.timing import graph_of, paired_median_ms
+from interlace.bench.kernels import against_cublas
 from interlace.ops.segment_gemm import GemmConfig
 from interlace.testing.emulated import Emulated
 
@@ -50,21 +50,13 @@ def main() -> None:
                     kern = {c: Emulated(w, 0, s.M, s.N, s.K, mode, device=dev, one_loop=None,
                                         cfg=cfg) for c, cfg in CONFIGS.items()}  # fmt: skip
                     errs = {c: k.check() for c, k in kern.items()}
-                    a, b = kern["op"].a, kern["op"].b
-                    ref_out = torch.empty(s.M, s.N, device=dev, dtype=a.dtype)
-                    fns = [graph_of(None, lambda a=a, b=b, o=ref_out: torch.matmul(a, b, out=o))]
-                    fns += [graph_of(None, kern[c]) for c in CONFIGS]
-                    times = paired_median_ms(None, [g.replay for g in fns], args.iters)
-                    for k in kern.values():
-                        if int(k.err[0]):
-                            raise RuntimeError(f"a wait timed out: {k.err.tolist()}")
-                    ratio = {c: t / times[0] for c, t in zip(CONFIGS, times[1:])}
+                    t_ref, ratio = against_cublas(kern, args.iters)
                     shape = dict(mode=mode, model=model, M=s.M, N=s.N, K=s.K, as_world=w)
-                    rows.append(dict(shape, t_cublas_ms=times[0], x_cublas=ratio, rel_err=errs))
+                    rows.append(dict(shape, t_cublas_ms=t_ref, x_cublas=ratio, rel_err=errs))
                     cells = " ".join(f"{ratio[c]:10.3f}" for c in CONFIGS)
                     print(f"{mode:9} {model:11} {s.M:5} {w:2} {cells}  err "
                           f"{max(errs.values()):.2e}", flush=True)  # fmt: skip
-                    del kern, fns
+                    del kern
                     torch.cuda.empty_cache()
     for mode in args.modes:
         for w in args.worlds:

@@ -107,6 +107,26 @@ class _SignalGemm:
         self.ctx.close()
 
 
+def against_cublas(kernels: dict, iters: int = 20) -> tuple[float, dict]:
+    """``(t_cublas_ms, {name: t / t_cublas})`` of one-rank kernels of one shape
+    (``testing.emulated.Emulated``, checked first by the caller): cuBLAS on the first
+    kernel's operands and each kernel captured in a CUDA graph, the replays timed
+    interleaved (``paired_median_ms``); raises where a kernel's wait timed out. For probes
+    that compare variants of a kernel."""
+    from .timing import graph_of, paired_median_ms
+
+    first = next(iter(kernels.values()))
+    a, b = first.a, first.b
+    ref_out = torch.empty(a.shape[0], b.shape[1], device=a.device, dtype=a.dtype)
+    graphs = [graph_of(None, lambda: torch.matmul(a, b, out=ref_out))]
+    graphs += [graph_of(None, k) for k in kernels.values()]
+    times = paired_median_ms(None, [g.replay for g in graphs], iters)
+    for name, k in kernels.items():
+        if int(k.err[0]):
+            raise RuntimeError(f"{name}: a wait timed out: {k.err.tolist()}")
+    return times[0], {name: t / times[0] for name, t in zip(kernels, times[1:])}
+
+
 def run_cases(group, todo, iters: int = 20, warmup: int = 5, timed: bool = True) -> list[dict]:
     """Rank body (a one-rank world): check, then time each case against cuBLAS."""
     from ..ops.segment_gemm import matmul
