@@ -137,7 +137,7 @@ class Emulated:
         # ``fused`` pushes a partial to owner ``q`` through the receive buffers' pointer
         # table, at ``recv + (table[q] - table[rank])``: the peers' entries are the
         # stand-in and this rank's is ``recv`` itself, so that pushes land in the stand-in
-        # (with one stand-in in every entry they landed in ``recv``'s own slot)
+        # (the stand-in in this rank's entry too would put them in ``recv``'s own slot)
         pushed_to = self.peer_recv if mode in ("rs_fused", "ar_fused") else self.recv
         recv_table = [self.recv if q == rank else pushed_to for q in range(world)]
         self._keep = (ptrs(self.pads), ptrs(self.results), ptrs(recv_table))
