@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
 
 import torch
 
@@ -89,7 +89,7 @@ def main() -> None:
             rs = [r for r in rows if r["mode"] == mode and r["as_world"] == w]
             cells = []
             for x in names:
-                g = math.exp(sum(math.log(r["x_cublas"][x]) for r in rs) / len(rs))
+                g = statistics.geometric_mean(r["x_cublas"][x] for r in rs)
                 cells.append(f"{x} {g:.3f} (worst {max(r['x_cublas'][x] for r in rs):.3f})")
             print(f"{mode} W {w} geomean x cuBLAS: " + ", ".join(cells))
     if args.out:

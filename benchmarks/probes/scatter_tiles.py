@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
 
 import torch
 
@@ -65,7 +65,7 @@ def main() -> None:
                 if not rs:
                     continue
                 cells = ", ".join(
-                    f"{c} {math.exp(sum(math.log(r['x_cublas'][c]) for r in rs) / len(rs)):.3f}"
+                    f"{c} {statistics.geometric_mean(r['x_cublas'][c] for r in rs):.3f}"
                     for c in CONFIGS
                 )
                 print(f"{mode} W {w} M {m} geomean x cuBLAS: {cells}")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 
 import torch
 import triton
@@ -40,6 +41,7 @@ from interlace.kernels.gemm import _dot, _halves
 from interlace.language.primitives import bulk_stores_done
 from interlace.ops._launch import install_scratch_allocator
 from interlace.ops.segment_gemm import matmul
+from interlace.testing.emulated import rel_err
 
 
 @triton.jit
@@ -182,10 +184,6 @@ def runner(a, b, c, cfg, dp, sk, progs, sk_first, sms, ws_tma=False):
     return run
 
 
-def rel_err(got, ref):
-    return ((got.float() - ref).norm() / ref.norm()).item()
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ms", type=int, nargs="+", default=[2048, 8192])
@@ -270,7 +268,7 @@ def main() -> None:
             print(f"    {nm:34} {v['x_cublas']:.3f}  err {v['rel_err']:.2e}")
     lib = [r["variants"]["library"]["x_cublas"] for r in results]
     best = [min(v["x_cublas"] for v in r["variants"].values()) for r in results]
-    gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
+    gm = statistics.geometric_mean
     print(
         f"library: worst {max(lib):.3f}, geomean {gm(lib):.3f}; best per shape: worst "
         f"{max(best):.3f}, geomean {gm(best):.3f}"
