@@ -4,7 +4,13 @@ launch) and the two launches it takes without a grid barrier, each alone, each c
 in a CUDA graph and replayed (median of ``--iters``), beside the grouped GEMM it feeds
 (``torch._grouped_mm`` on the same rows).
 
-    python benchmarks/probes/moe_routing_time.py [--iters 50]   (one GPU)
+    python benchmarks/probes/moe_routing_time.py [--iters 50] [--world 4] [--warps 4 8]
+        [--counts-by-blocks]   (one GPU)
+
+``--warps``: the build with each of these warp counts (default: the library's);
+``--counts-by-blocks``: the counts summed ``CB`` chunks at a time instead of in one load
+(``NC_PAD`` 0). The first line: the floor, a replayed graph of one empty kernel (1 and
+132 programs).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+import triton
 
 
 def main() -> int:
@@ -21,17 +28,45 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--world", type=int, default=4)
+    p.add_argument("--warps", nargs="*", type=int, default=[0])
+    p.add_argument("--counts-by-blocks", action="store_true")
     args = p.parse_args()
+    from interlace.bench.moe import graph_ms
+    from interlace.ops.moe import routing
+
+    floor = [graph_ms(lambda n=n: _empty[(n,)](), args.iters) * 1e3 for n in (1, 132)]
+    print(f"floor: empty kernel {floor[0]:.1f} us (1 program), {floor[1]:.1f} us (132)")
+    library_consts = routing.route_consts
     dev, w = torch.device("cuda"), args.world
     gen = torch.Generator().manual_seed(0)
     cfg = _gemm.GPU_CONFIGS["gather"]
     head = f"{'shape':>22} {'routing':>8} {'all us':>7} {'count / build us (alone)':>26}"
     print(f"{head} {'gmm us':>7}")
-    for hidden, inter, experts, k in SHAPES:
-        for kind in ("balanced", "zipf"):
-            shape = (hidden, inter, experts, k, kind)
-            print(_case(shape, w, gen, dev, cfg, args.iters), flush=True)
+    for warps in args.warps:
+
+        def consts(rt, wait, warps=warps):
+            c = library_consts(rt, wait)
+            if warps:
+                c["num_warps"] = warps
+            if args.counts_by_blocks:
+                c["NC_PAD"] = 0
+            return c
+
+        routing.route_consts = consts
+        print(f"== warps {warps or 'library'}{' counts by blocks' * args.counts_by_blocks}")
+        try:
+            for hidden, inter, experts, k in SHAPES:
+                for kind in ("balanced", "zipf"):
+                    shape = (hidden, inter, experts, k, kind)
+                    print(_case(shape, w, gen, dev, cfg, args.iters), flush=True)
+        finally:
+            routing.route_consts = library_consts
     return 0
+
+
+@triton.jit
+def _empty():
+    pass
 
 
 def _case(shape, w, gen, dev, cfg, iters) -> str:

@@ -7,7 +7,9 @@ time against its chunk size, on one GPU (rank 0 of W with every wait met, the sh
 The routing build orders row tiles by the last arrival position they read, then by expert
 (``arrival``): with balanced routing at E 32 every position's bucket holds a tile of every
 expert, so each expert's weights are read from HBM once per position. The same tiles
-permuted (each keeps its rows and the positions it waits for): ``expert`` (by expert, then
+permuted (each keeps its rows and the positions it waits for): ``serpentine`` (the
+arrival buckets in the same order, each odd position's experts reversed: a bucket starts
+on the experts whose weights the previous one read last); ``expert`` (by expert, then
 row: each expert's weights read once, but a first tile may need the last shard) and
 ``bandB`` (key ``expert // B + last position``, then expert: a wavefront where an expert's
 tiles of successive positions are one band apart, so the weights of about two bands of
@@ -29,8 +31,13 @@ def _orders(t: torch.Tensor, bands):
     (row0, expert, first, last)."""
     row0, e, last = t[:, 0].long(), t[:, 1].long(), t[:, 3].long()
     big = int(row0.max()) + 1
+    n_e = int(e.max()) + 1
+    # serpentine: arrival buckets as they are, the experts of odd positions' buckets in
+    # reverse, so each bucket starts on the experts whose weights the last one read last
+    snake = torch.where(last % 2 == 1, n_e - 1 - e, e)
     out = {"arrival": torch.arange(t.shape[0], device=t.device),
-           "expert": torch.argsort(e * big + row0)}  # fmt: skip
+           "expert": torch.argsort(e * big + row0),
+           "serpentine": torch.argsort((last * n_e + snake) * big + row0)}  # fmt: skip
     for b in bands:
         key = ((e // b + last) * (int(e.max()) + 1) + e) * big + row0
         out[f"band{b}"] = torch.argsort(key)
@@ -46,13 +53,15 @@ def main() -> int:
     p.add_argument("--bands", nargs="*", type=int, default=[2, 4, 8])
     p.add_argument("--chunks", nargs="*", type=int, default=[256, 512, 1024])
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--shapes", nargs="*", type=int, help="indices into bench moe's SHAPES")
     args = p.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     cg = _gemm.GPU_CONFIGS["gather"]
     max_chunk = routing.MAX_CHUNK
     print("case | route us per chunk | gather GEMM ms per order (gmm)")
-    for hidden, inter, experts, k in bm.SHAPES:
+    shapes = [bm.SHAPES[i] for i in args.shapes] if args.shapes else bm.SHAPES
+    for hidden, inter, experts, k in shapes:
         for kind in ("balanced", "zipf"):
             pb = bm._Problem(hidden, inter, experts, k, args.world, kind, gen, dev, args.iters)
             route_us = []

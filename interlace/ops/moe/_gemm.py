@@ -204,8 +204,13 @@ def launch_gemm(
     return "triton"
 
 
-#: the finish kernel's tile: 32 token rows x 128 columns
+#: the finish kernel's tile (32 token rows x 128 columns), its warps and programs per SM.
+#: Its reads run at 2.5-3.5 TB/s on one H200, about a device copy's 2.8 (read + written);
+#: five other shapes were 10 % faster to 12 % slower case by case, none faster everywhere
+#: (benchmarks/results/history/2026-11-30-h200-w1-moe-bounds.txt).
 FINISH_BLOCK = (32, 128)
+FINISH_WARPS = 8
+FINISH_PER_SM = 2
 
 #: the names of ``MoERS``'s kernels in traces (``AGMoE``'s: ``_trace.GROUPED_GEMM``)
 REDUCE_GEMM = "moe_gemm_reduce"
@@ -227,7 +232,7 @@ def launch_finish(
     bm, bn = (16, 16) if backend != "cuda" else FINISH_BLOCK
     n = y.shape[1]
     tiles = -(-m // bm) * -(-n // bn)
-    cap = 2 * sm_count(device.index) if backend == "cuda" else 2
+    cap = FINISH_PER_SM * sm_count(device.index) if backend == "cuda" else 2
     grid = max(1, min(tiles, cap))
     traced = {}
     if _trace.ACTIVE:  # program p: one wait, then tiles p, p + grid, ...
@@ -244,5 +249,5 @@ def launch_finish(
         rows_table, set_off, map_table, map_off, y, m, n, sig, contrib_slot, done_slot, err,
         rank, max_spins,
         WORLD=world, TOPK=topk, BLOCK_M=bm, BLOCK_N=bn, ROWS_F32=rows_f32, ALIGNED=aligned,
-        num_warps=8, **traced,
+        num_warps=FINISH_WARPS, **traced,
     )  # fmt: skip
