@@ -170,10 +170,16 @@ def launch_routing(
 
 
 #: The routing build reads every chunk's counts in one load where they are at most this
-#: many int32 (``NC_PAD * E_PAD``: 32 KB of registers over a program's 128 threads), else
+#: many int32 (``NC_PAD * E_PAD``: 32 KB of registers over a program's threads), else
 #: 32 chunks' at a time; one load replaced a round trip per arrival position
 #: (``benchmarks/results/history/2026-11-29-h200-w1-moe-routing-one-load.txt``).
 COUNTS_IN_ONE_LOAD = 8192
+
+#: Warps of a routing program. With 4, the build took 255 registers a thread and spilled at
+#: E 32 (64 histogram bins); 8 halve its tensors per thread: 46 -> 26 us at W 8, E 32,
+#: k 5 and 24.5 -> 15 us at W 4, E 32, k 2 under ncu, the same within 1 us at E 8
+#: (``benchmarks/results/history/2026-11-30-h200-w1-moe-routing-warps.txt``).
+ROUTE_WARPS = 8
 
 
 def route_consts(rt: MoeRouting, wait: bool) -> dict:
@@ -185,7 +191,7 @@ def route_consts(rt: MoeRouting, wait: bool) -> dict:
     nc_pad = 1 << max(0, n_chunks - 1).bit_length()
     return dict(
         CHUNK=chunk, E_PAD=ep, WORLD=rt.world, BLOCK_M=rt.block_m, CB=32, TB=64, WAIT=wait,
-        NC_PAD=nc_pad if nc_pad * ep <= COUNTS_IN_ONE_LOAD else 0, num_warps=4,
+        NC_PAD=nc_pad if nc_pad * ep <= COUNTS_IN_ONE_LOAD else 0, num_warps=ROUTE_WARPS,
     )  # fmt: skip
 
 
