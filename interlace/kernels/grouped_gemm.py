@@ -134,7 +134,7 @@ def moe_route_kernel(
     max_spins,
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
     CB: tl.constexpr, TB: tl.constexpr, WAIT: tl.constexpr, PHASE: tl.constexpr,
-    NC_PAD: tl.constexpr,
+    NC_PAD: tl.constexpr, W_PAD: tl.constexpr,
 ):  # fmt: skip
     """The routing build, one program per chunk (see the module docstring). ``PHASE`` 1:
     count (``counts[c, e]``: entries of chunk ``c`` routed to expert ``e``; ``E_PAD``
@@ -145,7 +145,7 @@ def moe_route_kernel(
     ``scratch``: int32 ``[n_chunks, 3 * WORLD + 1, E_PAD]``, ``base_scratch``: ``[n_chunks,
     E_PAD]``, working space. ``NC_PAD``: the build reads every chunk's counts in one load
     of ``NC_PAD`` rows (``>= n_chunks``; 0: ``CB`` rows at a time, where they do not fit
-    in registers)."""
+    in registers). ``W_PAD``: a power of two ``>= WORLD`` (the arrival positions' rows)."""
     c = tl.program_id(0)
     n_prog = tl.num_programs(0)
     p, src, i0 = _chunk_source(rank, cps, CHUNK, WORLD)
@@ -173,7 +173,7 @@ def moe_route_kernel(
             c, n_prog, hist, ids, idx, i0, mk, cps, E, src, src_meta, w_off, counts,
             n_chunks, offsets, tiles, tile_count, scratch + c * (3 * WORLD + 1) * E_PAD,
             base_scratch, sorted_entry, sorted_w, seen >= n_prog, CHUNK, E_PAD, WORLD,
-            BLOCK_M, CB, TB, NC_PAD,
+            BLOCK_M, CB, TB, NC_PAD, W_PAD,
         )  # fmt: skip
 
 
@@ -182,7 +182,7 @@ def _route_build(
     c, n_prog, hist, ids, idx, i0, mk, cps, E, src, src_meta, w_off, counts, n_chunks,
     offsets, tiles, tile_count, scr, base_scratch, sorted_entry, sorted_w, counted,
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr,
-    CB: tl.constexpr, TB: tl.constexpr, NC_PAD: tl.constexpr,
+    CB: tl.constexpr, TB: tl.constexpr, NC_PAD: tl.constexpr, W_PAD: tl.constexpr,
 ):  # fmt: skip
     """``moe_route_kernel``'s build: from every chunk's counts (read only if ``counted``:
     the grid barrier held), each expert's padded start and this chunk's prefix, then tiles
@@ -214,22 +214,30 @@ def _route_build(
     rows_total = tl.sum(padded, axis=0)
     n_tiles = rows_total // BLOCK_M
     tl.store(scr + (3 * WORLD) * E_PAD + e_r, start)
-    # Per arrival position q: the tiles of each expert whose rows all come from positions
-    # <= q (``n_le``), and where the bucket of tiles that need q last starts in the order.
-    prev = tl.zeros((E_PAD,), dtype=tl.int32)
-    q0 = 0
-    for q in tl.static_range(WORLD):
-        if NC_PAD > 0:  # the counts of positions <= q, summed in registers
-            cum = tl.sum(tl.where((c_r < (q + 1) * cps)[:, None], every, 0), axis=0)
-            tl.store(scr + (ROW_CUM * WORLD + q) * E_PAD + e_r, cum)
-        else:
-            cum = tl.load(scr + (ROW_CUM * WORLD + q) * E_PAD + e_r)
-        n_le = tl.where(cum == total, tl.cdiv(total, BLOCK_M), cum // BLOCK_M)
-        b = n_le - prev
-        tl.store(scr + (ROW_BASE * WORLD + q) * E_PAD + e_r, q0 + tl.cumsum(b, axis=0) - b - prev)
-        tl.store(scr + (ROW_NLE * WORLD + q) * E_PAD + e_r, n_le)
-        q0 += tl.sum(b, axis=0)
-        prev = n_le
+    if NC_PAD > 0:  # each position's running counts: one scan, the last chunks' rows kept
+        q_of = (c_r + 1) // cps - 1
+        ends = ((c_r + 1) % cps == 0) & (c_r < n_chunks)
+        at = scr + ROW_CUM * WORLD * E_PAD + q_of[:, None] * E_PAD + e_r[None, :]
+        tl.store(at, tl.cumsum(every, axis=0), mask=ends[:, None])
+    tl.debug_barrier()
+    # Per arrival position q (rows of W_PAD): the tiles of each expert whose rows all come
+    # from positions <= q (``n_le``), and where the bucket of tiles that need q last starts
+    # in the order (``q_base``): the buckets of positions < q, then this one's experts.
+    q_r = tl.arange(0, W_PAD)
+    q_ok = (q_r < WORLD)[:, None]
+    q_rows = q_r[:, None] * E_PAD + e_r[None, :]
+    q_at = scr + ROW_CUM * WORLD * E_PAD + q_rows
+    cum = tl.load(q_at, mask=q_ok, other=0)
+    cum_prev = tl.load(q_at - E_PAD, mask=q_ok & (q_r > 0)[:, None], other=0)
+    n_all = tl.cdiv(total, BLOCK_M)[None, :]
+    n_le = tl.where(cum == total[None, :], n_all, cum // BLOCK_M)
+    prev = tl.where(cum_prev == total[None, :], n_all, cum_prev // BLOCK_M)
+    prev = tl.where((q_r > 0)[:, None], prev, 0)
+    b = tl.where(q_ok, n_le - prev, 0)
+    b_q = tl.sum(b, axis=1)
+    q_base = (tl.cumsum(b_q, axis=0) - b_q)[:, None] + tl.cumsum(b, axis=1) - b - prev
+    tl.store(scr + ROW_BASE * WORLD * E_PAD + q_rows, q_base, mask=q_ok)
+    tl.store(scr + ROW_NLE * WORLD * E_PAD + q_rows, n_le, mask=q_ok)
     tl.debug_barrier()
     for j0 in range(c * TB, n_tiles, n_prog * TB):
         # (names unused before this loop: Triton carries a reassigned name through it)

@@ -30,7 +30,7 @@ def _routing_kernels():
     for phase, nc_pad in ((0, 32), (1, 0), (2, 0), (2, 64)):
         yield g.moe_route_kernel, route, {
             "CHUNK": 1024, "E_PAD": 64, "WORLD": 4 if phase else 8, "BLOCK_M": 128, "CB": 32,
-            "TB": 64, "WAIT": True, "PHASE": phase, "NC_PAD": nc_pad,
+            "TB": 64, "WAIT": True, "PHASE": phase, "NC_PAD": nc_pad, "W_PAD": 4 if phase else 8,
         }  # fmt: skip
     yield g.moe_finish_kernel, {
         "rows_table": "*i64", "set_off": i32, "map_table": "*i64", "map_off": i32,

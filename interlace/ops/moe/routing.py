@@ -190,7 +190,8 @@ def route_consts(rt: MoeRouting, wait: bool) -> dict:
     ep = e_pad(rt.experts)
     nc_pad = 1 << max(0, n_chunks - 1).bit_length()
     return dict(
-        CHUNK=chunk, E_PAD=ep, WORLD=rt.world, BLOCK_M=rt.block_m, CB=32, TB=64, WAIT=wait,
+        CHUNK=chunk, E_PAD=ep, WORLD=rt.world, W_PAD=1 << max(0, rt.world - 1).bit_length(),
+        BLOCK_M=rt.block_m, CB=32, TB=64, WAIT=wait,
         NC_PAD=nc_pad if nc_pad * ep <= COUNTS_IN_ONE_LOAD else 0, num_warps=ROUTE_WARPS,
     )  # fmt: skip
 
