@@ -28,15 +28,12 @@ def main() -> int:
     pb = bm._Problem(hidden, inter, experts, k, world, "balanced", gen, dev, 3)
     cfg = _gemm.GPU_CONFIGS["gather"]
     rt, route = pb.routing(cfg)
-    h = torch.empty(rt.rows, pb.i_loc, dtype=torch.bfloat16, device=dev)
-    grid = _gemm.programs(rt, pb.i_loc, cfg, dev, "cuda")
+    gemm, _ = pb.gather_gemm(
+        rt, cfg, torch.empty(rt.rows, pb.i_loc, dtype=torch.bfloat16, device=dev)
+    )
     for _ in range(5):
         route()
-        _gemm.launch_gemm(
-            a=pb.x, x_own=pb.x[: pb.m], gather=True, sig=pb.sig, flag0=0, max_spins=1 << 20,
-            wait=True, w=pb.w1, out=h, routing=rt, n=pb.i_loc, up=pb.i_loc, cfg=cfg,
-            grid=grid, swiglu=True, reduce=False, rank=0, err=pb.err.data_ptr(), world=world,
-        )  # fmt: skip
+        gemm()
     torch.cuda.synchronize()
     return 0
 

@@ -36,31 +36,21 @@ def main() -> int:
 
     floor = [graph_ms(lambda n=n: _empty[(n,)](), args.iters) * 1e3 for n in (1, 132)]
     print(f"floor: empty kernel {floor[0]:.1f} us (1 program), {floor[1]:.1f} us (132)")
-    library_consts = routing.route_consts
     dev, w = torch.device("cuda"), args.world
     gen = torch.Generator().manual_seed(0)
     cfg = _gemm.GPU_CONFIGS["gather"]
     head = f"{'shape':>22} {'routing':>8} {'all us':>7} {'count / build us (alone)':>26}"
     print(f"{head} {'gmm us':>7}")
+    if args.counts_by_blocks:
+        routing.COUNTS_IN_ONE_LOAD = 0
+    library_warps = routing.ROUTE_WARPS
     for warps in args.warps:
-
-        def consts(rt, wait, warps=warps):
-            c = library_consts(rt, wait)
-            if warps:
-                c["num_warps"] = warps
-            if args.counts_by_blocks:
-                c["NC_PAD"] = 0
-            return c
-
-        routing.route_consts = consts
+        routing.ROUTE_WARPS = warps or library_warps
         print(f"== warps {warps or 'library'}{' counts by blocks' * args.counts_by_blocks}")
-        try:
-            for hidden, inter, experts, k in SHAPES:
-                for kind in ("balanced", "zipf"):
-                    shape = (hidden, inter, experts, k, kind)
-                    print(_case(shape, w, gen, dev, cfg, args.iters), flush=True)
-        finally:
-            routing.route_consts = library_consts
+        for hidden, inter, experts, k in SHAPES:
+            for kind in ("balanced", "zipf"):
+                shape = (hidden, inter, experts, k, kind)
+                print(_case(shape, w, gen, dev, cfg, args.iters), flush=True)
     return 0
 
 

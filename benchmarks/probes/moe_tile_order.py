@@ -76,15 +76,7 @@ def main() -> int:
             n = int(rt.tile_count[0])
             table = rt.tiles[:n, :4].clone()  # (the row-order column stays)
             h = torch.empty(rt.rows, pb.i_loc, dtype=torch.bfloat16, device=dev)
-            grid = _gemm.programs(rt, pb.i_loc, cg, dev, "cuda")
-
-            def gemm(rt=rt, h=h, grid=grid, pb=pb):
-                _gemm.launch_gemm(
-                    a=pb.x, x_own=pb.x[: pb.m], gather=True, sig=pb.sig, flag0=0,
-                    max_spins=1 << 20, wait=pb.world > 1, w=pb.w1, out=h, routing=rt,
-                    n=pb.i_loc, up=pb.i_loc, cfg=cg, grid=grid, swiglu=True, reduce=False,
-                    rank=0, err=pb.err.data_ptr(), world=pb.world,
-                )  # fmt: skip
+            gemm, _ = pb.gather_gemm(rt, cg, h)
 
             g_ms = []
             for name, perm in _orders(table, args.bands).items():

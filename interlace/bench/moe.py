@@ -194,18 +194,15 @@ class _Problem:
         out[: tok.shape[0]][live] = src
         return out, tok, live
 
-    def gather(self, cfg, iters):
-        """(t_ms: routing + gather GEMM, t_gemm: the GEMM alone, t_kernel: on permuted
-        rows, rel err of h)."""
+    def gather_gemm(self, rt, cfg, h):
+        """Rank 0's gather GEMM (SwiGLU) on ``rt`` into ``h`` as a closure, and the launch
+        arguments it shares with the same GEMM on rows already permuted."""
         from ..ops.moe import _gemm
 
-        rt, route = self.routing(cfg)
-        i_loc = self.i_loc
-        h = torch.empty(rt.rows, i_loc, dtype=torch.bfloat16, device=self.dev)
-        grid = _gemm.programs(rt, i_loc, cfg, self.dev, "cuda")
+        grid = _gemm.programs(rt, self.i_loc, cfg, self.dev, "cuda")
         run = dict(
-            w=self.w1, out=h, routing=rt, n=i_loc, up=i_loc, cfg=cfg, grid=grid, swiglu=True,
-            reduce=False, rank=0, err=self.err.data_ptr(), world=self.world,
+            w=self.w1, out=h, routing=rt, n=self.i_loc, up=self.i_loc, cfg=cfg, grid=grid,
+            swiglu=True, reduce=False, rank=0, err=self.err.data_ptr(), world=self.world,
         )  # fmt: skip
 
         def gemm():
@@ -213,6 +210,17 @@ class _Problem:
                 a=self.x, x_own=self.x[: self.m], gather=True, sig=self.sig, flag0=0,
                 max_spins=1 << 20, wait=self.world > 1, **run,
             )  # fmt: skip
+
+        return gemm, run
+
+    def gather(self, cfg, iters):
+        """(t_ms: routing + gather GEMM, t_gemm: the GEMM alone, t_kernel: on permuted
+        rows, rel err of h)."""
+        from ..ops.moe import _gemm
+
+        rt, route = self.routing(cfg)
+        h = torch.empty(rt.rows, self.i_loc, dtype=torch.bfloat16, device=self.dev)
+        gemm, run = self.gather_gemm(rt, cfg, h)
 
         def both():
             route()

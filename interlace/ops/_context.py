@@ -63,6 +63,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def persistent_grid(
     group: Group, n_items: int, per_sm: int = 4, cpu_programs: int = 4
 ) -> tuple[int]:
@@ -718,7 +723,7 @@ def grown_capacity(need: int, multiple: int = 1) -> int:
     """The capacity a context is built for when a call needs ``need``: the next power of two
     at or above it, rounded up to ``multiple``, so that a few growing calls do not each
     rebuild it."""
-    cap = 1 << max(0, int(need) - 1).bit_length()
+    cap = next_pow2(need)
     return -(-cap // multiple) * multiple
 
 

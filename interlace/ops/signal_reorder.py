@@ -70,7 +70,7 @@ from ..language.primitives import wait_kernel
 from ..runtime import ErrorWord, Group, SignalPad, default_max_spins, fork, join, use_stream
 from . import _trace
 from . import segment_gemm as _gemm
-from ._context import OpContext, cdiv, sm_count
+from ._context import OpContext, cdiv, next_pow2, sm_count
 from ._launch import install_scratch_allocator, launch
 
 OPS = ("all_reduce", "reduce_scatter", "all_to_all")
@@ -100,7 +100,7 @@ def tile_coords(t: int, tiles_m: int, tiles_n: int, group_m: int) -> tuple[int, 
 def strips_for(op: str, world: int) -> int:
     """Strips per tile: 1 (whole tiles) for all-reduce, else the world size rounded up to
     a power of two (strips past the world size hold no rows)."""
-    return 1 if op == "all_reduce" else 1 << (world - 1).bit_length()
+    return 1 if op == "all_reduce" else next_pow2(world)
 
 
 @dataclass(frozen=True)
@@ -237,10 +237,6 @@ def mapping_tables(layout: Layout, groups, group_m: int) -> tuple[list, list]:
 
 
 # ----------------------------------------------------------------------------- row kernel
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
 def launch_rows(src, out, weight=None, eps=1e-6, *, slots=None, layout: Layout | None = None):
     """``out = RMSNorm(x) * weight`` (or ``x`` when ``weight`` is None) row by row, where
     ``x`` is ``src`` read through ``slots`` (a reordered buffer of ``layout``) or, without a
@@ -251,9 +247,9 @@ def launch_rows(src, out, weight=None, eps=1e-6, *, slots=None, layout: Layout |
         tile_n, sub_m, tiles_m = layout.block_n, layout.sub_m, layout.tiles_m
         rows_per_src = layout.rows_per_rank
     else:
-        tile_n, sub_m, tiles_m, rows_per_src = min(256, _next_pow2(n)), 1, 1, rows
+        tile_n, sub_m, tiles_m, rows_per_src = min(256, next_pow2(n)), 1, 1, rows
     tiles_n = cdiv(n, tile_n)
-    nt = min(_next_pow2(tiles_n), max(1, MAX_ROW_BLOCK // tile_n))
+    nt = min(next_pow2(tiles_n), max(1, MAX_ROW_BLOCK // tile_n))
     launch(
         reorder_rows_kernel, rows, src, slots if slots is not None else src, out,
         weight if weight is not None else out,

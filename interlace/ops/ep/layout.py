@@ -12,17 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import InterlaceValueError
-from .._context import replay_key
+from .._context import next_pow2, replay_key
 
 
 class EPCapacityError(InterlaceValueError):
     """A dispatch would have sent a rank more (token, expert) rows than the receive
     capacity the context was built with. Raised on every rank (every rank sees the whole
     routing); nothing of that call was written to the expanded outputs."""
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 @dataclass(frozen=True)

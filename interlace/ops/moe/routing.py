@@ -20,7 +20,7 @@ import torch
 
 from ...kernels.grouped_gemm import TILE_COLS, moe_route_kernel
 from ...runtime.signals import ERROR_WORDS
-from .._context import cdiv, sm_count
+from .._context import cdiv, next_pow2, sm_count
 
 
 @dataclass(frozen=True)
@@ -78,19 +78,13 @@ MAX_CHUNK = 512
 def chunk_size(mk: int) -> int:
     """Entries per routing chunk (a power of two): :data:`MAX_CHUNK`, or fewer for small
     shards."""
-    c = 16
-    while c < min(mk, MAX_CHUNK):
-        c *= 2
-    return c
+    return max(16, next_pow2(min(mk, MAX_CHUNK)))
 
 
 def e_pad(experts: int) -> int:
     """Histogram bins: a power of two above ``experts`` (the last bin collects ids out of
     range)."""
-    e = 2
-    while e < experts + 1:
-        e *= 2
-    return e
+    return max(2, next_pow2(experts + 1))
 
 
 @dataclass
@@ -188,9 +182,9 @@ def route_consts(rt: MoeRouting, wait: bool) -> dict:
     chunk = chunk_size(mk)
     n_chunks = rt.world * cdiv(mk, chunk)
     ep = e_pad(rt.experts)
-    nc_pad = 1 << max(0, n_chunks - 1).bit_length()
+    nc_pad = next_pow2(n_chunks)
     return dict(
-        CHUNK=chunk, E_PAD=ep, WORLD=rt.world, W_PAD=1 << max(0, rt.world - 1).bit_length(),
+        CHUNK=chunk, E_PAD=ep, WORLD=rt.world, W_PAD=next_pow2(rt.world),
         BLOCK_M=rt.block_m, CB=32, TB=64, WAIT=wait,
         NC_PAD=nc_pad if nc_pad * ep <= COUNTS_IN_ONE_LOAD else 0, num_warps=ROUTE_WARPS,
     )  # fmt: skip
